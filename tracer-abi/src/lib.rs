@@ -1,0 +1,210 @@
+//! The kernel/user ABI of gym-tracer: every struct that crosses the ring buffer or sits in a
+//! map shared by the eBPF programs and the agent. `#[repr(C)]`, fixed sizes asserted at
+//! compile time, so a change on one side that the other does not know about fails the build.
+#![no_std]
+
+/// Upper bound on the bytes of one read/write that the kernel copies to user space.
+///
+/// A power of two so the eBPF side can bound offsets with a mask (the verifier needs a
+/// provable bound); the per-CPU scratch value holds twice this, and a per-CPU value of
+/// 32 KiB or more fails with E2BIG on the target kernel.
+pub const MAX_CAPTURE_BYTES: usize = 8192;
+
+/// Default for `--capture-bytes`: enough for a request line and several KiB of headers.
+pub const DEFAULT_CAPTURE_BYTES: u32 = 4096;
+
+/// Bytes taken from the end of every read/write whose data was not captured in full, so that
+/// user space can see the terminating `0\r\n\r\n` of a chunked body without receiving it.
+pub const TAIL_BYTES: usize = 8;
+
+/// How many iovecs of one `readv`/`writev`/`sendmsg`/`recvmsg` are looked at.
+pub const MAX_IOVECS: u32 = 4;
+
+/// Kinds of record on the ring buffer; the first byte of every record.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    ConnOpen = 1,
+    Data = 2,
+    ConnClose = 3,
+    ProcessExit = 4,
+}
+
+impl EventKind {
+    pub fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            1 => Some(Self::ConnOpen),
+            2 => Some(Self::Data),
+            3 => Some(Self::ConnClose),
+            4 => Some(Self::ProcessExit),
+            _ => None,
+        }
+    }
+}
+
+/// Which end of the TCP connection the traced process is.
+pub const ROLE_SERVER: u8 = 1;
+pub const ROLE_CLIENT: u8 = 2;
+
+/// Direction of a data transfer, seen from the traced process.
+pub const DIRECTION_READ: u8 = 1;
+pub const DIRECTION_WRITE: u8 = 2;
+
+/// Address families as the kernel reports them in `sock_common.skc_family`.
+pub const AF_INET: u16 = 2;
+pub const AF_INET6: u16 = 10;
+
+/// Common prefix of every ring-buffer record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EventHeader {
+    /// An [`EventKind`] as u8.
+    pub kind: u8,
+    pub _pad: [u8; 3],
+    /// Thread-group id (the process id user space knows).
+    pub tgid: u32,
+    /// Thread id.
+    pub tid: u32,
+    pub fd: i32,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the syscall returned.
+    pub timestamp_ns: u64,
+    /// Identifies one connection across fd reuse: the monotonic time it was opened.
+    pub conn_id: u64,
+}
+
+/// A TCP connection was accepted or connected by a traced process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConnOpenEvent {
+    pub header: EventHeader,
+    /// [`ROLE_SERVER`] or [`ROLE_CLIENT`].
+    pub role: u8,
+    pub _pad: u8,
+    /// [`AF_INET`], [`AF_INET6`], or 0 when the socket could not be read.
+    pub family: u16,
+    /// Host byte order.
+    pub local_port: u16,
+    /// Host byte order.
+    pub peer_port: u16,
+    /// IPv4 in the first four bytes, or IPv6; network byte order.
+    pub local_addr: [u8; 16],
+    pub peer_addr: [u8; 16],
+}
+
+/// Fixed part of a data record; `captured_len` bytes of payload follow it on the ring.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DataEventHeader {
+    pub header: EventHeader,
+    /// [`DIRECTION_READ`] or [`DIRECTION_WRITE`].
+    pub direction: u8,
+    /// Valid bytes in `tail`; 0 when the whole transfer was captured.
+    pub tail_len: u8,
+    pub _pad: [u8; 2],
+    /// Bytes of payload that follow this header.
+    pub captured_len: u32,
+    /// Bytes the syscall actually moved (its return value).
+    pub total_len: u64,
+    /// The last bytes of the transfer when it was not captured in full.
+    pub tail: [u8; TAIL_BYTES],
+}
+
+/// The per-CPU scratch value in which the eBPF side assembles a data record.
+///
+/// The payload is twice [`MAX_CAPTURE_BYTES`] so that a masked offset plus a masked length
+/// always stays inside it, which is what lets the verifier accept the copy loop.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DataEvent {
+    pub header: DataEventHeader,
+    pub payload: [u8; 2 * MAX_CAPTURE_BYTES],
+}
+
+/// Per-socket state kept in the kernel for traced processes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SocketState {
+    pub conn_id: u64,
+    /// Bytes of the current inbound message still to be captured.
+    pub read_budget: u32,
+    /// Bytes of the current outbound message still to be captured.
+    pub write_budget: u32,
+    pub role: u8,
+    pub _pad: [u8; 7],
+}
+
+/// Key of the per-socket map: one process's file descriptor.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SocketKey {
+    pub tgid: u32,
+    pub fd: i32,
+}
+
+/// What an `enter` program remembers for the matching `exit` of the same thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PendingCall {
+    /// One of the `CALL_*` constants.
+    pub call: u32,
+    pub fd: i32,
+    /// The buffer, the iovec array, or the msghdr, depending on `call`.
+    pub buffer: u64,
+    /// The buffer length or the iovec count.
+    pub count: u64,
+}
+
+/// Argument shapes the exit program understands.
+pub const CALL_READ_BUFFER: u32 = 1;
+pub const CALL_WRITE_BUFFER: u32 = 2;
+pub const CALL_READ_IOVEC: u32 = 3;
+pub const CALL_WRITE_IOVEC: u32 = 4;
+pub const CALL_READ_MSGHDR: u32 = 5;
+pub const CALL_WRITE_MSGHDR: u32 = 6;
+pub const CALL_ACCEPT: u32 = 7;
+pub const CALL_CONNECT: u32 = 8;
+
+/// Field offsets inside kernel structs, read by user space from the kernel's BTF and passed
+/// in as a global: Rust eBPF has no CO-RE relocations. `valid == 0` means they could not be
+/// found; the programs then report connections without addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    pub valid: u32,
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdtable_fd: u32,
+    pub file_private_data: u32,
+    pub socket_type: u32,
+    pub socket_sk: u32,
+    pub sock_family: u32,
+    pub sock_daddr: u32,
+    pub sock_rcv_saddr: u32,
+    pub sock_dport: u32,
+    pub sock_num: u32,
+    pub sock_v6_daddr: u32,
+    pub sock_v6_rcv_saddr: u32,
+}
+
+/// `SOCK_STREAM` as in `struct socket.type`.
+pub const SOCK_STREAM: u16 = 1;
+
+const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
+const _: () = assert!(core::mem::size_of::<ConnOpenEvent>() == 72);
+const _: () = assert!(core::mem::size_of::<DataEventHeader>() == 56);
+const _: () = assert!(core::mem::size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
+const _: () = assert!(core::mem::size_of::<SocketState>() == 24);
+const _: () = assert!(core::mem::size_of::<SocketKey>() == 8);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 24);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 56);
+const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: plain-old-data #[repr(C)] structs with no padding holes that matter and no
+    // pointers; any bit pattern is a valid value.
+    unsafe impl aya::Pod for SocketKey {}
+    unsafe impl aya::Pod for SocketState {}
+    unsafe impl aya::Pod for KernelOffsets {}
+}

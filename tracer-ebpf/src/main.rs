@@ -1,0 +1,523 @@
+//! gym-tracer's kernel side: syscall tracepoints that report the TCP traffic of traced
+//! processes to user space.
+//!
+//! Every program starts with the PID filter (one hash lookup) so that a process the agent does
+//! not trace pays as little as the kernel allows. For traced processes, `sys_enter_*` programs
+//! remember the arguments of socket calls per thread and the shared `sys_exit_*` program turns
+//! the result into a ring-buffer record. Parsing happens in user space.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
+    },
+    macros::{map, tracepoint},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::TracePointContext,
+};
+use tracer_abi::{
+    AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_READ_BUFFER, CALL_READ_IOVEC,
+    CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, ConnOpenEvent,
+    DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
+    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, PendingCall, ROLE_CLIENT,
+    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
+};
+
+/// Bytes captured from the start of each HTTP message; set by user space at load time.
+#[unsafe(no_mangle)]
+static CAPTURE_BYTES: u32 = DEFAULT_CAPTURE_BYTES;
+
+/// Kernel struct field offsets from BTF; set by user space at load time.
+#[unsafe(no_mangle)]
+static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
+    valid: 0,
+    task_files: 0,
+    files_fdt: 0,
+    fdtable_fd: 0,
+    file_private_data: 0,
+    socket_type: 0,
+    socket_sk: 0,
+    sock_family: 0,
+    sock_daddr: 0,
+    sock_rcv_saddr: 0,
+    sock_dport: 0,
+    sock_num: 0,
+    sock_v6_daddr: 0,
+    sock_v6_rcv_saddr: 0,
+};
+
+/// Process ids (tgids) to trace, filled by user space.
+#[map]
+static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(8192, 0);
+
+/// Arguments of a socket call between its enter and exit, per thread. LRU so that a thread
+/// that dies inside a syscall cannot leak an entry forever.
+#[map]
+static PENDING_CALLS: LruHashMap<u64, PendingCall> = LruHashMap::with_max_entries(16384, 0);
+
+/// TCP sockets of traced processes, from accept/connect until close.
+#[map]
+static SOCKETS: LruHashMap<SocketKey, SocketState> = LruHashMap::with_max_entries(65536, 0);
+
+/// Records for user space. Its size is set at load time (`--ring-buffer-bytes`).
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+
+/// Where a data record is assembled before it is copied to the ring buffer.
+#[map]
+static DATA_SCRATCH: PerCpuArray<DataEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Records the ring buffer refused because it was full, per CPU.
+#[map]
+static LOST_EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+const EINPROGRESS: i64 = 115;
+
+/// Bounds `value` with `mask` in a way the optimiser cannot drop. LLVM removes a clamp it
+/// can prove redundant, and the verifier, which tracks ranges less precisely, then rejects
+/// the access; the volatile read hides the value from LLVM and the mask bounds it for the
+/// verifier.
+#[inline(always)]
+fn bounded(value: usize, mask: usize) -> usize {
+    // SAFETY: reads a local.
+    unsafe { core::ptr::read_volatile(&value) & mask }
+}
+const CAPTURE_MASK: usize = MAX_CAPTURE_BYTES - 1;
+
+/// Offsets of the syscall arguments in a `syscalls/sys_enter_*` record, and of the return
+/// value in a `sys_exit_*` record (see the tracepoint's `format` file).
+const ARG0: usize = 16;
+const ARG1: usize = 24;
+const ARG2: usize = 32;
+const RET: usize = 16;
+
+/// `group_dead` in `sched/sched_process_exit`.
+const GROUP_DEAD: usize = 32;
+
+#[inline(always)]
+fn traced_tgid() -> Option<(u64, u32)> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is only tested for presence.
+    unsafe { TRACED_PIDS.get(&tgid) }?;
+    Some((pid_tgid, tgid))
+}
+
+#[inline(always)]
+fn count_lost() {
+    if let Some(counter) = LOST_EVENTS.get_ptr_mut(0) {
+        // SAFETY: per-CPU value, no concurrent writer on this CPU.
+        unsafe { *counter += 1 };
+    }
+}
+
+#[inline(always)]
+fn emit<T>(record: &T) {
+    if EVENTS.output::<T>(record, 0).is_err() {
+        count_lost();
+    }
+}
+
+fn header(kind: EventKind, pid_tgid: u64, fd: i32, conn_id: u64) -> EventHeader {
+    EventHeader {
+        kind: kind as u8,
+        _pad: [0; 3],
+        tgid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+        fd,
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        conn_id,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// sys_enter_*: remember the arguments of socket calls made by traced processes.
+// ---------------------------------------------------------------------------------------
+
+#[inline(always)]
+fn remember(ctx: &TracePointContext, call: u32) -> u32 {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: offsets from the syscall tracepoint format, identical for every syscall.
+    let (fd, buffer, count) = unsafe {
+        (
+            ctx.read_at::<u64>(ARG0).unwrap_or(0) as i32,
+            ctx.read_at::<u64>(ARG1).unwrap_or(0),
+            ctx.read_at::<u64>(ARG2).unwrap_or(0),
+        )
+    };
+    let is_transfer = call != CALL_ACCEPT && call != CALL_CONNECT;
+    // SAFETY: presence test only.
+    if is_transfer && unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.is_none() {
+        return 0;
+    }
+    let pending = PendingCall {
+        call,
+        fd,
+        buffer,
+        count,
+    };
+    let _ = PENDING_CALLS.insert(&pid_tgid, &pending, BPF_ANY as u64);
+    0
+}
+
+#[tracepoint]
+pub fn enter_read_buffer(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_BUFFER)
+}
+
+#[tracepoint]
+pub fn enter_write_buffer(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_BUFFER)
+}
+
+#[tracepoint]
+pub fn enter_read_iovec(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_IOVEC)
+}
+
+#[tracepoint]
+pub fn enter_write_iovec(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_IOVEC)
+}
+
+#[tracepoint]
+pub fn enter_read_msghdr(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_MSGHDR)
+}
+
+#[tracepoint]
+pub fn enter_write_msghdr(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_MSGHDR)
+}
+
+#[tracepoint]
+pub fn enter_accept(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_ACCEPT)
+}
+
+#[tracepoint]
+pub fn enter_connect(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_CONNECT)
+}
+
+/// A close needs no exit: the socket is gone from the process either way.
+#[tracepoint]
+pub fn enter_close(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: syscall tracepoint layout.
+    let fd = unsafe { ctx.read_at::<u64>(ARG0).unwrap_or(0) } as i32;
+    let key = SocketKey { tgid, fd };
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(state) = (unsafe { SOCKETS.get(&key) }).copied() else {
+        return 0;
+    };
+    let _ = SOCKETS.remove(&key);
+    emit(&header(EventKind::ConnClose, pid_tgid, fd, state.conn_id));
+    0
+}
+
+#[tracepoint]
+pub fn process_exit(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: sched_process_exit layout.
+    let group_dead = unsafe { ctx.read_at::<u8>(GROUP_DEAD).unwrap_or(0) };
+    if group_dead != 0 {
+        emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
+    }
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// sys_exit_*: one program for every syscall; the pending call says what the result means.
+// ---------------------------------------------------------------------------------------
+
+#[tracepoint]
+pub fn exit_call(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: copied out before removal.
+    let Some(call) = (unsafe { PENDING_CALLS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = PENDING_CALLS.remove(&pid_tgid);
+    // SAFETY: syscall exit tracepoint layout.
+    let ret = unsafe { ctx.read_at::<i64>(RET).unwrap_or(-1) };
+    match call.call {
+        CALL_ACCEPT if ret >= 0 => on_open(pid_tgid, ret as i32, ROLE_SERVER),
+        CALL_CONNECT if ret == 0 || ret == -EINPROGRESS => on_open(pid_tgid, call.fd, ROLE_CLIENT),
+        CALL_ACCEPT | CALL_CONNECT => {}
+        _ if ret > 0 => on_transfer(pid_tgid, &call, ret as u64),
+        _ => {}
+    }
+    0
+}
+
+fn on_open(pid_tgid: u64, fd: i32, role: u8) {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut event = ConnOpenEvent {
+        header: header(EventKind::ConnOpen, pid_tgid, fd, now),
+        role,
+        ..Default::default()
+    };
+    if !read_socket_addresses(fd, &mut event) {
+        return; // not a TCP socket over IPv4/IPv6
+    }
+    let capture = capture_bytes();
+    let state = SocketState {
+        conn_id: now,
+        read_budget: capture,
+        write_budget: capture,
+        role,
+        _pad: [0; 7],
+    };
+    let key = SocketKey {
+        tgid: (pid_tgid >> 32) as u32,
+        fd,
+    };
+    let _ = SOCKETS.insert(&key, &state, BPF_ANY as u64);
+    emit(&event);
+}
+
+#[inline(always)]
+fn capture_bytes() -> u32 {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    let value = unsafe { core::ptr::read_volatile(&CAPTURE_BYTES) };
+    value.min(MAX_CAPTURE_BYTES as u32)
+}
+
+#[inline(always)]
+unsafe fn kernel_u64(address: u64) -> Option<u64> {
+    unsafe { bpf_probe_read_kernel(address as *const u64).ok() }
+}
+
+/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple. Returns false
+/// for sockets that are not TCP over IPv4/IPv6. When the offsets are unknown, or a read fails,
+/// the connection is still traced, just without addresses (family 0).
+fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
+    // SAFETY: a global set at load time.
+    let off = unsafe { core::ptr::read_volatile(&KERNEL_OFFSETS) };
+    if off.valid == 0 || fd < 0 {
+        return true;
+    }
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
+        let task = bpf_get_current_task();
+        let Some(files) = kernel_u64(task + off.task_files as u64) else {
+            return true;
+        };
+        let Some(fdt) = kernel_u64(files + off.files_fdt as u64) else {
+            return true;
+        };
+        let Some(fd_array) = kernel_u64(fdt + off.fdtable_fd as u64) else {
+            return true;
+        };
+        let Some(file) = kernel_u64(fd_array + (fd as u64) * 8) else {
+            return true;
+        };
+        let Some(socket) = kernel_u64(file + off.file_private_data as u64) else {
+            return true;
+        };
+        let socket_type =
+            bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
+        if socket_type != SOCK_STREAM {
+            return false;
+        }
+        let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
+            return true;
+        };
+        let family = bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
+        match family {
+            AF_INET => {
+                let peer: [u8; 4] =
+                    bpf_probe_read_kernel((sk + off.sock_daddr as u64) as *const [u8; 4])
+                        .unwrap_or([0; 4]);
+                let local: [u8; 4] =
+                    bpf_probe_read_kernel((sk + off.sock_rcv_saddr as u64) as *const [u8; 4])
+                        .unwrap_or([0; 4]);
+                event.peer_addr[..4].copy_from_slice(&peer);
+                event.local_addr[..4].copy_from_slice(&local);
+            }
+            AF_INET6 => {
+                event.peer_addr =
+                    bpf_probe_read_kernel((sk + off.sock_v6_daddr as u64) as *const [u8; 16])
+                        .unwrap_or([0; 16]);
+                event.local_addr =
+                    bpf_probe_read_kernel((sk + off.sock_v6_rcv_saddr as u64) as *const [u8; 16])
+                        .unwrap_or([0; 16]);
+            }
+            _ => return false,
+        }
+        event.family = family;
+        let dport = bpf_probe_read_kernel((sk + off.sock_dport as u64) as *const u16).unwrap_or(0);
+        event.peer_port = u16::from_be(dport);
+        event.local_port =
+            bpf_probe_read_kernel((sk + off.sock_num as u64) as *const u16).unwrap_or(0);
+    }
+    true
+}
+
+/// `struct iovec` in user memory.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UserIovec {
+    base: u64,
+    len: u64,
+}
+
+/// The first fields of `struct user_msghdr`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UserMsghdr {
+    name: u64,
+    name_len: u64,
+    iov: u64,
+    iov_len: u64,
+}
+
+/// The iovec array and its length for a vectored call; a single-buffer call is one iovec.
+#[inline(always)]
+fn iovecs_of(call: &PendingCall, moved: u64) -> (u64, u64, UserIovec) {
+    match call.call {
+        CALL_READ_BUFFER | CALL_WRITE_BUFFER => (
+            0,
+            1,
+            UserIovec {
+                base: call.buffer,
+                len: moved,
+            },
+        ),
+        CALL_READ_MSGHDR | CALL_WRITE_MSGHDR => {
+            // SAFETY: user memory read through the helper.
+            let msg = unsafe { bpf_probe_read_user(call.buffer as *const UserMsghdr) };
+            match msg {
+                Ok(msg) => (msg.iov, msg.iov_len, UserIovec { base: 0, len: 0 }),
+                Err(_) => (0, 0, UserIovec { base: 0, len: 0 }),
+            }
+        }
+        _ => (call.buffer, call.count, UserIovec { base: 0, len: 0 }),
+    }
+}
+
+#[inline(always)]
+fn iovec_at(array: u64, index: u64, single: &UserIovec) -> Option<UserIovec> {
+    if array == 0 {
+        return if index == 0 { Some(*single) } else { None };
+    }
+    // SAFETY: user memory read through the helper.
+    unsafe { bpf_probe_read_user((array + index * 16) as *const UserIovec).ok() }
+}
+
+/// HTTP/1.x messages start with a method (requests) or `HTTP` (responses). Seeing one resets
+/// the capture budget of that direction, so each message's head is captured and its body,
+/// beyond the budget, is reported by length only.
+#[inline(always)]
+fn starts_http_message(first: [u8; 4]) -> bool {
+    matches!(
+        &first,
+        b"HTTP" | b"GET " | b"POST" | b"PUT " | b"HEAD" | b"DELE" | b"PATC" | b"OPTI" | b"CONN" | b"TRAC"
+    )
+}
+
+fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let key = SocketKey { tgid, fd: call.fd };
+    let Some(socket) = SOCKETS.get_ptr_mut(&key) else {
+        return;
+    };
+    let Some(event) = DATA_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let reading = matches!(call.call, CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR);
+    let (array, count, single) = iovecs_of(call, moved);
+    let Some(first) = iovec_at(array, 0, &single) else {
+        return;
+    };
+
+    // SAFETY: `socket` and `event` point into map values owned by this CPU for the duration
+    // of the program; user memory is read only through the helpers.
+    unsafe {
+        let socket = &mut *socket;
+        let event = &mut *event;
+        let first_bytes: [u8; 4] = bpf_probe_read_user(first.base as *const [u8; 4]).unwrap_or([0; 4]);
+        let budget = if reading {
+            &mut socket.read_budget
+        } else {
+            &mut socket.write_budget
+        };
+        if starts_http_message(first_bytes) {
+            *budget = capture_bytes();
+        }
+        // One byte short of the maximum, so that every length fits the mask.
+        let want = moved.min(*budget as u64).min(CAPTURE_MASK as u64);
+
+        let mut copied: u64 = 0;
+        let mut seen: u64 = 0; // bytes of `moved` covered by the iovecs looked at so far
+        let mut tail_from: u64 = 0;
+        let mut tail_len: u64 = 0;
+        for index in 0..MAX_IOVECS as u64 {
+            if index >= count || seen >= moved {
+                break;
+            }
+            let Some(iov) = iovec_at(array, index, &single) else {
+                break;
+            };
+            let in_segment = iov.len.min(moved - seen);
+            if copied < want {
+                let offset = bounded(copied as usize, CAPTURE_MASK);
+                let length = bounded(in_segment.min(want - copied) as usize, CAPTURE_MASK);
+                let destination = event.payload.as_mut_ptr().add(offset);
+                if probe_read_user_raw(destination.cast(), length as u32, iov.base as *const _) != 0 {
+                    break;
+                }
+                copied += length as u64;
+            }
+            seen += in_segment;
+            if in_segment > 0 {
+                tail_len = in_segment.min(TAIL_BYTES as u64);
+                tail_from = iov.base + in_segment - tail_len;
+            }
+        }
+        *budget = budget.saturating_sub(copied as u32);
+
+        event.header = DataEventHeader {
+            header: header(EventKind::Data, pid_tgid, call.fd, socket.conn_id),
+            direction: if reading { DIRECTION_READ } else { DIRECTION_WRITE },
+            tail_len: 0,
+            _pad: [0; 2],
+            captured_len: copied as u32,
+            total_len: moved,
+            tail: [0; TAIL_BYTES],
+        };
+        if copied < moved && seen == moved && tail_len > 0 {
+            let tail_len = bounded(tail_len as usize, 2 * TAIL_BYTES - 1).min(TAIL_BYTES);
+            if probe_read_user_raw(
+                event.header.tail.as_mut_ptr().cast(),
+                tail_len as u32,
+                tail_from as *const _,
+            ) == 0
+            {
+                event.header.tail_len = tail_len as u8;
+            }
+        }
+
+        let size = core::mem::size_of::<DataEventHeader>() + bounded(copied as usize, CAPTURE_MASK);
+        let record = core::slice::from_raw_parts((event as *const DataEvent).cast::<u8>(), size);
+        if EVENTS.output::<[u8]>(record, 0).is_err() {
+            count_lost();
+        }
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

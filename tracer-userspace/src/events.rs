@@ -1,0 +1,209 @@
+//! Typed views of the ring-buffer records (the ABI structs in `tracer-abi`).
+//!
+//! Decoding is the only place that reads raw kernel bytes; it checks every length first,
+//! because a record is data from the kernel, not a promise.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use thiserror::Error;
+use tracer_abi::{
+    AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader, EventHeader,
+    EventKind, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The traced process accepted the connection.
+    Server,
+    /// The traced process connected out.
+    Client,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Read,
+    Write,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnOpen {
+    pub pid: u32,
+    pub fd: i32,
+    pub conn_id: u64,
+    pub timestamp_ns: u64,
+    pub role: Role,
+    pub local: Option<SocketAddr>,
+    pub peer: Option<SocketAddr>,
+}
+
+/// One read or write; `captured` borrows from the ring buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataTransfer<'a> {
+    pub pid: u32,
+    pub tid: u32,
+    pub fd: i32,
+    pub conn_id: u64,
+    pub timestamp_ns: u64,
+    pub direction: Direction,
+    pub captured: &'a [u8],
+    pub total_len: u64,
+    pub tail: &'a [u8],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KernelEvent<'a> {
+    Open(ConnOpen),
+    Data(DataTransfer<'a>),
+    Close { pid: u32, fd: i32, conn_id: u64, timestamp_ns: u64 },
+    ProcessExit { pid: u32, timestamp_ns: u64 },
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record of {0} bytes is shorter than its header")]
+    Short(usize),
+    #[error("unknown record kind {0}")]
+    UnknownKind(u8),
+    #[error("record field out of range: {0}")]
+    BadField(&'static str),
+}
+
+fn read_struct<T: Copy>(bytes: &[u8]) -> Result<T, DecodeError> {
+    if bytes.len() < size_of::<T>() {
+        return Err(DecodeError::Short(bytes.len()));
+    }
+    // SAFETY: length checked; T is a #[repr(C)] plain-old-data ABI struct, read unaligned.
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
+fn address(family: u16, raw: [u8; 16], port: u16) -> Option<SocketAddr> {
+    let ip = match family {
+        AF_INET => IpAddr::V4(Ipv4Addr::new(raw[0], raw[1], raw[2], raw[3])),
+        AF_INET6 => {
+            let v6 = Ipv6Addr::from(raw);
+            // Dual-stack sockets report IPv4 peers as ::ffff:a.b.c.d.
+            v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6))
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
+    let header: EventHeader = read_struct(bytes)?;
+    let kind = EventKind::from_u8(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
+    Ok(match kind {
+        EventKind::ConnOpen => {
+            let open: ConnOpenEvent = read_struct(bytes)?;
+            let role = match open.role {
+                ROLE_SERVER => Role::Server,
+                ROLE_CLIENT => Role::Client,
+                _ => return Err(DecodeError::BadField("role")),
+            };
+            KernelEvent::Open(ConnOpen {
+                pid: header.tgid,
+                fd: header.fd,
+                conn_id: header.conn_id,
+                timestamp_ns: header.timestamp_ns,
+                role,
+                local: address(open.family, open.local_addr, open.local_port),
+                peer: address(open.family, open.peer_addr, open.peer_port),
+            })
+        }
+        EventKind::Data => {
+            let data: DataEventHeader = read_struct(bytes)?;
+            let payload = &bytes[size_of::<DataEventHeader>()..];
+            let captured_len = data.captured_len as usize;
+            if captured_len > payload.len() || captured_len as u64 > data.total_len {
+                return Err(DecodeError::BadField("captured_len"));
+            }
+            let direction = match data.direction {
+                DIRECTION_READ => Direction::Read,
+                DIRECTION_WRITE => Direction::Write,
+                _ => return Err(DecodeError::BadField("direction")),
+            };
+            let tail_len = (data.tail_len as usize).min(TAIL_BYTES);
+            // The tail lives in the header copy; re-borrow it from the record itself.
+            let tail_offset = std::mem::offset_of!(DataEventHeader, tail);
+            KernelEvent::Data(DataTransfer {
+                pid: header.tgid,
+                tid: header.tid,
+                fd: header.fd,
+                conn_id: header.conn_id,
+                timestamp_ns: header.timestamp_ns,
+                direction,
+                captured: &payload[..captured_len],
+                total_len: data.total_len,
+                tail: &bytes[tail_offset..tail_offset + tail_len],
+            })
+        }
+        EventKind::ConnClose => KernelEvent::Close {
+            pid: header.tgid,
+            fd: header.fd,
+            conn_id: header.conn_id,
+            timestamp_ns: header.timestamp_ns,
+        },
+        EventKind::ProcessExit => KernelEvent::ProcessExit {
+            pid: header.tgid,
+            timestamp_ns: header.timestamp_ns,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn as_bytes<T>(value: &T) -> Vec<u8> {
+        // SAFETY: test-only view of a plain-old-data struct.
+        unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    #[test]
+    fn decodes_a_data_record_with_payload_and_tail() {
+        let mut header = DataEventHeader::default();
+        header.header.kind = EventKind::Data as u8;
+        header.header.tgid = 42;
+        header.direction = DIRECTION_WRITE;
+        header.captured_len = 3;
+        header.total_len = 100;
+        header.tail_len = 5;
+        header.tail[..5].copy_from_slice(b"0\r\n\r\n");
+        let mut bytes = as_bytes(&header);
+        bytes.extend_from_slice(b"abc");
+        let KernelEvent::Data(data) = decode(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(data.captured, b"abc");
+        assert_eq!(data.tail, b"0\r\n\r\n");
+        assert_eq!(data.direction, Direction::Write);
+    }
+
+    #[test]
+    fn rejects_inconsistent_records() {
+        assert_eq!(decode(&[1, 2]), Err(DecodeError::Short(2)));
+        let mut header = DataEventHeader::default();
+        header.header.kind = EventKind::Data as u8;
+        header.direction = DIRECTION_READ;
+        header.captured_len = 50; // more than the record carries
+        header.total_len = 50;
+        assert_eq!(decode(&as_bytes(&header)), Err(DecodeError::BadField("captured_len")));
+        let mut bad = as_bytes(&header);
+        bad[0] = 99;
+        assert_eq!(decode(&bad), Err(DecodeError::UnknownKind(99)));
+    }
+
+    #[test]
+    fn decodes_ipv4_mapped_addresses_as_ipv4() {
+        let mut open = ConnOpenEvent::default();
+        open.header.kind = EventKind::ConnOpen as u8;
+        open.role = ROLE_SERVER;
+        open.family = AF_INET6;
+        open.peer_addr = Ipv4Addr::new(127, 0, 0, 1).to_ipv6_mapped().octets();
+        open.peer_port = 5000;
+        let KernelEvent::Open(open) = decode(&as_bytes(&open)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(open.peer, Some("127.0.0.1:5000".parse().unwrap()));
+    }
+}

@@ -1,0 +1,830 @@
+//! Incremental HTTP/1.x reassembly of one direction of one connection.
+//!
+//! The kernel sends the first bytes of each message (its head and the start of its body) and,
+//! past the capture budget, only the length of each transfer and its last few bytes. So the
+//! stream this module sees is made of *captured* bytes and *gaps* of known length. Heads are
+//! parsed with `httparse`; bodies are followed by `Content-Length`, by chunked framing while it
+//! is visible, and by the tail bytes (`0\r\n\r\n`) once it is not.
+
+use thiserror::Error;
+
+/// Longest message head the parser buffers; a longer one is reported as oversized.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+const MAX_HEADERS: usize = 64;
+
+/// Which kind of message a stream carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    Requests,
+    Responses,
+}
+
+/// The parts of a request head the tracer uses. Bodies are never kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestHead {
+    pub method: String,
+    /// Path without the query string: queries can carry secrets and are never exported.
+    pub path: String,
+    pub version_minor: u8,
+    pub host: Option<String>,
+    pub user_agent: Option<String>,
+    pub traceparent: Option<String>,
+    pub expects_continue: bool,
+    /// The head did not fit in the capture: some headers may be missing.
+    pub truncated: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResponseHead {
+    pub status: u16,
+    pub version_minor: u8,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Head {
+    Request(RequestHead),
+    Response(ResponseHead),
+}
+
+/// What the parser reports, in stream order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MessageEvent {
+    /// A head was parsed; `first_byte_ns` is when the message's first byte moved.
+    Head { head: Head, first_byte_ns: u64 },
+    /// The message that was last reported by `Head` ended; `last_byte_ns` is when its last
+    /// byte moved.
+    End { last_byte_ns: u64, body_bytes: u64 },
+}
+
+/// Why bytes could not be followed; each is counted by the caller.
+#[derive(Clone, Copy, Debug, Error, PartialEq, Eq)]
+pub enum ParseError {
+    #[error("bytes that are not HTTP/1.x")]
+    NotHttp,
+    #[error("a message head larger than the parser's limit")]
+    HeadTooLarge,
+    #[error("a message start that was not captured")]
+    UncapturedStart,
+    #[error("a chunked body whose framing was lost")]
+    LostChunkFraming,
+}
+
+/// How the body of the current message ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Body {
+    Length(u64),
+    Chunked(Chunked),
+    /// Chunk framing was lost; the message ends at a transfer whose last bytes are
+    /// `0\r\n\r\n`.
+    ChunkedBlind,
+    /// A response without length: it ends when the connection closes.
+    UntilClose,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chunked {
+    /// Reading the hex size line; value so far and whether an extension (`;...`) started.
+    Size { value: u64, digits: u8, in_extension: bool },
+    /// Reading chunk data; bytes left in this chunk.
+    Data(u64),
+    /// Expecting the CRLF after chunk data; `seen_cr`.
+    DataEnd { seen_cr: bool },
+    /// After the last chunk: trailer lines until an empty line. `line_len` of the current
+    /// line, `seen_cr`.
+    Trailer { line_len: u32, seen_cr: bool },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    /// Between messages.
+    Idle,
+    /// Collecting a head that started at `first_byte_ns`.
+    Head { buffer: Vec<u8>, first_byte_ns: u64 },
+    /// Inside a body.
+    Body { body: Body, bytes: u64 },
+    /// Lost track of framing; waiting for a transfer that starts a new message.
+    Desynced,
+}
+
+/// What the response parser needs to know about the request it answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestContext {
+    /// HEAD requests get responses without bodies.
+    pub is_head: bool,
+}
+
+/// One direction of one connection.
+#[derive(Debug)]
+pub struct MessageStream {
+    kind: StreamKind,
+    state: State,
+}
+
+impl MessageStream {
+    pub fn new(kind: StreamKind) -> Self {
+        Self {
+            kind,
+            state: State::Idle,
+        }
+    }
+
+    /// True when no message is partly seen: a close now loses nothing.
+    pub fn is_idle(&self) -> bool {
+        matches!(self.state, State::Idle | State::Desynced)
+    }
+
+    /// Feeds one transfer: `captured` is its first bytes, `total_len` what the syscall
+    /// moved, `tail` its last bytes when not all of it was captured. `request` is consulted
+    /// when a response head is parsed (HEAD requests have no response body).
+    pub fn feed(
+        &mut self,
+        captured: &[u8],
+        total_len: u64,
+        tail: &[u8],
+        timestamp_ns: u64,
+        request: impl Fn() -> RequestContext,
+        out: &mut Vec<MessageEvent>,
+        errors: &mut Vec<ParseError>,
+    ) {
+        let captured = &captured[..captured.len().min(total_len as usize)];
+        if matches!(self.state, State::Desynced) {
+            if captured.is_empty() || !looks_like_message_start(self.kind, captured) {
+                return;
+            }
+            self.state = State::Idle;
+        }
+        let mut rest = captured;
+        while !rest.is_empty() {
+            let used = self.consume(rest, timestamp_ns, &request, out, errors);
+            rest = &rest[used..];
+            if matches!(self.state, State::Desynced) {
+                return;
+            }
+        }
+        let gap = total_len - captured.len() as u64;
+        if gap > 0 {
+            self.skip(gap, tail, timestamp_ns, out, errors);
+        }
+    }
+
+    /// The connection closed: a body that runs until close ends here.
+    pub fn close(&mut self, timestamp_ns: u64, out: &mut Vec<MessageEvent>) {
+        if let State::Body {
+            body: Body::UntilClose,
+            bytes,
+        } = self.state
+        {
+            out.push(MessageEvent::End {
+                last_byte_ns: timestamp_ns,
+                body_bytes: bytes,
+            });
+        }
+        self.state = State::Idle;
+    }
+
+    /// Consumes a prefix of `bytes`; returns how many bytes were used (at least one).
+    fn consume(
+        &mut self,
+        bytes: &[u8],
+        timestamp_ns: u64,
+        request: &impl Fn() -> RequestContext,
+        out: &mut Vec<MessageEvent>,
+        errors: &mut Vec<ParseError>,
+    ) -> usize {
+        match &mut self.state {
+            State::Idle => {
+                if !could_start_message(self.kind, bytes) {
+                    errors.push(ParseError::NotHttp);
+                    self.state = State::Desynced;
+                    return bytes.len();
+                }
+                self.state = State::Head {
+                    buffer: Vec::new(),
+                    first_byte_ns: timestamp_ns,
+                };
+                0
+            }
+            State::Head {
+                buffer,
+                first_byte_ns,
+            } => {
+                let first_byte_ns = *first_byte_ns;
+                let before = buffer.len();
+                let take = bytes.len().min(MAX_HEAD_BYTES + 1 - before);
+                buffer.extend_from_slice(&bytes[..take]);
+                match parse_head(self.kind, buffer) {
+                    HeadParse::Complete(head, head_len) => {
+                        let used = head_len - before;
+                        let body = match &head {
+                            Head::Request(request_head) => request_body(request_head, buffer),
+                            Head::Response(response_head) => {
+                                response_body(response_head, request(), buffer)
+                            }
+                        };
+                        out.push(MessageEvent::Head {
+                            head,
+                            first_byte_ns,
+                        });
+                        self.start_body(body, timestamp_ns, out);
+                        used
+                    }
+                    HeadParse::Partial if buffer.len() > MAX_HEAD_BYTES => {
+                        errors.push(ParseError::HeadTooLarge);
+                        self.state = State::Desynced;
+                        bytes.len()
+                    }
+                    HeadParse::Partial => take,
+                    HeadParse::Invalid => {
+                        errors.push(ParseError::NotHttp);
+                        self.state = State::Desynced;
+                        bytes.len()
+                    }
+                }
+            }
+            State::Body { body, bytes: count } => {
+                let (used, done) = advance_body(body, bytes);
+                *count += used as u64;
+                if done {
+                    let body_bytes = *count;
+                    out.push(MessageEvent::End {
+                        last_byte_ns: timestamp_ns,
+                        body_bytes,
+                    });
+                    self.state = State::Idle;
+                } else if matches!(body, Body::ChunkedBlind) {
+                    // Framing was lost earlier; whatever arrives is body until the tail
+                    // says otherwise.
+                    if bytes.ends_with(b"0\r\n\r\n") {
+                        out.push(MessageEvent::End {
+                            last_byte_ns: timestamp_ns,
+                            body_bytes: *count,
+                        });
+                        self.state = State::Idle;
+                    }
+                    return bytes.len();
+                }
+                used
+            }
+            State::Desynced => bytes.len(),
+        }
+    }
+
+    fn start_body(&mut self, body: Option<Body>, timestamp_ns: u64, out: &mut Vec<MessageEvent>) {
+        match body {
+            None | Some(Body::Length(0)) => {
+                out.push(MessageEvent::End {
+                    last_byte_ns: timestamp_ns,
+                    body_bytes: 0,
+                });
+                self.state = State::Idle;
+            }
+            Some(body) => self.state = State::Body { body, bytes: 0 },
+        }
+    }
+
+    /// Bytes that moved but were not captured.
+    fn skip(
+        &mut self,
+        gap: u64,
+        tail: &[u8],
+        timestamp_ns: u64,
+        out: &mut Vec<MessageEvent>,
+        errors: &mut Vec<ParseError>,
+    ) {
+        match &mut self.state {
+            State::Idle => {
+                errors.push(ParseError::UncapturedStart);
+                self.state = State::Desynced;
+            }
+            State::Head { .. } => {
+                // The head is longer than the capture budget. Report what was captured: the
+                // request line and the first headers are still worth a span.
+                let State::Head {
+                    buffer,
+                    first_byte_ns,
+                } = std::mem::replace(&mut self.state, State::Desynced)
+                else {
+                    unreachable!()
+                };
+                errors.push(ParseError::HeadTooLarge);
+                if let Some(head) = parse_truncated_head(self.kind, &buffer) {
+                    out.push(MessageEvent::Head {
+                        head,
+                        first_byte_ns,
+                    });
+                    // The body framing is unknown; the message ends where the next one starts.
+                    out.push(MessageEvent::End {
+                        last_byte_ns: timestamp_ns,
+                        body_bytes: 0,
+                    });
+                }
+            }
+            State::Body { body, bytes } => {
+                *bytes += gap;
+                match body {
+                    Body::Length(remaining) => {
+                        if gap < *remaining {
+                            *remaining -= gap;
+                        } else {
+                            let overshoot = gap - *remaining;
+                            let body_bytes = *bytes - overshoot;
+                            out.push(MessageEvent::End {
+                                last_byte_ns: timestamp_ns,
+                                body_bytes,
+                            });
+                            self.state = if overshoot > 0 {
+                                errors.push(ParseError::UncapturedStart);
+                                State::Desynced
+                            } else {
+                                State::Idle
+                            };
+                        }
+                    }
+                    Body::Chunked(_) | Body::ChunkedBlind => {
+                        if tail.ends_with(b"0\r\n\r\n") {
+                            let body_bytes = *bytes;
+                            out.push(MessageEvent::End {
+                                last_byte_ns: timestamp_ns,
+                                body_bytes,
+                            });
+                            self.state = State::Idle;
+                        } else {
+                            if matches!(body, Body::Chunked(_)) && tail.is_empty() {
+                                errors.push(ParseError::LostChunkFraming);
+                            }
+                            *body = Body::ChunkedBlind;
+                        }
+                    }
+                    Body::UntilClose => {}
+                }
+            }
+            State::Desynced => {}
+        }
+    }
+}
+
+/// The kernel resets its capture budget on the same tokens, so a transfer that begins with
+/// one of them carries the new message's head.
+fn looks_like_message_start(kind: StreamKind, bytes: &[u8]) -> bool {
+    match kind {
+        StreamKind::Responses => bytes.starts_with(b"HTTP/1."),
+        StreamKind::Requests => {
+            const METHODS: [&[u8]; 9] = [
+                b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"PATCH ", b"OPTIONS ",
+                b"CONNECT ", b"TRACE ",
+            ];
+            METHODS
+                .iter()
+                .any(|method| bytes.starts_with(method) || method.starts_with(bytes))
+        }
+    }
+}
+
+/// A cheaper test than a full parse, tolerant of a head split after a few bytes.
+fn could_start_message(kind: StreamKind, bytes: &[u8]) -> bool {
+    match kind {
+        StreamKind::Responses => {
+            let n = bytes.len().min(5);
+            bytes[..n] == b"HTTP/"[..n]
+        }
+        StreamKind::Requests => bytes[0].is_ascii_uppercase(),
+    }
+}
+
+enum HeadParse {
+    Complete(Head, usize),
+    Partial,
+    Invalid,
+}
+
+fn parse_head(kind: StreamKind, buffer: &[u8]) -> HeadParse {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match kind {
+        StreamKind::Requests => {
+            let mut request = httparse::Request::new(&mut headers);
+            match request.parse(buffer) {
+                Ok(httparse::Status::Complete(len)) => {
+                    let head = request_head(
+                        request.method.unwrap_or(""),
+                        request.path.unwrap_or(""),
+                        request.version.unwrap_or(1),
+                        request.headers,
+                        false,
+                    );
+                    HeadParse::Complete(Head::Request(head), len)
+                }
+                Ok(httparse::Status::Partial) => HeadParse::Partial,
+                Err(httparse::Error::TooManyHeaders) => HeadParse::Invalid,
+                Err(_) => HeadParse::Invalid,
+            }
+        }
+        StreamKind::Responses => {
+            let mut response = httparse::Response::new(&mut headers);
+            match response.parse(buffer) {
+                Ok(httparse::Status::Complete(len)) => HeadParse::Complete(
+                    Head::Response(ResponseHead {
+                        status: response.code.unwrap_or(0),
+                        version_minor: response.version.unwrap_or(1),
+                    }),
+                    len,
+                ),
+                Ok(httparse::Status::Partial) => HeadParse::Partial,
+                Err(_) => HeadParse::Invalid,
+            }
+        }
+    }
+}
+
+/// Parses the complete lines of a head that was cut off by the capture budget.
+fn parse_truncated_head(kind: StreamKind, buffer: &[u8]) -> Option<Head> {
+    let end = buffer.windows(2).rposition(|w| w == b"\r\n")?;
+    let mut complete = buffer[..end + 2].to_vec();
+    complete.extend_from_slice(b"\r\n");
+    match parse_head(kind, &complete) {
+        HeadParse::Complete(Head::Request(mut head), _) => {
+            head.truncated = true;
+            Some(Head::Request(head))
+        }
+        HeadParse::Complete(head, _) => Some(head),
+        _ => None,
+    }
+}
+
+fn request_head(
+    method: &str,
+    target: &str,
+    version_minor: u8,
+    headers: &[httparse::Header<'_>],
+    truncated: bool,
+) -> RequestHead {
+    let path = target.split(['?', '#']).next().unwrap_or("").to_string();
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value).ok())
+            .map(|v| v.trim().to_string())
+    };
+    RequestHead {
+        method: method.to_string(),
+        path,
+        version_minor,
+        host: header("host"),
+        user_agent: header("user-agent"),
+        traceparent: header("traceparent"),
+        expects_continue: header("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue")),
+        truncated,
+    }
+}
+
+/// Body framing from the head's headers (RFC 9112 §6.3).
+fn framing(buffer: &[u8]) -> (Option<u64>, bool) {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    // Re-parse for the framing headers only; the head is known to be complete and valid.
+    let parsed = if buffer.starts_with(b"HTTP/") {
+        let mut response = httparse::Response::new(&mut headers);
+        response.parse(buffer).ok().map(|_| response.headers.to_vec())
+    } else {
+        let mut request = httparse::Request::new(&mut headers);
+        request.parse(buffer).ok().map(|_| request.headers.to_vec())
+    };
+    let headers = parsed.unwrap_or_default();
+    let mut content_length = None;
+    let mut chunked = false;
+    for header in headers {
+        if header.name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = std::str::from_utf8(header.value)
+                .map(|v| v.to_ascii_lowercase().trim_end().ends_with("chunked"))
+                .unwrap_or(false);
+        } else if header.name.eq_ignore_ascii_case("content-length") {
+            content_length = std::str::from_utf8(header.value)
+                .ok()
+                .and_then(|v| v.trim().parse().ok());
+        }
+    }
+    (content_length, chunked)
+}
+
+fn request_body(_head: &RequestHead, buffer: &[u8]) -> Option<Body> {
+    match framing(buffer) {
+        (_, true) => Some(Body::Chunked(Chunked::Size {
+            value: 0,
+            digits: 0,
+            in_extension: false,
+        })),
+        (Some(length), false) => Some(Body::Length(length)),
+        (None, false) => None,
+    }
+}
+
+fn response_body(head: &ResponseHead, request: RequestContext, buffer: &[u8]) -> Option<Body> {
+    if request.is_head || (100..200).contains(&head.status) || head.status == 204 || head.status == 304
+    {
+        return None;
+    }
+    match framing(buffer) {
+        (_, true) => Some(Body::Chunked(Chunked::Size {
+            value: 0,
+            digits: 0,
+            in_extension: false,
+        })),
+        (Some(length), false) => Some(Body::Length(length)),
+        (None, false) => Some(Body::UntilClose),
+    }
+}
+
+/// Advances a body over captured bytes; returns bytes used and whether the body ended.
+fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
+    match body {
+        Body::Length(remaining) => {
+            let used = (*remaining).min(bytes.len() as u64);
+            *remaining -= used;
+            (used as usize, *remaining == 0)
+        }
+        Body::UntilClose | Body::ChunkedBlind => (bytes.len(), false),
+        Body::Chunked(state) => {
+            let mut used = 0;
+            while used < bytes.len() {
+                let byte = bytes[used];
+                match state {
+                    Chunked::Size {
+                        value,
+                        digits,
+                        in_extension,
+                    } => {
+                        used += 1;
+                        match byte {
+                            b'\n' => {
+                                *state = if *value == 0 {
+                                    Chunked::Trailer {
+                                        line_len: 0,
+                                        seen_cr: false,
+                                    }
+                                } else {
+                                    Chunked::Data(*value)
+                                };
+                            }
+                            b'\r' => {}
+                            b';' => *in_extension = true,
+                            _ if *in_extension => {}
+                            _ => match (byte as char).to_digit(16) {
+                                Some(digit) if *digits < 16 => {
+                                    *value = *value * 16 + digit as u64;
+                                    *digits += 1;
+                                }
+                                // Not chunk framing: follow blind from here.
+                                _ => {
+                                    *body = Body::ChunkedBlind;
+                                    return (bytes.len(), false);
+                                }
+                            },
+                        }
+                    }
+                    Chunked::Data(remaining) => {
+                        let take = (*remaining).min((bytes.len() - used) as u64);
+                        *remaining -= take;
+                        used += take as usize;
+                        if *remaining == 0 {
+                            *state = Chunked::DataEnd { seen_cr: false };
+                        }
+                    }
+                    Chunked::DataEnd { seen_cr } => {
+                        used += 1;
+                        match byte {
+                            b'\r' if !*seen_cr => *seen_cr = true,
+                            b'\n' => {
+                                *state = Chunked::Size {
+                                    value: 0,
+                                    digits: 0,
+                                    in_extension: false,
+                                }
+                            }
+                            _ => {
+                                *body = Body::ChunkedBlind;
+                                return (bytes.len(), false);
+                            }
+                        }
+                    }
+                    Chunked::Trailer { line_len, seen_cr } => {
+                        used += 1;
+                        match byte {
+                            b'\r' => *seen_cr = true,
+                            b'\n' if *line_len == 0 => return (used, true),
+                            b'\n' => {
+                                *line_len = 0;
+                                *seen_cr = false;
+                            }
+                            _ => *line_len += 1,
+                        }
+                    }
+                }
+            }
+            (used, false)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed_all(stream: &mut MessageStream, chunks: &[&[u8]]) -> (Vec<MessageEvent>, Vec<ParseError>) {
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            stream.feed(
+                chunk,
+                chunk.len() as u64,
+                &[],
+                i as u64 + 1,
+                RequestContext::default,
+                &mut out,
+                &mut errors,
+            );
+        }
+        (out, errors)
+    }
+
+    fn heads(events: &[MessageEvent]) -> Vec<Head> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                MessageEvent::Head { head, .. } => Some(head.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn ends(events: &[MessageEvent]) -> Vec<(u64, u64)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                MessageEvent::End {
+                    last_byte_ns,
+                    body_bytes,
+                } => Some((*last_byte_ns, *body_bytes)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    const REQUEST: &[u8] = b"POST /verify?token=secret HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n\
+User-Agent: test/1\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n\
+Content-Length: 13\r\n\r\n{\"reward\": 1}";
+
+    #[test]
+    fn request_split_at_every_byte_boundary() {
+        for split in 1..REQUEST.len() {
+            let mut stream = MessageStream::new(StreamKind::Requests);
+            let (events, errors) = feed_all(&mut stream, &[&REQUEST[..split], &REQUEST[split..]]);
+            assert!(errors.is_empty(), "split {split}: {errors:?}");
+            let heads = heads(&events);
+            assert_eq!(heads.len(), 1, "split {split}");
+            let Head::Request(head) = &heads[0] else {
+                panic!("not a request")
+            };
+            assert_eq!(head.method, "POST");
+            assert_eq!(head.path, "/verify", "query string must be dropped");
+            assert_eq!(head.host.as_deref(), Some("127.0.0.1:8000"));
+            assert_eq!(head.user_agent.as_deref(), Some("test/1"));
+            assert!(head.traceparent.is_some());
+            assert_eq!(ends(&events), vec![(2, 13)], "split {split}");
+            assert!(stream.is_idle());
+        }
+    }
+
+    #[test]
+    fn pipelined_requests_in_one_read() {
+        let mut both = REQUEST.to_vec();
+        both.extend_from_slice(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (events, errors) = feed_all(&mut stream, &[&both]);
+        assert!(errors.is_empty());
+        let heads = heads(&events);
+        assert_eq!(heads.len(), 2);
+        let Head::Request(second) = &heads[1] else {
+            panic!()
+        };
+        assert_eq!((second.method.as_str(), second.path.as_str()), ("GET", "/health"));
+        assert_eq!(ends(&events).len(), 2);
+    }
+
+    #[test]
+    fn keep_alive_sequence_of_requests() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (events, errors) = feed_all(&mut stream, &[REQUEST, REQUEST, REQUEST]);
+        assert!(errors.is_empty());
+        assert_eq!(heads(&events).len(), 3);
+        assert_eq!(ends(&events), vec![(1, 13), (2, 13), (3, 13)]);
+    }
+
+    const CHUNKED: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: 1\r\n\r\n";
+
+    #[test]
+    fn chunked_response_split_everywhere() {
+        for split in 1..CHUNKED.len() {
+            let mut stream = MessageStream::new(StreamKind::Responses);
+            let (events, errors) = feed_all(&mut stream, &[&CHUNKED[..split], &CHUNKED[split..]]);
+            assert!(errors.is_empty(), "split {split}: {errors:?}");
+            assert_eq!(heads(&events).len(), 1);
+            let end = ends(&events);
+            assert_eq!(end.len(), 1, "split {split}");
+            assert_eq!(end[0].0, 2, "split {split}: ends with the second transfer");
+            assert!(stream.is_idle());
+        }
+    }
+
+    #[test]
+    fn chunked_body_beyond_the_capture_ends_at_its_tail() {
+        let mut stream = MessageStream::new(StreamKind::Responses);
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1000\r\n";
+        stream.feed(head, head.len() as u64 + 4096, b"aaaaaaaa", 1, RequestContext::default, &mut out, &mut errors);
+        assert!(ends(&out).is_empty());
+        stream.feed(b"", 4000, b"bbbbbbbb", 2, RequestContext::default, &mut out, &mut errors);
+        assert!(ends(&out).is_empty());
+        stream.feed(b"", 5, b"0\r\n\r\n", 3, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(ends(&out).len(), 1);
+        assert_eq!(ends(&out)[0].0, 3);
+        assert!(stream.is_idle());
+    }
+
+    #[test]
+    fn content_length_body_beyond_the_capture() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        let head = b"POST /verify HTTP/1.1\r\ncontent-length: 100000\r\n\r\n{\"a\":";
+        // First read: head plus the first 5 body bytes captured, 4000 more not captured.
+        stream.feed(head, head.len() as u64 + 4000, b"", 1, RequestContext::default, &mut out, &mut errors);
+        stream.feed(b"", 95995, b"", 2, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(ends(&out), vec![(2, 100000)]);
+        assert!(errors.is_empty());
+        // The next request on the connection is captured again.
+        stream.feed(REQUEST, REQUEST.len() as u64, b"", 3, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(heads(&out).len(), 2);
+    }
+
+    #[test]
+    fn head_larger_than_the_capture_still_names_the_request() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        let captured = b"GET /big HTTP/1.1\r\nHost: a\r\nX-Huge: aaaaaaaa";
+        stream.feed(captured, 20000, b"", 1, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(errors, vec![ParseError::HeadTooLarge]);
+        let Head::Request(head) = &heads(&out)[0] else {
+            panic!()
+        };
+        assert_eq!(head.path, "/big");
+        assert!(head.truncated);
+        // Resynchronises on the next request.
+        stream.feed(REQUEST, REQUEST.len() as u64, b"", 2, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(heads(&out).len(), 2);
+    }
+
+    #[test]
+    fn interim_and_head_responses_have_no_body() {
+        let mut stream = MessageStream::new(StreamKind::Responses);
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        let continue_then_ok = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        stream.feed(continue_then_ok, continue_then_ok.len() as u64, b"", 1, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(heads(&out).len(), 2);
+        assert_eq!(ends(&out), vec![(1, 0), (1, 2)]);
+        out.clear();
+        let head_response = b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n";
+        stream.feed(head_response, head_response.len() as u64, b"", 2, || RequestContext { is_head: true }, &mut out, &mut errors);
+        assert_eq!(ends(&out), vec![(2, 0)]);
+        assert!(errors.is_empty());
+    }
+
+    #[test]
+    fn response_until_close() {
+        let mut stream = MessageStream::new(StreamKind::Responses);
+        let (mut events, _) = feed_all(&mut stream, &[b"HTTP/1.0 200 OK\r\n\r\nsome body"]);
+        assert!(ends(&events).is_empty());
+        stream.close(9, &mut events);
+        assert_eq!(ends(&events), vec![(9, 9)]);
+    }
+
+    #[test]
+    fn garbage_is_reported_and_resynchronised() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (events, errors) = feed_all(&mut stream, &[b"\x16\x03\x01\x02\x00binary tls", b"more junk", REQUEST]);
+        assert_eq!(errors, vec![ParseError::NotHttp]);
+        assert_eq!(heads(&events).len(), 1);
+    }
+
+    #[test]
+    fn uncaptured_message_start_is_reported() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let mut out = Vec::new();
+        let mut errors = Vec::new();
+        stream.feed(b"", 500, b"", 1, RequestContext::default, &mut out, &mut errors);
+        assert_eq!(errors, vec![ParseError::UncapturedStart]);
+        assert!(out.is_empty());
+    }
+}
