@@ -1,0 +1,145 @@
+"""Processes the integration tests and the demo drive: Gym-shaped uvicorn servers and the
+real gym-tracer agent."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent_binary():
+    path = Path(os.environ.get("GYM_TRACER_BIN", ROOT / "target" / "release" / "gym-tracer"))
+    if not path.exists():
+        raise RuntimeError(f"{path} does not exist: build it with `cargo xtask build --release`")
+    return path
+
+
+class UvicornServer:
+    """One uvicorn process serving `app` (module:attr under tests/servers)."""
+
+    def __init__(self, app="servers.gym_shaped:app", loop="uvloop", http="httptools", env=None):
+        self.port = free_port()
+        self.app, self.loop, self.http = app, loop, http
+        self.env = dict(os.environ, PYTHONPATH=str(TESTS_DIR), **(env or {}))
+        self.process = None
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(self.port),
+             "--loop", self.loop, "--http", self.http, "--no-access-log", "--log-level", "warning"],
+            env=self.env, cwd=TESTS_DIR,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"uvicorn exited with {self.process.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("uvicorn did not start listening within 20 s")
+
+    @property
+    def pid(self):
+        return self.process.pid
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+class Agent:
+    """The real gym-tracer, attached by PID; JSON lines are read from its stdout."""
+
+    def __init__(self, pids, extra_args=(), env=None):
+        self.workdir = tempfile.mkdtemp(prefix="gym-tracer-test-")
+        self.ready_file = Path(self.workdir) / "ready"
+        self.stdout_path = Path(self.workdir) / "stdout.jsonl"
+        self.stderr_path = Path(self.workdir) / "stderr.log"
+        args = [str(agent_binary()), "run", "--ready-file", str(self.ready_file), "--metric-interval", "3600"]
+        for pid in pids:
+            args += ["--pid", str(pid)]
+        args += list(extra_args)
+        self.args = args
+        clean_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        self.env = dict(clean_env, **(env or {}))
+        self.process = None
+        self.returncode = None
+
+    def start(self, timeout=60):
+        self.process = subprocess.Popen(
+            self.args, env=self.env, stdout=open(self.stdout_path, "wb"), stderr=open(self.stderr_path, "wb")
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gym-tracer exited with {self.process.returncode}: {self.stderr()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"gym-tracer not ready within {timeout} s: {self.stderr()}")
+
+    def stop(self, timeout=30):
+        """SIGINT, like Ctrl-C: the agent flushes and exits 0."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise RuntimeError(f"gym-tracer did not exit within {timeout} s of SIGINT")
+        self.returncode = self.process.returncode
+        return self
+
+    def stderr(self):
+        return self.stderr_path.read_text(errors="replace")
+
+    def stdout_text(self):
+        return self.stdout_path.read_text(errors="replace")
+
+    def lines(self):
+        return [json.loads(line) for line in self.stdout_text().splitlines() if line.strip()]
+
+    def spans(self):
+        return [line for line in self.lines() if "span_id" in line]
+
+    def metric_points(self, name):
+        return [line for line in self.lines() if line.get("metric") == name]
+
+    def summary(self):
+        """The counters from the agent's last stderr line, as a dict."""
+        for line in reversed(self.stderr().splitlines()):
+            if "stopped." in line:
+                fields = line.split("stopped.", 1)[1].replace("(", " ").replace(")", " ").split()
+                return {k: int(v) for k, v in (f.split("=", 1) for f in fields if "=" in f)}
+        return {}
+
+
+def http_get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, response.read()
