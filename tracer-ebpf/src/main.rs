@@ -333,7 +333,8 @@ fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
         let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
             return true;
         };
-        let family = bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
+        let family =
+            bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
         match family {
             AF_INET => {
                 let peer: [u8; 4] =
@@ -422,7 +423,16 @@ fn iovec_at(array: u64, index: u64, single: &UserIovec) -> Option<UserIovec> {
 fn starts_http_message(first: [u8; 4]) -> bool {
     matches!(
         &first,
-        b"HTTP" | b"GET " | b"POST" | b"PUT " | b"HEAD" | b"DELE" | b"PATC" | b"OPTI" | b"CONN" | b"TRAC"
+        b"HTTP"
+            | b"GET "
+            | b"POST"
+            | b"PUT "
+            | b"HEAD"
+            | b"DELE"
+            | b"PATC"
+            | b"OPTI"
+            | b"CONN"
+            | b"TRAC"
     )
 }
 
@@ -435,7 +445,10 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
     let Some(event) = DATA_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    let reading = matches!(call.call, CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR);
+    let reading = matches!(
+        call.call,
+        CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR
+    );
     let (array, count, single) = iovecs_of(call, moved);
     let Some(first) = iovec_at(array, 0, &single) else {
         return;
@@ -446,7 +459,8 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
     unsafe {
         let socket = &mut *socket;
         let event = &mut *event;
-        let first_bytes: [u8; 4] = bpf_probe_read_user(first.base as *const [u8; 4]).unwrap_or([0; 4]);
+        let first_bytes: [u8; 4] =
+            bpf_probe_read_user(first.base as *const [u8; 4]).unwrap_or([0; 4]);
         let budget = if reading {
             &mut socket.read_budget
         } else {
@@ -474,7 +488,8 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
                 let offset = bounded(copied as usize, CAPTURE_MASK);
                 let length = bounded(in_segment.min(want - copied) as usize, CAPTURE_MASK);
                 let destination = event.payload.as_mut_ptr().add(offset);
-                if probe_read_user_raw(destination.cast(), length as u32, iov.base as *const _) != 0 {
+                if probe_read_user_raw(destination.cast(), length as u32, iov.base as *const _) != 0
+                {
                     break;
                 }
                 copied += length as u64;
@@ -489,7 +504,11 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
 
         event.header = DataEventHeader {
             header: header(EventKind::Data, pid_tgid, call.fd, socket.conn_id),
-            direction: if reading { DIRECTION_READ } else { DIRECTION_WRITE },
+            direction: if reading {
+                DIRECTION_READ
+            } else {
+                DIRECTION_WRITE
+            },
             tail_len: 0,
             _pad: [0; 2],
             captured_len: copied as u32,

@@ -46,7 +46,12 @@ impl Pipeline {
         if let KernelEvent::ProcessExit { pid, .. } = event {
             self.exited.push(pid);
         }
-        self.table.apply(&event, &mut self.stats, &mut self.exchanges, &mut self.actions);
+        self.table.apply(
+            &event,
+            &mut self.stats,
+            &mut self.exchanges,
+            &mut self.actions,
+        );
         for exchange in self.exchanges.drain(..) {
             self.stats.exchanges += 1;
             let Some(service) = self.services.get(&exchange.pid) else {
@@ -81,7 +86,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ring_buffer_bytes: args.ring_buffer_bytes,
     })?;
     if let Err(why) = &probes.features.socket_addresses {
-        eprintln!("gym-tracer: warning: connection addresses are off ({why}); spans will lack client.address");
+        eprintln!(
+            "gym-tracer: warning: connection addresses are off ({why}); spans will lack client.address"
+        );
     }
     // SAFETY: the ring buffer owns its map fd and keeps it open until it is dropped, which
     // happens only when the AsyncFd is.
@@ -107,7 +114,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         exited: Vec::new(),
     };
     for &pid in &args.pids {
-        let service = Arc::new(ServiceIdentity::of_process(pid, args.service_name.as_deref()));
+        let service = Arc::new(ServiceIdentity::of_process(
+            pid,
+            args.service_name.as_deref(),
+        ));
         pipeline.metrics.add_service(&service)?;
         pipeline.services.insert(pid, service);
         probes.trace_pid(pid)?;
@@ -118,7 +128,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     eprintln!(
         "gym-tracer: tracing pid {} → {}",
-        args.pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "),
+        args.pids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
         match &target {
             ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
             ExportTarget::Otlp { endpoint, protocol } => format!("OTLP {protocol:?} {endpoint}"),
@@ -167,14 +181,20 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     pipeline.stats.events_lost_in_kernel = lost;
     let in_flight = pipeline.table.in_flight_requests();
-    let Pipeline { spans, metrics, stats, .. } = pipeline;
+    let open_connections = pipeline.table.open_connections();
+    let Pipeline {
+        spans,
+        metrics,
+        stats,
+        ..
+    } = pipeline;
     let totals = spans.shutdown().await;
     metrics.shutdown().await;
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
     }
     eprintln!(
-        "gym-tracer: stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight}",
+        "gym-tracer: stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}",
         totals.spans_exported, totals.spans_failed
     );
     Ok(())

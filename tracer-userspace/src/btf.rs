@@ -50,11 +50,15 @@ pub struct Btf {
 }
 
 fn u16_at(data: &[u8], at: usize) -> Result<u16> {
-    Ok(u16::from_le_bytes(data.get(at..at + 2).context("BTF truncated")?.try_into()?))
+    Ok(u16::from_le_bytes(
+        data.get(at..at + 2).context("BTF truncated")?.try_into()?,
+    ))
 }
 
 fn u32_at(data: &[u8], at: usize) -> Result<u32> {
-    Ok(u32::from_le_bytes(data.get(at..at + 4).context("BTF truncated")?.try_into()?))
+    Ok(u32::from_le_bytes(
+        data.get(at..at + 4).context("BTF truncated")?.try_into()?,
+    ))
 }
 
 impl Btf {
@@ -101,7 +105,11 @@ impl Btf {
                         members.push(Member {
                             name_off: u32_at(type_section, at)?,
                             type_id: u32_at(type_section, at + 4)?,
-                            bit_offset: if kind_flag { offset & 0x00ff_ffff } else { offset },
+                            bit_offset: if kind_flag {
+                                offset & 0x00ff_ffff
+                            } else {
+                                offset
+                            },
                         });
                         at += 12;
                     }
@@ -192,7 +200,9 @@ impl Btf {
     /// Every offset the eBPF programs need to read a socket's addresses.
     pub fn kernel_offsets(&self) -> Result<KernelOffsets> {
         let sk_common = self.member_offset("sock", "__sk_common")?;
-        let common = |field: &str| -> Result<u32> { Ok(sk_common + self.member_offset("sock_common", field)?) };
+        let common = |field: &str| -> Result<u32> {
+            Ok(sk_common + self.member_offset("sock_common", field)?)
+        };
         Ok(KernelOffsets {
             valid: 1,
             task_files: self.member_offset("task_struct", "files")?,
@@ -237,7 +247,13 @@ mod tests {
         let mut blob = Vec::new();
         blob.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         blob.extend_from_slice(&[1, 0]);
-        for w in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+        for w in [
+            24u32,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
             blob.extend_from_slice(&w.to_le_bytes());
         }
         blob.extend_from_slice(&types);

@@ -60,7 +60,12 @@ pub struct RunArgs {
     pub otlp_endpoint: Option<String>,
 
     /// OTLP transport.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_PROTOCOL", value_enum, default_value = "http/protobuf")]
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_PROTOCOL",
+        value_enum,
+        default_value = "http/protobuf"
+    )]
     pub otlp_protocol: OtlpProtocol,
 
     /// service.name of every traced process; by default each is named after its

@@ -7,7 +7,10 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 
 use crate::events::{ConnOpen, DataTransfer, Direction, KernelEvent, Role};
-use crate::http::{Head, MessageEvent, MessageStream, ParseError, RequestContext, RequestHead, ResponseHead, StreamKind};
+use crate::http::{
+    Head, MessageEvent, MessageStream, ParseError, RequestContext, RequestHead, ResponseHead,
+    StreamKind, Transfer,
+};
 use crate::stats::Stats;
 
 /// Requests a single connection may have in flight (pipelining depth) before the oldest is
@@ -112,12 +115,8 @@ impl ConnectionTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub fn open_connections(&self) -> usize {
         self.connections.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.connections.is_empty()
     }
 
     /// Applies one kernel event; finished exchanges are appended to `exchanges`.
@@ -138,17 +137,37 @@ impl ConnectionTable {
                 timestamp_ns,
             } => {
                 let id = SocketId { pid: *pid, fd: *fd };
-                if self.connections.get(&id).is_some_and(|c| c.conn_id == *conn_id) {
+                if self
+                    .connections
+                    .get(&id)
+                    .is_some_and(|c| c.conn_id == *conn_id)
+                {
                     let connection = self.connections.remove(&id).expect("checked above");
-                    finish(id.pid, connection, *timestamp_ns, AbortReason::ConnectionClosed, exchanges);
+                    finish(
+                        id.pid,
+                        connection,
+                        *timestamp_ns,
+                        AbortReason::ConnectionClosed,
+                        exchanges,
+                    );
                 }
             }
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
-                let ids: Vec<SocketId> =
-                    self.connections.keys().filter(|id| id.pid == *pid).copied().collect();
+                let ids: Vec<SocketId> = self
+                    .connections
+                    .keys()
+                    .filter(|id| id.pid == *pid)
+                    .copied()
+                    .collect();
                 for id in ids {
                     if let Some(connection) = self.connections.remove(&id) {
-                        finish(id.pid, connection, *timestamp_ns, AbortReason::ProcessExited, exchanges);
+                        finish(
+                            id.pid,
+                            connection,
+                            *timestamp_ns,
+                            AbortReason::ProcessExited,
+                            exchanges,
+                        );
                     }
                 }
             }
@@ -162,7 +181,13 @@ impl ConnectionTable {
         };
         if let Some(stale) = self.connections.remove(&id) {
             // The close of the previous connection on this fd was not seen.
-            finish(id.pid, stale, open.timestamp_ns, AbortReason::ConnectionClosed, exchanges);
+            finish(
+                id.pid,
+                stale,
+                open.timestamp_ns,
+                AbortReason::ConnectionClosed,
+                exchanges,
+            );
         }
         if self.connections.len() >= self.max_connections {
             stats.connections_dropped += 1;
@@ -206,6 +231,12 @@ impl ConnectionTable {
         }
         // Server: reads are requests. Client: writes are requests.
         let is_request = (connection.role == Role::Server) == (data.direction == Direction::Read);
+        let transfer = Transfer {
+            captured: data.captured,
+            total_len: data.total_len,
+            tail: data.tail,
+            timestamp_ns: data.timestamp_ns,
+        };
         let events = &mut self.scratch_events;
         let errors = &mut self.scratch_errors;
         events.clear();
@@ -213,14 +244,14 @@ impl ConnectionTable {
         if is_request {
             connection
                 .requests
-                .feed(data.captured, data.total_len, data.tail, data.timestamp_ns, RequestContext::default, events, errors);
+                .feed(transfer, RequestContext::default, events, errors);
         } else {
-            let front_is_head = connection.in_flight.front().is_some_and(|r| r.head.method == "HEAD");
+            let front_is_head = connection
+                .in_flight
+                .front()
+                .is_some_and(|r| r.head.method == "HEAD");
             connection.responses.feed(
-                data.captured,
-                data.total_len,
-                data.tail,
-                data.timestamp_ns,
+                transfer,
                 || RequestContext {
                     is_head: front_is_head,
                 },
@@ -268,8 +299,10 @@ fn on_message_event(
                 first_byte_ns,
             },
         ) => {
-            if connection.in_flight.len() >= MAX_IN_FLIGHT_PER_CONNECTION {
-                if let Some(oldest) = connection.in_flight.pop_front() {
+            if connection.in_flight.len() >= MAX_IN_FLIGHT_PER_CONNECTION
+                && let Some(oldest) = connection.in_flight.pop_front()
+            {
+                {
                     stats.requests_dropped_overflow += 1;
                     exchanges.push(exchange(
                         pid,
@@ -316,7 +349,13 @@ fn on_message_event(
     }
 }
 
-fn exchange(pid: u32, connection: &Connection, request: InFlight, outcome: Outcome, end_ns: u64) -> HttpExchange {
+fn exchange(
+    pid: u32,
+    connection: &Connection,
+    request: InFlight,
+    outcome: Outcome,
+    end_ns: u64,
+) -> HttpExchange {
     HttpExchange {
         pid,
         role: connection.role,
@@ -330,7 +369,13 @@ fn exchange(pid: u32, connection: &Connection, request: InFlight, outcome: Outco
 }
 
 /// A connection ended: a response that runs until close completes, the rest is aborted.
-fn finish(pid: u32, mut connection: Connection, timestamp_ns: u64, reason: AbortReason, exchanges: &mut Vec<HttpExchange>) {
+fn finish(
+    pid: u32,
+    mut connection: Connection,
+    timestamp_ns: u64,
+    reason: AbortReason,
+    exchanges: &mut Vec<HttpExchange>,
+) {
     let mut events = Vec::new();
     connection.responses.close(timestamp_ns, &mut events);
     let mut stats = Stats::default();
@@ -338,7 +383,13 @@ fn finish(pid: u32, mut connection: Connection, timestamp_ns: u64, reason: Abort
         on_message_event(pid, &mut connection, false, event, &mut stats, exchanges);
     }
     while let Some(request) = connection.in_flight.pop_front() {
-        exchanges.push(exchange(pid, &connection, request, Outcome::Aborted(reason), timestamp_ns));
+        exchanges.push(exchange(
+            pid,
+            &connection,
+            request,
+            Outcome::Aborted(reason),
+            timestamp_ns,
+        ));
     }
 }
 
@@ -359,7 +410,13 @@ mod tests {
         })
     }
 
-    fn data(fd: i32, conn_id: u64, direction: Direction, ts: u64, bytes: &'static [u8]) -> KernelEvent<'static> {
+    fn data(
+        fd: i32,
+        conn_id: u64,
+        direction: Direction,
+        ts: u64,
+        bytes: &'static [u8],
+    ) -> KernelEvent<'static> {
         KernelEvent::Data(DataTransfer {
             pid: 7,
             tid: 7,
@@ -439,7 +496,10 @@ mod tests {
             data(5, 200, Direction::Write, 220, OK),
         ]);
         assert_eq!(exchanges.len(), 2);
-        assert_eq!(exchanges[0].outcome, Outcome::Aborted(AbortReason::ConnectionClosed));
+        assert_eq!(
+            exchanges[0].outcome,
+            Outcome::Aborted(AbortReason::ConnectionClosed)
+        );
         assert_eq!(exchanges[0].end_ns, 115);
         assert!(matches!(exchanges[1].outcome, Outcome::Response(_)));
         assert_eq!(stats.data_without_connection, 1);
@@ -468,7 +528,10 @@ mod tests {
             },
         ]);
         assert_eq!(exchanges.len(), 1);
-        assert_eq!(exchanges[0].outcome, Outcome::Aborted(AbortReason::ProcessExited));
+        assert_eq!(
+            exchanges[0].outcome,
+            Outcome::Aborted(AbortReason::ProcessExited)
+        );
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 use tracer_abi::{
-    AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader, EventHeader,
-    EventKind, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
+    AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
+    EventHeader, EventKind, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,8 +54,16 @@ pub struct DataTransfer<'a> {
 pub enum KernelEvent<'a> {
     Open(ConnOpen),
     Data(DataTransfer<'a>),
-    Close { pid: u32, fd: i32, conn_id: u64, timestamp_ns: u64 },
-    ProcessExit { pid: u32, timestamp_ns: u64 },
+    Close {
+        pid: u32,
+        fd: i32,
+        conn_id: u64,
+        timestamp_ns: u64,
+    },
+    ProcessExit {
+        pid: u32,
+        timestamp_ns: u64,
+    },
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -82,7 +90,9 @@ fn address(family: u16, raw: [u8; 16], port: u16) -> Option<SocketAddr> {
         AF_INET6 => {
             let v6 = Ipv6Addr::from(raw);
             // Dual-stack sockets report IPv4 peers as ::ffff:a.b.c.d.
-            v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6))
+            v6.to_ipv4_mapped()
+                .map(IpAddr::V4)
+                .unwrap_or(IpAddr::V6(v6))
         }
         _ => return None,
     };
@@ -156,7 +166,8 @@ mod tests {
 
     fn as_bytes<T>(value: &T) -> Vec<u8> {
         // SAFETY: test-only view of a plain-old-data struct.
-        unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+        unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
+            .to_vec()
     }
 
     #[test]
@@ -187,7 +198,10 @@ mod tests {
         header.direction = DIRECTION_READ;
         header.captured_len = 50; // more than the record carries
         header.total_len = 50;
-        assert_eq!(decode(&as_bytes(&header)), Err(DecodeError::BadField("captured_len")));
+        assert_eq!(
+            decode(&as_bytes(&header)),
+            Err(DecodeError::BadField("captured_len"))
+        );
         let mut bad = as_bytes(&header);
         bad[0] = 99;
         assert_eq!(decode(&bad), Err(DecodeError::UnknownKind(99)));

@@ -37,7 +37,10 @@ pub enum OtlpProtocol {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExportTarget {
     JsonLines,
-    Otlp { endpoint: String, protocol: OtlpProtocol },
+    Otlp {
+        endpoint: String,
+        protocol: OtlpProtocol,
+    },
 }
 
 /// Spans the export task holds at most; past this, new spans are dropped and counted.
@@ -58,14 +61,17 @@ pub struct SpanPipeline {
 
 enum SpanSink {
     JsonLines,
-    Otlp(opentelemetry_otlp::SpanExporter),
+    Otlp(Box<opentelemetry_otlp::SpanExporter>),
 }
 
 fn http_signal_endpoint(endpoint: &str, signal: &str) -> String {
     format!("{}/v1/{signal}", endpoint.trim_end_matches('/'))
 }
 
-fn otlp_span_exporter(endpoint: &str, protocol: OtlpProtocol) -> Result<opentelemetry_otlp::SpanExporter> {
+fn otlp_span_exporter(
+    endpoint: &str,
+    protocol: OtlpProtocol,
+) -> Result<opentelemetry_otlp::SpanExporter> {
     let exporter = match protocol {
         OtlpProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
@@ -86,7 +92,9 @@ impl SpanPipeline {
     pub fn start(target: &ExportTarget) -> Result<Self> {
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
-            ExportTarget::Otlp { endpoint, protocol } => SpanSink::Otlp(otlp_span_exporter(endpoint, *protocol)?),
+            ExportTarget::Otlp { endpoint, protocol } => {
+                SpanSink::Otlp(Box::new(otlp_span_exporter(endpoint, *protocol)?))
+            }
         };
         let (sender, receiver) = mpsc::channel(SPAN_QUEUE_CAPACITY);
         let task = tokio::spawn(run_span_export(sink, receiver));
@@ -105,7 +113,10 @@ impl SpanPipeline {
     }
 }
 
-async fn run_span_export(mut sink: SpanSink, mut receiver: mpsc::Receiver<SpanRecord>) -> ExportTotals {
+async fn run_span_export(
+    mut sink: SpanSink,
+    mut receiver: mpsc::Receiver<SpanRecord>,
+) -> ExportTotals {
     let mut totals = ExportTotals::default();
     let mut batch = Vec::with_capacity(BATCH_SIZE);
     loop {
@@ -148,7 +159,8 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
             totals.spans_exported += batch.len() as u64;
         }
         SpanSink::Otlp(exporter) => {
-            let mut by_service: HashMap<u32, (Arc<ServiceIdentity>, Vec<SpanData>)> = HashMap::new();
+            let mut by_service: HashMap<u32, (Arc<ServiceIdentity>, Vec<SpanData>)> =
+                HashMap::new();
             for span in batch {
                 let entry = by_service
                     .entry(span.service.pid)
@@ -247,7 +259,11 @@ fn span_data(span: &SpanRecord) -> SpanData {
         name: Cow::Owned(span.name.clone()),
         start_time: time(span.start_unix_ns),
         end_time: time(span.end_unix_ns),
-        attributes: span.attributes.iter().map(|(k, v)| key_value(k, v)).collect(),
+        attributes: span
+            .attributes
+            .iter()
+            .map(|(k, v)| key_value(k, v))
+            .collect(),
         dropped_attributes_count: 0,
         events: SpanEvents::default(),
         links: SpanLinks::default(),
@@ -283,12 +299,19 @@ fn kv_json(attributes: impl Iterator<Item = impl std::borrow::Borrow<KeyValue>>)
 }
 
 fn unix_nanos(time: SystemTime) -> u64 {
-    time.duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    time.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 /// One JSON object per data point of `metrics`.
 pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
-    let resource = kv_json(metrics.resource().iter().map(|(k, v)| KeyValue::new(k.clone(), v.clone())));
+    let resource = kv_json(
+        metrics
+            .resource()
+            .iter()
+            .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+    );
     let mut lines = Vec::new();
     for scope in metrics.scope_metrics() {
         for metric in scope.metrics() {
@@ -339,7 +362,10 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
                         ));
                     }
                 }
-                other => lines.push(base(Value::Object(Map::new()), json!({"type": format!("{other:?}")}))),
+                other => lines.push(base(
+                    Value::Object(Map::new()),
+                    json!({"type": format!("{other:?}")}),
+                )),
             }
         }
     }
@@ -372,13 +398,21 @@ impl PushMetricExporter for JsonLinesMetricExporter {
 
 /// Builds a meter provider with `service`'s resource that exports to `target` every
 /// `interval` and once more at shutdown. Must be called inside the tokio runtime.
-pub fn meter_provider(target: &ExportTarget, service: &ServiceIdentity, interval: Duration) -> Result<SdkMeterProvider> {
+pub fn meter_provider(
+    target: &ExportTarget,
+    service: &ServiceIdentity,
+    interval: Duration,
+) -> Result<SdkMeterProvider> {
     use opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader;
     use opentelemetry_sdk::runtime::Tokio;
     let builder = SdkMeterProvider::builder().with_resource(service.resource.clone());
     let provider = match target {
         ExportTarget::JsonLines => builder
-            .with_reader(PeriodicReader::builder(JsonLinesMetricExporter, Tokio).with_interval(interval).build())
+            .with_reader(
+                PeriodicReader::builder(JsonLinesMetricExporter, Tokio)
+                    .with_interval(interval)
+                    .build(),
+            )
             .build(),
         ExportTarget::Otlp { endpoint, protocol } => {
             let exporter = match protocol {
@@ -395,7 +429,11 @@ pub fn meter_provider(target: &ExportTarget, service: &ServiceIdentity, interval
             }
             .with_context(|| format!("creating the OTLP metric exporter for {endpoint}"))?;
             builder
-                .with_reader(PeriodicReader::builder(exporter, Tokio).with_interval(interval).build())
+                .with_reader(
+                    PeriodicReader::builder(exporter, Tokio)
+                        .with_interval(interval)
+                        .build(),
+                )
                 .build()
         }
     };
@@ -435,7 +473,13 @@ mod tests {
 
     #[test]
     fn http_endpoints_get_signal_paths() {
-        assert_eq!(http_signal_endpoint("http://c:4318/", "traces"), "http://c:4318/v1/traces");
-        assert_eq!(http_signal_endpoint("http://c:4318", "metrics"), "http://c:4318/v1/metrics");
+        assert_eq!(
+            http_signal_endpoint("http://c:4318/", "traces"),
+            "http://c:4318/v1/traces"
+        );
+        assert_eq!(
+            http_signal_endpoint("http://c:4318", "metrics"),
+            "http://c:4318/v1/metrics"
+        );
     }
 }

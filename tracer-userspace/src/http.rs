@@ -84,7 +84,11 @@ enum Body {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Chunked {
     /// Reading the hex size line; value so far and whether an extension (`;...`) started.
-    Size { value: u64, digits: u8, in_extension: bool },
+    Size {
+        value: u64,
+        digits: u8,
+        in_extension: bool,
+    },
     /// Reading chunk data; bytes left in this chunk.
     Data(u64),
     /// Expecting the CRLF after chunk data; `seen_cr`.
@@ -113,6 +117,16 @@ pub struct RequestContext {
     pub is_head: bool,
 }
 
+/// One read or write as the parser sees it: `captured` is its first bytes, `total_len` what
+/// the syscall moved, `tail` its last bytes when not all of it was captured.
+#[derive(Clone, Copy, Debug)]
+pub struct Transfer<'a> {
+    pub captured: &'a [u8],
+    pub total_len: u64,
+    pub tail: &'a [u8],
+    pub timestamp_ns: u64,
+}
+
 /// One direction of one connection.
 #[derive(Debug)]
 pub struct MessageStream {
@@ -129,23 +143,26 @@ impl MessageStream {
     }
 
     /// True when no message is partly seen: a close now loses nothing.
+    #[cfg(test)]
     pub fn is_idle(&self) -> bool {
         matches!(self.state, State::Idle | State::Desynced)
     }
 
-    /// Feeds one transfer: `captured` is its first bytes, `total_len` what the syscall
-    /// moved, `tail` its last bytes when not all of it was captured. `request` is consulted
-    /// when a response head is parsed (HEAD requests have no response body).
+    /// Feeds one transfer. `request` is consulted when a response head is parsed (HEAD
+    /// requests have no response body).
     pub fn feed(
         &mut self,
-        captured: &[u8],
-        total_len: u64,
-        tail: &[u8],
-        timestamp_ns: u64,
+        transfer: Transfer<'_>,
         request: impl Fn() -> RequestContext,
         out: &mut Vec<MessageEvent>,
         errors: &mut Vec<ParseError>,
     ) {
+        let Transfer {
+            captured,
+            total_len,
+            tail,
+            timestamp_ns,
+        } = transfer;
         let captured = &captured[..captured.len().min(total_len as usize)];
         if matches!(self.state, State::Desynced) {
             if captured.is_empty() || !looks_like_message_start(self.kind, captured) {
@@ -370,8 +387,15 @@ fn looks_like_message_start(kind: StreamKind, bytes: &[u8]) -> bool {
         StreamKind::Responses => bytes.starts_with(b"HTTP/1."),
         StreamKind::Requests => {
             const METHODS: [&[u8]; 9] = [
-                b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"PATCH ", b"OPTIONS ",
-                b"CONNECT ", b"TRACE ",
+                b"GET ",
+                b"POST ",
+                b"PUT ",
+                b"HEAD ",
+                b"DELETE ",
+                b"PATCH ",
+                b"OPTIONS ",
+                b"CONNECT ",
+                b"TRACE ",
             ];
             METHODS
                 .iter()
@@ -483,7 +507,10 @@ fn framing(buffer: &[u8]) -> (Option<u64>, bool) {
     // Re-parse for the framing headers only; the head is known to be complete and valid.
     let parsed = if buffer.starts_with(b"HTTP/") {
         let mut response = httparse::Response::new(&mut headers);
-        response.parse(buffer).ok().map(|_| response.headers.to_vec())
+        response
+            .parse(buffer)
+            .ok()
+            .map(|_| response.headers.to_vec())
     } else {
         let mut request = httparse::Request::new(&mut headers);
         request.parse(buffer).ok().map(|_| request.headers.to_vec())
@@ -518,7 +545,10 @@ fn request_body(_head: &RequestHead, buffer: &[u8]) -> Option<Body> {
 }
 
 fn response_body(head: &ResponseHead, request: RequestContext, buffer: &[u8]) -> Option<Body> {
-    if request.is_head || (100..200).contains(&head.status) || head.status == 204 || head.status == 304
+    if request.is_head
+        || (100..200).contains(&head.status)
+        || head.status == 204
+        || head.status == 304
     {
         return None;
     }
@@ -628,15 +658,29 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
 mod tests {
     use super::*;
 
-    fn feed_all(stream: &mut MessageStream, chunks: &[&[u8]]) -> (Vec<MessageEvent>, Vec<ParseError>) {
+    fn t<'a>(
+        captured: &'a [u8],
+        total_len: u64,
+        tail: &'a [u8],
+        timestamp_ns: u64,
+    ) -> Transfer<'a> {
+        Transfer {
+            captured,
+            total_len,
+            tail,
+            timestamp_ns,
+        }
+    }
+
+    fn feed_all(
+        stream: &mut MessageStream,
+        chunks: &[&[u8]],
+    ) -> (Vec<MessageEvent>, Vec<ParseError>) {
         let mut out = Vec::new();
         let mut errors = Vec::new();
         for (i, chunk) in chunks.iter().enumerate() {
             stream.feed(
-                chunk,
-                chunk.len() as u64,
-                &[],
-                i as u64 + 1,
+                t(chunk, chunk.len() as u64, &[], i as u64 + 1),
                 RequestContext::default,
                 &mut out,
                 &mut errors,
@@ -705,7 +749,10 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let Head::Request(second) = &heads[1] else {
             panic!()
         };
-        assert_eq!((second.method.as_str(), second.path.as_str()), ("GET", "/health"));
+        assert_eq!(
+            (second.method.as_str(), second.path.as_str()),
+            ("GET", "/health")
+        );
         assert_eq!(ends(&events).len(), 2);
     }
 
@@ -741,11 +788,26 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let mut out = Vec::new();
         let mut errors = Vec::new();
         let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1000\r\n";
-        stream.feed(head, head.len() as u64 + 4096, b"aaaaaaaa", 1, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(head, head.len() as u64 + 4096, b"aaaaaaaa", 1),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert!(ends(&out).is_empty());
-        stream.feed(b"", 4000, b"bbbbbbbb", 2, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(b"", 4000, b"bbbbbbbb", 2),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert!(ends(&out).is_empty());
-        stream.feed(b"", 5, b"0\r\n\r\n", 3, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(b"", 5, b"0\r\n\r\n", 3),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(ends(&out).len(), 1);
         assert_eq!(ends(&out)[0].0, 3);
         assert!(stream.is_idle());
@@ -758,12 +820,27 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let mut errors = Vec::new();
         let head = b"POST /verify HTTP/1.1\r\ncontent-length: 100000\r\n\r\n{\"a\":";
         // First read: head plus the first 5 body bytes captured, 4000 more not captured.
-        stream.feed(head, head.len() as u64 + 4000, b"", 1, RequestContext::default, &mut out, &mut errors);
-        stream.feed(b"", 95995, b"", 2, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(head, head.len() as u64 + 4000, b"", 1),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
+        stream.feed(
+            t(b"", 95995, b"", 2),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(ends(&out), vec![(2, 100000)]);
         assert!(errors.is_empty());
         // The next request on the connection is captured again.
-        stream.feed(REQUEST, REQUEST.len() as u64, b"", 3, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(REQUEST, REQUEST.len() as u64, b"", 3),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(heads(&out).len(), 2);
     }
 
@@ -773,7 +850,12 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let mut out = Vec::new();
         let mut errors = Vec::new();
         let captured = b"GET /big HTTP/1.1\r\nHost: a\r\nX-Huge: aaaaaaaa";
-        stream.feed(captured, 20000, b"", 1, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(captured, 20000, b"", 1),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(errors, vec![ParseError::HeadTooLarge]);
         let Head::Request(head) = &heads(&out)[0] else {
             panic!()
@@ -781,7 +863,12 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         assert_eq!(head.path, "/big");
         assert!(head.truncated);
         // Resynchronises on the next request.
-        stream.feed(REQUEST, REQUEST.len() as u64, b"", 2, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(REQUEST, REQUEST.len() as u64, b"", 2),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(heads(&out).len(), 2);
     }
 
@@ -790,13 +877,24 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let mut stream = MessageStream::new(StreamKind::Responses);
         let mut out = Vec::new();
         let mut errors = Vec::new();
-        let continue_then_ok = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-        stream.feed(continue_then_ok, continue_then_ok.len() as u64, b"", 1, RequestContext::default, &mut out, &mut errors);
+        let continue_then_ok =
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        stream.feed(
+            t(continue_then_ok, continue_then_ok.len() as u64, b"", 1),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(heads(&out).len(), 2);
         assert_eq!(ends(&out), vec![(1, 0), (1, 2)]);
         out.clear();
         let head_response = b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n";
-        stream.feed(head_response, head_response.len() as u64, b"", 2, || RequestContext { is_head: true }, &mut out, &mut errors);
+        stream.feed(
+            t(head_response, head_response.len() as u64, b"", 2),
+            || RequestContext { is_head: true },
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(ends(&out), vec![(2, 0)]);
         assert!(errors.is_empty());
     }
@@ -813,7 +911,10 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
     #[test]
     fn garbage_is_reported_and_resynchronised() {
         let mut stream = MessageStream::new(StreamKind::Requests);
-        let (events, errors) = feed_all(&mut stream, &[b"\x16\x03\x01\x02\x00binary tls", b"more junk", REQUEST]);
+        let (events, errors) = feed_all(
+            &mut stream,
+            &[b"\x16\x03\x01\x02\x00binary tls", b"more junk", REQUEST],
+        );
         assert_eq!(errors, vec![ParseError::NotHttp]);
         assert_eq!(heads(&events).len(), 1);
     }
@@ -823,7 +924,12 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let mut stream = MessageStream::new(StreamKind::Requests);
         let mut out = Vec::new();
         let mut errors = Vec::new();
-        stream.feed(b"", 500, b"", 1, RequestContext::default, &mut out, &mut errors);
+        stream.feed(
+            t(b"", 500, b"", 1),
+            RequestContext::default,
+            &mut out,
+            &mut errors,
+        );
         assert_eq!(errors, vec![ParseError::UncapturedStart]);
         assert!(out.is_empty());
     }

@@ -11,14 +11,16 @@ use crate::spans::AttributeValue;
 #[derive(Debug)]
 pub struct ServiceIdentity {
     pub pid: u32,
-    pub service_name: String,
     /// Flat resource attributes, sorted for stable output.
     pub attributes: BTreeMap<&'static str, AttributeValue>,
     pub resource: Resource,
 }
 
 fn read_trimmed(path: String) -> Option<String> {
-    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
 }
 
 fn host_name() -> String {
@@ -29,20 +31,26 @@ impl ServiceIdentity {
     /// `service_name_override` is the agent's `OTEL_SERVICE_NAME`; without it a process is
     /// named after its executable (`comm`).
     pub fn of_process(pid: u32, service_name_override: Option<&str>) -> Self {
-        let executable = read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
-        let service_name = service_name_override.map(str::to_string).unwrap_or_else(|| executable.clone());
+        let executable =
+            read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
+        let service_name = service_name_override
+            .map(str::to_string)
+            .unwrap_or_else(|| executable.clone());
         let mut attributes = BTreeMap::new();
         let text = |s: String| AttributeValue::Str(s);
-        attributes.insert("service.name", text(service_name.clone()));
+        attributes.insert("service.name", text(service_name));
         attributes.insert("process.pid", AttributeValue::Int(pid as i64));
         attributes.insert("process.executable.name", text(executable));
         attributes.insert("host.name", text(host_name()));
         attributes.insert("telemetry.distro.name", text("gym-tracer".into()));
-        attributes.insert("telemetry.distro.version", text(env!("CARGO_PKG_VERSION").into()));
-        Self::from_attributes(pid, service_name, attributes)
+        attributes.insert(
+            "telemetry.distro.version",
+            text(env!("CARGO_PKG_VERSION").into()),
+        );
+        Self::from_attributes(pid, attributes)
     }
 
-    fn from_attributes(pid: u32, service_name: String, attributes: BTreeMap<&'static str, AttributeValue>) -> Self {
+    fn from_attributes(pid: u32, attributes: BTreeMap<&'static str, AttributeValue>) -> Self {
         let resource = Resource::builder_empty()
             .with_attributes(attributes.iter().map(|(k, v)| match v {
                 AttributeValue::Str(s) => KeyValue::new(*k, s.clone()),
@@ -51,7 +59,6 @@ impl ServiceIdentity {
             .build();
         Self {
             pid,
-            service_name,
             attributes,
             resource,
         }
@@ -61,6 +68,6 @@ impl ServiceIdentity {
     pub fn for_test(name: &str) -> Self {
         let mut attributes = BTreeMap::new();
         attributes.insert("service.name", AttributeValue::Str(name.to_string()));
-        Self::from_attributes(1, name.to_string(), attributes)
+        Self::from_attributes(1, attributes)
     }
 }

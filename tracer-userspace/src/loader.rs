@@ -57,7 +57,8 @@ pub struct LoadedProbes {
 }
 
 fn effective_capabilities() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let line = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
@@ -115,13 +116,23 @@ pub fn preflight() -> Result<()> {
 
 /// aya finds tracepoint ids under tracefs; mount it if the host has not.
 fn ensure_tracefs() -> Result<()> {
-    if Path::new(TRACEFS).join("events").exists() || Path::new("/sys/kernel/debug/tracing/events").exists() {
+    if Path::new(TRACEFS).join("events").exists()
+        || Path::new("/sys/kernel/debug/tracing/events").exists()
+    {
         return Ok(());
     }
     let source = c"tracefs";
     let target = c"/sys/kernel/tracing";
     // SAFETY: constant NUL-terminated strings; mount(2) does not keep the pointers.
-    let rc = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), source.as_ptr(), 0, std::ptr::null()) };
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            source.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
     if rc != 0 {
         bail!(
             "tracefs is not mounted and mounting it at {TRACEFS} failed ({}). Mount it with \
@@ -169,14 +180,18 @@ impl LoadedProbes {
             for syscall in *syscalls {
                 tracepoint
                     .attach("syscalls", &format!("sys_enter_{syscall}"))
-                    .with_context(|| format!("attaching {program} to syscalls/sys_enter_{syscall}"))?;
+                    .with_context(|| {
+                        format!("attaching {program} to syscalls/sys_enter_{syscall}")
+                    })?;
             }
         }
         let exit = tracepoint(&mut ebpf, "exit_call")?;
         for (_, syscalls) in ENTER_PROGRAMS {
             for syscall in *syscalls {
                 exit.attach("syscalls", &format!("sys_exit_{syscall}"))
-                    .with_context(|| format!("attaching exit_call to syscalls/sys_exit_{syscall}"))?;
+                    .with_context(|| {
+                        format!("attaching exit_call to syscalls/sys_exit_{syscall}")
+                    })?;
             }
         }
         tracepoint(&mut ebpf, "enter_close")?
@@ -193,12 +208,18 @@ impl LoadedProbes {
     }
 
     pub fn take_ring_buffer(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.ebpf.take_map("EVENTS").context("EVENTS map missing from the eBPF object")?;
+        let map = self
+            .ebpf
+            .take_map("EVENTS")
+            .context("EVENTS map missing from the eBPF object")?;
         RingBuf::try_from(map).context("EVENTS is not a ring buffer")
     }
 
     fn traced_pids(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u8>> {
-        let map = self.ebpf.map_mut("TRACED_PIDS").context("TRACED_PIDS map missing")?;
+        let map = self
+            .ebpf
+            .map_mut("TRACED_PIDS")
+            .context("TRACED_PIDS map missing")?;
         BpfHashMap::try_from(map).context("TRACED_PIDS has the wrong type")
     }
 
@@ -223,7 +244,10 @@ impl LoadedProbes {
             return;
         };
         let key = SocketKey { tgid: pid, fd };
-        if sockets.get(&key, 0).is_ok_and(|state| state.conn_id == conn_id) {
+        if sockets
+            .get(&key, 0)
+            .is_ok_and(|state| state.conn_id == conn_id)
+        {
             let _ = sockets.remove(&key);
         }
     }
@@ -236,7 +260,10 @@ impl LoadedProbes {
         let Ok(counter) = PerCpuArray::<_, u64>::try_from(map) else {
             return 0;
         };
-        counter.get(&0, 0).map(|values| values.iter().sum()).unwrap_or(0)
+        counter
+            .get(&0, 0)
+            .map(|values| values.iter().sum())
+            .unwrap_or(0)
     }
 }
 

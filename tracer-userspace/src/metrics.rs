@@ -15,8 +15,9 @@ use crate::identity::ServiceIdentity;
 
 /// Bucket boundaries the OTel HTTP semantic conventions specify for
 /// `http.server.request.duration`, in seconds.
-pub const HTTP_DURATION_BOUNDARIES_S: [f64; 14] =
-    [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0];
+pub const HTTP_DURATION_BOUNDARIES_S: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
 
 struct ServiceMetrics {
     provider: SdkMeterProvider,
@@ -48,7 +49,13 @@ impl Metrics {
             .with_description("Duration of HTTP server requests.")
             .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
             .build();
-        self.services.insert(service.pid, ServiceMetrics { provider, server_duration });
+        self.services.insert(
+            service.pid,
+            ServiceMetrics {
+                provider,
+                server_duration,
+            },
+        );
         Ok(())
     }
 
@@ -63,23 +70,32 @@ impl Metrics {
         let mut attributes = vec![
             KeyValue::new("http.request.method", exchange.request.method.clone()),
             KeyValue::new("url.scheme", "http"),
-            KeyValue::new("network.protocol.version", format!("1.{}", exchange.request.version_minor)),
+            KeyValue::new(
+                "network.protocol.version",
+                format!("1.{}", exchange.request.version_minor),
+            ),
         ];
         match &exchange.outcome {
             Outcome::Response(response) => {
-                attributes.push(KeyValue::new("http.response.status_code", response.status as i64));
+                attributes.push(KeyValue::new(
+                    "http.response.status_code",
+                    response.status as i64,
+                ));
                 if response.status >= 500 {
                     attributes.push(KeyValue::new("error.type", response.status.to_string()));
                 }
             }
-            Outcome::Aborted(reason) => attributes.push(KeyValue::new("error.type", reason.as_error_type())),
+            Outcome::Aborted(reason) => {
+                attributes.push(KeyValue::new("error.type", reason.as_error_type()))
+            }
         }
         service.server_duration.record(seconds, &attributes);
     }
 
     /// Exports every provider's final values and stops them.
     pub async fn shutdown(self) {
-        let providers: Vec<SdkMeterProvider> = self.services.into_values().map(|s| s.provider).collect();
+        let providers: Vec<SdkMeterProvider> =
+            self.services.into_values().map(|s| s.provider).collect();
         // Shutdown blocks until the final export is done; keep it off the runtime's workers.
         let _ = tokio::task::spawn_blocking(move || {
             for provider in providers {

@@ -13,7 +13,12 @@ use crate::identity::ServiceIdentity;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpanKind {
     Server,
+    #[expect(
+        dead_code,
+        reason = "CLIENT spans are built from client exchanges in [stitching]"
+    )]
     Client,
+    #[expect(dead_code, reason = "gym.* INTERNAL spans come with [gym-semantics]")]
     Internal,
 }
 
@@ -104,7 +109,12 @@ pub fn parse_traceparent(value: &str) -> Option<(TraceId, SpanId)> {
     let flags = parts.next()?;
     let mut version_byte = [0u8; 1];
     decode_hex(version, &mut version_byte)?;
-    if version.len() != 2 || version == "ff" || trace.len() != 32 || parent.len() != 16 || flags.len() != 2 {
+    if version.len() != 2
+        || version == "ff"
+        || trace.len() != 32
+        || parent.len() != 16
+        || flags.len() != 2
+    {
         return None;
     }
     let mut trace_id = [0u8; 16];
@@ -131,13 +141,20 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
 }
 
 /// The SERVER span of an inbound request. Client exchanges are not turned into spans yet.
-pub fn server_span(exchange: &HttpExchange, service: &Arc<ServiceIdentity>, clock: WallClock) -> Option<SpanRecord> {
+pub fn server_span(
+    exchange: &HttpExchange,
+    service: &Arc<ServiceIdentity>,
+    clock: WallClock,
+) -> Option<SpanRecord> {
     if exchange.role != Role::Server {
         return None;
     }
     let request = &exchange.request;
     let mut attributes: Attributes = vec![
-        ("http.request.method", AttributeValue::Str(request.method.clone())),
+        (
+            "http.request.method",
+            AttributeValue::Str(request.method.clone()),
+        ),
         ("url.path", AttributeValue::Str(request.path.clone())),
         ("url.scheme", AttributeValue::Str("http".into())),
         (
@@ -148,8 +165,14 @@ pub fn server_span(exchange: &HttpExchange, service: &Arc<ServiceIdentity>, cloc
     // server.address is the host the client asked for (the Host header), else the local
     // address the connection arrived on.
     let (host, port) = match request.host.as_deref().map(split_host_port) {
-        Some((host, port)) => (Some(host.to_string()), port.or(exchange.local.map(|a| a.port()))),
-        None => (exchange.local.map(|a| a.ip().to_string()), exchange.local.map(|a| a.port())),
+        Some((host, port)) => (
+            Some(host.to_string()),
+            port.or(exchange.local.map(|a| a.port())),
+        ),
+        None => (
+            exchange.local.map(|a| a.ip().to_string()),
+            exchange.local.map(|a| a.port()),
+        ),
     };
     if let Some(host) = host {
         attributes.push(("server.address", AttributeValue::Str(host)));
@@ -166,16 +189,25 @@ pub fn server_span(exchange: &HttpExchange, service: &Arc<ServiceIdentity>, cloc
     }
     let status = match &exchange.outcome {
         Outcome::Response(response) => {
-            attributes.push(("http.response.status_code", AttributeValue::Int(response.status as i64)));
+            attributes.push((
+                "http.response.status_code",
+                AttributeValue::Int(response.status as i64),
+            ));
             if response.status >= 500 {
-                attributes.push(("error.type", AttributeValue::Str(response.status.to_string())));
+                attributes.push((
+                    "error.type",
+                    AttributeValue::Str(response.status.to_string()),
+                ));
                 SpanStatus::Error
             } else {
                 SpanStatus::Unset
             }
         }
         Outcome::Aborted(reason) => {
-            attributes.push(("error.type", AttributeValue::Str(reason.as_error_type().into())));
+            attributes.push((
+                "error.type",
+                AttributeValue::Str(reason.as_error_type().into()),
+            ));
             SpanStatus::Error
         }
     };
@@ -184,7 +216,9 @@ pub fn server_span(exchange: &HttpExchange, service: &Arc<ServiceIdentity>, cloc
         service: service.clone(),
         name: format!("{} {}", request.method, request.path),
         kind: SpanKind::Server,
-        trace_id: parent.map(|(trace, _)| trace).unwrap_or_else(TraceId::random),
+        trace_id: parent
+            .map(|(trace, _)| trace)
+            .unwrap_or_else(TraceId::random),
         span_id: SpanId::random(),
         parent_span_id: parent.map(|(_, span)| span),
         parent_is_remote: parent.is_some(),
@@ -197,10 +231,10 @@ pub fn server_span(exchange: &HttpExchange, service: &Arc<ServiceIdentity>, cloc
 
 /// `host:port`, `[v6]:port` or a bare host.
 fn split_host_port(value: &str) -> (&str, Option<u16>) {
-    if let Some(rest) = value.strip_prefix('[') {
-        if let Some((host, tail)) = rest.split_once(']') {
-            return (host, tail.strip_prefix(':').and_then(|p| p.parse().ok()));
-        }
+    if let Some(rest) = value.strip_prefix('[')
+        && let Some((host, tail)) = rest.split_once(']')
+    {
+        return (host, tail.strip_prefix(':').and_then(|p| p.parse().ok()));
     }
     match value.rsplit_once(':') {
         Some((host, port)) if !host.contains(':') => (host, port.parse().ok()),
@@ -237,7 +271,10 @@ mod tests {
     }
 
     fn attr<'a>(span: &'a SpanRecord, key: &str) -> Option<&'a AttributeValue> {
-        span.attributes.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+        span.attributes
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v)
     }
 
     #[test]
@@ -249,7 +286,10 @@ mod tests {
             version_minor: 1,
         });
         let span = server_span(
-            &exchange(ok, Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")),
+            &exchange(
+                ok,
+                Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            ),
             &service,
             clock,
         )
@@ -258,13 +298,28 @@ mod tests {
         assert_eq!(span.kind, SpanKind::Server);
         assert_eq!(span.status, SpanStatus::Unset);
         assert_eq!(span.end_unix_ns - span.start_unix_ns, 4_000);
-        assert_eq!(attr(&span, "server.address"), Some(&AttributeValue::Str("localhost".into())));
+        assert_eq!(
+            attr(&span, "server.address"),
+            Some(&AttributeValue::Str("localhost".into()))
+        );
         assert_eq!(attr(&span, "server.port"), Some(&AttributeValue::Int(8000)));
-        assert_eq!(attr(&span, "client.address"), Some(&AttributeValue::Str("127.0.0.1".into())));
-        assert_eq!(attr(&span, "http.response.status_code"), Some(&AttributeValue::Int(200)));
-        assert!(attr(&span, "http.route").is_none(), "no route template is known yet");
+        assert_eq!(
+            attr(&span, "client.address"),
+            Some(&AttributeValue::Str("127.0.0.1".into()))
+        );
+        assert_eq!(
+            attr(&span, "http.response.status_code"),
+            Some(&AttributeValue::Int(200))
+        );
+        assert!(
+            attr(&span, "http.route").is_none(),
+            "no route template is known yet"
+        );
         assert_eq!(span.trace_id.0[0], 0x0a);
-        assert_eq!(span.parent_span_id, Some(SpanId([0xb7, 0xad, 0x6b, 0x71, 0x69, 0x20, 0x33, 0x31])));
+        assert_eq!(
+            span.parent_span_id,
+            Some(SpanId([0xb7, 0xad, 0x6b, 0x71, 0x69, 0x20, 0x33, 0x31]))
+        );
     }
 
     #[test]
@@ -275,20 +330,43 @@ mod tests {
             status: 503,
             version_minor: 1,
         });
-        assert_eq!(server_span(&exchange(failed, None), &service, clock).unwrap().status, SpanStatus::Error);
-        let aborted = server_span(&exchange(Outcome::Aborted(AbortReason::ConnectionClosed), None), &service, clock).unwrap();
+        assert_eq!(
+            server_span(&exchange(failed, None), &service, clock)
+                .unwrap()
+                .status,
+            SpanStatus::Error
+        );
+        let aborted = server_span(
+            &exchange(Outcome::Aborted(AbortReason::ConnectionClosed), None),
+            &service,
+            clock,
+        )
+        .unwrap();
         assert_eq!(aborted.status, SpanStatus::Error);
-        assert_eq!(attr(&aborted, "error.type"), Some(&AttributeValue::Str("connection_closed".into())));
+        assert_eq!(
+            attr(&aborted, "error.type"),
+            Some(&AttributeValue::Str("connection_closed".into()))
+        );
         assert!(aborted.parent_span_id.is_none());
     }
 
     #[test]
     fn traceparent_validation() {
-        assert!(parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").is_some());
-        assert!(parse_traceparent("00-00000000000000000000000000000000-b7ad6b7169203331-01").is_none());
-        assert!(parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b71692033-01").is_none());
-        assert!(parse_traceparent("zz-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").is_none());
-        assert!(parse_traceparent("00-0af7651916cd43dd8448eb211c8031xx-b7ad6b7169203331-01").is_none());
+        assert!(
+            parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").is_some()
+        );
+        assert!(
+            parse_traceparent("00-00000000000000000000000000000000-b7ad6b7169203331-01").is_none()
+        );
+        assert!(
+            parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b71692033-01").is_none()
+        );
+        assert!(
+            parse_traceparent("zz-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01").is_none()
+        );
+        assert!(
+            parse_traceparent("00-0af7651916cd43dd8448eb211c8031xx-b7ad6b7169203331-01").is_none()
+        );
         assert!(parse_traceparent("garbage").is_none());
     }
 }
