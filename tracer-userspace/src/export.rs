@@ -183,7 +183,13 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        text.push(DIGITS[(byte >> 4) as usize] as char);
+        text.push(DIGITS[(byte & 0xf) as usize] as char);
+    }
+    text
 }
 
 fn attribute_json(value: &AttributeValue) -> Value {
