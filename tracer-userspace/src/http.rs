@@ -98,6 +98,14 @@ enum Chunked {
     Trailer { line_len: u32, seen_cr: bool },
 }
 
+impl Chunked {
+    const START: Chunked = Chunked::Size {
+        value: 0,
+        digits: 0,
+        in_extension: false,
+    };
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum State {
     /// Between messages.
@@ -230,12 +238,12 @@ impl MessageStream {
                 let take = bytes.len().min(MAX_HEAD_BYTES + 1 - before);
                 buffer.extend_from_slice(&bytes[..take]);
                 match parse_head(self.kind, buffer) {
-                    HeadParse::Complete(head, head_len) => {
+                    HeadParse::Complete(head, head_len, framing) => {
                         let used = head_len - before;
                         let body = match &head {
-                            Head::Request(request_head) => request_body(request_head, buffer),
+                            Head::Request(_) => framing.body(),
                             Head::Response(response_head) => {
-                                response_body(response_head, request(), buffer)
+                                response_body(response_head, request(), framing)
                             }
                         };
                         out.push(MessageEvent::Head {
@@ -415,8 +423,41 @@ fn could_start_message(kind: StreamKind, bytes: &[u8]) -> bool {
     }
 }
 
+/// Body framing a head declares (RFC 9112 §6.3), read in the same parse as the head.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Framing {
+    content_length: Option<u64>,
+    chunked: bool,
+}
+
+impl Framing {
+    fn of(headers: &[httparse::Header<'_>]) -> Self {
+        let mut framing = Framing::default();
+        for header in headers {
+            let Ok(value) = std::str::from_utf8(header.value) else {
+                continue;
+            };
+            if header.name.eq_ignore_ascii_case("transfer-encoding") {
+                framing.chunked = value.trim_end().to_ascii_lowercase().ends_with("chunked");
+            } else if header.name.eq_ignore_ascii_case("content-length") {
+                framing.content_length = value.trim().parse().ok();
+            }
+        }
+        framing
+    }
+
+    /// The body this framing declares; `None` when it declares none.
+    fn body(self) -> Option<Body> {
+        match (self.content_length, self.chunked) {
+            (_, true) => Some(Body::Chunked(Chunked::START)),
+            (Some(length), false) => Some(Body::Length(length)),
+            (None, false) => None,
+        }
+    }
+}
+
 enum HeadParse {
-    Complete(Head, usize),
+    Complete(Head, usize, Framing),
     Partial,
     Invalid,
 }
@@ -435,7 +476,7 @@ fn parse_head(kind: StreamKind, buffer: &[u8]) -> HeadParse {
                         request.headers,
                         false,
                     );
-                    HeadParse::Complete(Head::Request(head), len)
+                    HeadParse::Complete(Head::Request(head), len, Framing::of(request.headers))
                 }
                 Ok(httparse::Status::Partial) => HeadParse::Partial,
                 Err(httparse::Error::TooManyHeaders) => HeadParse::Invalid,
@@ -451,6 +492,7 @@ fn parse_head(kind: StreamKind, buffer: &[u8]) -> HeadParse {
                         version_minor: response.version.unwrap_or(1),
                     }),
                     len,
+                    Framing::of(response.headers),
                 ),
                 Ok(httparse::Status::Partial) => HeadParse::Partial,
                 Err(_) => HeadParse::Invalid,
@@ -465,11 +507,11 @@ fn parse_truncated_head(kind: StreamKind, buffer: &[u8]) -> Option<Head> {
     let mut complete = buffer[..end + 2].to_vec();
     complete.extend_from_slice(b"\r\n");
     match parse_head(kind, &complete) {
-        HeadParse::Complete(Head::Request(mut head), _) => {
+        HeadParse::Complete(Head::Request(mut head), _, _) => {
             head.truncated = true;
             Some(Head::Request(head))
         }
-        HeadParse::Complete(head, _) => Some(head),
+        HeadParse::Complete(head, _, _) => Some(head),
         _ => None,
     }
 }
@@ -501,66 +543,15 @@ fn request_head(
     }
 }
 
-/// Body framing from the head's headers (RFC 9112 §6.3).
-fn framing(buffer: &[u8]) -> (Option<u64>, bool) {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    // Re-parse for the framing headers only; the head is known to be complete and valid.
-    let parsed = if buffer.starts_with(b"HTTP/") {
-        let mut response = httparse::Response::new(&mut headers);
-        response
-            .parse(buffer)
-            .ok()
-            .map(|_| response.headers.to_vec())
-    } else {
-        let mut request = httparse::Request::new(&mut headers);
-        request.parse(buffer).ok().map(|_| request.headers.to_vec())
-    };
-    let headers = parsed.unwrap_or_default();
-    let mut content_length = None;
-    let mut chunked = false;
-    for header in headers {
-        if header.name.eq_ignore_ascii_case("transfer-encoding") {
-            chunked = std::str::from_utf8(header.value)
-                .map(|v| v.to_ascii_lowercase().trim_end().ends_with("chunked"))
-                .unwrap_or(false);
-        } else if header.name.eq_ignore_ascii_case("content-length") {
-            content_length = std::str::from_utf8(header.value)
-                .ok()
-                .and_then(|v| v.trim().parse().ok());
-        }
-    }
-    (content_length, chunked)
-}
-
-fn request_body(_head: &RequestHead, buffer: &[u8]) -> Option<Body> {
-    match framing(buffer) {
-        (_, true) => Some(Body::Chunked(Chunked::Size {
-            value: 0,
-            digits: 0,
-            in_extension: false,
-        })),
-        (Some(length), false) => Some(Body::Length(length)),
-        (None, false) => None,
-    }
-}
-
-fn response_body(head: &ResponseHead, request: RequestContext, buffer: &[u8]) -> Option<Body> {
-    if request.is_head
+fn response_body(head: &ResponseHead, request: RequestContext, framing: Framing) -> Option<Body> {
+    let bodiless = request.is_head
         || (100..200).contains(&head.status)
         || head.status == 204
-        || head.status == 304
-    {
+        || head.status == 304;
+    if bodiless {
         return None;
     }
-    match framing(buffer) {
-        (_, true) => Some(Body::Chunked(Chunked::Size {
-            value: 0,
-            digits: 0,
-            in_extension: false,
-        })),
-        (Some(length), false) => Some(Body::Length(length)),
-        (None, false) => Some(Body::UntilClose),
-    }
+    Some(framing.body().unwrap_or(Body::UntilClose))
 }
 
 /// Advances a body over captured bytes; returns bytes used and whether the body ended.
@@ -622,13 +613,7 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                         used += 1;
                         match byte {
                             b'\r' if !*seen_cr => *seen_cr = true,
-                            b'\n' => {
-                                *state = Chunked::Size {
-                                    value: 0,
-                                    digits: 0,
-                                    in_extension: false,
-                                }
-                            }
+                            b'\n' => *state = Chunked::START,
                             _ => {
                                 *body = Body::ChunkedBlind;
                                 return (bytes.len(), false);
@@ -672,6 +657,46 @@ mod tests {
         }
     }
 
+    /// A stream plus what it reported, for tests that feed transfers one at a time.
+    struct Recorder {
+        stream: MessageStream,
+        out: Vec<MessageEvent>,
+        errors: Vec<ParseError>,
+    }
+
+    impl Recorder {
+        fn new(kind: StreamKind) -> Self {
+            Self {
+                stream: MessageStream::new(kind),
+                out: Vec::new(),
+                errors: Vec::new(),
+            }
+        }
+
+        fn feed(&mut self, captured: &[u8], total_len: u64, tail: &[u8], timestamp_ns: u64) {
+            self.feed_answering(
+                captured,
+                total_len,
+                tail,
+                timestamp_ns,
+                RequestContext::default(),
+            );
+        }
+
+        fn feed_answering(
+            &mut self,
+            captured: &[u8],
+            total_len: u64,
+            tail: &[u8],
+            timestamp_ns: u64,
+            request: RequestContext,
+        ) {
+            let transfer = t(captured, total_len, tail, timestamp_ns);
+            self.stream
+                .feed(transfer, || request, &mut self.out, &mut self.errors);
+        }
+    }
+
     fn feed_all(
         stream: &mut MessageStream,
         chunks: &[&[u8]],
@@ -679,12 +704,8 @@ mod tests {
         let mut out = Vec::new();
         let mut errors = Vec::new();
         for (i, chunk) in chunks.iter().enumerate() {
-            stream.feed(
-                t(chunk, chunk.len() as u64, &[], i as u64 + 1),
-                RequestContext::default,
-                &mut out,
-                &mut errors,
-            );
+            let transfer = t(chunk, chunk.len() as u64, &[], i as u64 + 1);
+            stream.feed(transfer, RequestContext::default, &mut out, &mut errors);
         }
         (out, errors)
     }
@@ -784,119 +805,67 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
 
     #[test]
     fn chunked_body_beyond_the_capture_ends_at_its_tail() {
-        let mut stream = MessageStream::new(StreamKind::Responses);
-        let mut out = Vec::new();
-        let mut errors = Vec::new();
+        let mut rec = Recorder::new(StreamKind::Responses);
         let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1000\r\n";
-        stream.feed(
-            t(head, head.len() as u64 + 4096, b"aaaaaaaa", 1),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert!(ends(&out).is_empty());
-        stream.feed(
-            t(b"", 4000, b"bbbbbbbb", 2),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert!(ends(&out).is_empty());
-        stream.feed(
-            t(b"", 5, b"0\r\n\r\n", 3),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(ends(&out).len(), 1);
-        assert_eq!(ends(&out)[0].0, 3);
-        assert!(stream.is_idle());
+        rec.feed(head, head.len() as u64 + 4096, b"aaaaaaaa", 1);
+        assert!(ends(&rec.out).is_empty());
+        rec.feed(b"", 4000, b"bbbbbbbb", 2);
+        assert!(ends(&rec.out).is_empty());
+        rec.feed(b"", 5, b"0\r\n\r\n", 3);
+        assert_eq!(ends(&rec.out).len(), 1);
+        assert_eq!(ends(&rec.out)[0].0, 3);
+        assert!(rec.stream.is_idle());
     }
 
     #[test]
     fn content_length_body_beyond_the_capture() {
-        let mut stream = MessageStream::new(StreamKind::Requests);
-        let mut out = Vec::new();
-        let mut errors = Vec::new();
+        let mut rec = Recorder::new(StreamKind::Requests);
         let head = b"POST /verify HTTP/1.1\r\ncontent-length: 100000\r\n\r\n{\"a\":";
         // First read: head plus the first 5 body bytes captured, 4000 more not captured.
-        stream.feed(
-            t(head, head.len() as u64 + 4000, b"", 1),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        stream.feed(
-            t(b"", 95995, b"", 2),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(ends(&out), vec![(2, 100000)]);
-        assert!(errors.is_empty());
+        rec.feed(head, head.len() as u64 + 4000, b"", 1);
+        rec.feed(b"", 95995, b"", 2);
+        assert_eq!(ends(&rec.out), vec![(2, 100000)]);
+        assert!(rec.errors.is_empty());
         // The next request on the connection is captured again.
-        stream.feed(
-            t(REQUEST, REQUEST.len() as u64, b"", 3),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(heads(&out).len(), 2);
+        rec.feed(REQUEST, REQUEST.len() as u64, b"", 3);
+        assert_eq!(heads(&rec.out).len(), 2);
     }
 
     #[test]
     fn head_larger_than_the_capture_still_names_the_request() {
-        let mut stream = MessageStream::new(StreamKind::Requests);
-        let mut out = Vec::new();
-        let mut errors = Vec::new();
+        let mut rec = Recorder::new(StreamKind::Requests);
         let captured = b"GET /big HTTP/1.1\r\nHost: a\r\nX-Huge: aaaaaaaa";
-        stream.feed(
-            t(captured, 20000, b"", 1),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(errors, vec![ParseError::HeadTooLarge]);
-        let Head::Request(head) = &heads(&out)[0] else {
+        rec.feed(captured, 20000, b"", 1);
+        assert_eq!(rec.errors, vec![ParseError::HeadTooLarge]);
+        let Head::Request(head) = &heads(&rec.out)[0] else {
             panic!()
         };
         assert_eq!(head.path, "/big");
         assert!(head.truncated);
         // Resynchronises on the next request.
-        stream.feed(
-            t(REQUEST, REQUEST.len() as u64, b"", 2),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(heads(&out).len(), 2);
+        rec.feed(REQUEST, REQUEST.len() as u64, b"", 2);
+        assert_eq!(heads(&rec.out).len(), 2);
     }
 
     #[test]
     fn interim_and_head_responses_have_no_body() {
-        let mut stream = MessageStream::new(StreamKind::Responses);
-        let mut out = Vec::new();
-        let mut errors = Vec::new();
+        let mut rec = Recorder::new(StreamKind::Responses);
         let continue_then_ok =
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-        stream.feed(
-            t(continue_then_ok, continue_then_ok.len() as u64, b"", 1),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(heads(&out).len(), 2);
-        assert_eq!(ends(&out), vec![(1, 0), (1, 2)]);
-        out.clear();
+        rec.feed(continue_then_ok, continue_then_ok.len() as u64, b"", 1);
+        assert_eq!(heads(&rec.out).len(), 2);
+        assert_eq!(ends(&rec.out), vec![(1, 0), (1, 2)]);
+        rec.out.clear();
         let head_response = b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n";
-        stream.feed(
-            t(head_response, head_response.len() as u64, b"", 2),
-            || RequestContext { is_head: true },
-            &mut out,
-            &mut errors,
+        rec.feed_answering(
+            head_response,
+            head_response.len() as u64,
+            b"",
+            2,
+            RequestContext { is_head: true },
         );
-        assert_eq!(ends(&out), vec![(2, 0)]);
-        assert!(errors.is_empty());
+        assert_eq!(ends(&rec.out), vec![(2, 0)]);
+        assert!(rec.errors.is_empty());
     }
 
     #[test]
@@ -921,16 +890,9 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
 
     #[test]
     fn uncaptured_message_start_is_reported() {
-        let mut stream = MessageStream::new(StreamKind::Requests);
-        let mut out = Vec::new();
-        let mut errors = Vec::new();
-        stream.feed(
-            t(b"", 500, b"", 1),
-            RequestContext::default,
-            &mut out,
-            &mut errors,
-        );
-        assert_eq!(errors, vec![ParseError::UncapturedStart]);
-        assert!(out.is_empty());
+        let mut rec = Recorder::new(StreamKind::Requests);
+        rec.feed(b"", 500, b"", 1);
+        assert_eq!(rec.errors, vec![ParseError::UncapturedStart]);
+        assert!(rec.out.is_empty());
     }
 }
