@@ -5,7 +5,6 @@ real OTLP."""
 import collections
 import http.client
 import json
-import os
 import socket
 import subprocess
 import threading
@@ -374,10 +373,3 @@ def test_agent_exits_when_the_traced_process_exits(server_factory):
     assert agent.process.returncode == 0
     assert "every traced process has exited" in agent.stderr()
 
-
-@pytest.fixture(autouse=True)
-def _no_otel_env_leak():
-    """The agent reads OTEL_* from the environment; tests set them explicitly."""
-    yield
-    for key in [k for k in os.environ if k.startswith("OTEL_")]:
-        del os.environ[key]

@@ -148,6 +148,7 @@ impl ConnectionTable {
                         connection,
                         *timestamp_ns,
                         AbortReason::ConnectionClosed,
+                        stats,
                         exchanges,
                     );
                 }
@@ -166,6 +167,7 @@ impl ConnectionTable {
                             connection,
                             *timestamp_ns,
                             AbortReason::ProcessExited,
+                            stats,
                             exchanges,
                         );
                     }
@@ -186,6 +188,7 @@ impl ConnectionTable {
                 stale,
                 open.timestamp_ns,
                 AbortReason::ConnectionClosed,
+                stats,
                 exchanges,
             );
         }
@@ -193,7 +196,6 @@ impl ConnectionTable {
             stats.connections_dropped += 1;
             return;
         }
-        let (request_kind, response_kind) = (StreamKind::Requests, StreamKind::Responses);
         self.connections.insert(
             id,
             Connection {
@@ -201,8 +203,8 @@ impl ConnectionTable {
                 role: open.role,
                 local: open.local,
                 peer: open.peer,
-                requests: MessageStream::new(request_kind),
-                responses: MessageStream::new(response_kind),
+                requests: MessageStream::new(StreamKind::Requests),
+                responses: MessageStream::new(StreamKind::Responses),
                 in_flight: VecDeque::new(),
                 current_response: None,
                 parse_errors: 0,
@@ -374,13 +376,13 @@ fn finish(
     mut connection: Connection,
     timestamp_ns: u64,
     reason: AbortReason,
+    stats: &mut Stats,
     exchanges: &mut Vec<HttpExchange>,
 ) {
     let mut events = Vec::new();
     connection.responses.close(timestamp_ns, &mut events);
-    let mut stats = Stats::default();
     for event in events {
-        on_message_event(pid, &mut connection, false, event, &mut stats, exchanges);
+        on_message_event(pid, &mut connection, false, event, stats, exchanges);
     }
     while let Some(request) = connection.in_flight.pop_front() {
         exchanges.push(exchange(

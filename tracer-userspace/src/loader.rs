@@ -87,23 +87,21 @@ pub fn preflight() -> Result<()> {
     }
     ensure_tracefs()?;
     let events = Path::new(TRACEFS).join("events");
-    let mut absent = Vec::new();
-    for (_, syscalls) in ENTER_PROGRAMS {
-        for syscall in syscalls.iter().chain(["close"].iter()) {
-            for side in ["enter", "exit"] {
-                if side == "exit" && *syscall == "close" {
-                    continue;
-                }
-                let name = format!("syscalls/sys_{side}_{syscall}");
-                if !events.join(&name).exists() {
-                    absent.push(name);
-                }
-            }
-        }
+    let mut required = vec![
+        "syscalls/sys_enter_close".to_string(),
+        "sched/sched_process_exit".to_string(),
+    ];
+    for syscall in ENTER_PROGRAMS
+        .iter()
+        .flat_map(|(_, syscalls)| syscalls.iter())
+    {
+        required.push(format!("syscalls/sys_enter_{syscall}"));
+        required.push(format!("syscalls/sys_exit_{syscall}"));
     }
-    if !events.join("sched/sched_process_exit").exists() {
-        absent.push("sched/sched_process_exit".to_string());
-    }
+    let absent: Vec<String> = required
+        .into_iter()
+        .filter(|name| !events.join(name).exists())
+        .collect();
     if !absent.is_empty() {
         bail!(
             "this kernel lacks tracepoints gym-tracer needs: {}. They come with \
