@@ -1,0 +1,1 @@
+//! Finding Gym server processes on the host (placeholder).

@@ -1,0 +1,1 @@
+//! Harvesting a server's route table from its own `/openapi.json` (placeholder).
