@@ -73,9 +73,10 @@ class UvicornServer:
 
 
 class Agent:
-    """The real gym-tracer, attached by PID; JSON lines are read from its stdout."""
+    """The real gym-tracer, attached by PID (or, with discover=True, finding Gym servers itself
+    with `--discover gym`); JSON lines are read from its stdout."""
 
-    def __init__(self, pids, extra_args=(), env=None):
+    def __init__(self, pids=(), extra_args=(), env=None, discover=False):
         self.workdir = tempfile.mkdtemp(prefix="gym-tracer-test-")
         self.ready_file = Path(self.workdir) / "ready"
         self.stdout_path = Path(self.workdir) / "stdout.jsonl"
@@ -83,9 +84,11 @@ class Agent:
         args = [str(agent_binary()), "run", "--ready-file", str(self.ready_file), "--metric-interval", "3600"]
         for pid in pids:
             args += ["--pid", str(pid)]
+        if discover:
+            args += ["--discover", "gym"]
         args += list(extra_args)
         self.args = args
-        clean_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
         self.env = dict(clean_env, **(env or {}))
         self.process = None
         self.returncode = None
@@ -118,6 +121,17 @@ class Agent:
 
     def stderr(self):
         return self.stderr_path.read_text(errors="replace")
+
+    def wait_for_stderr(self, text, timeout=15):
+        """Waits until `text` appears in the agent's stderr; returns the first line holding it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.stderr().splitlines():
+                if text in line:
+                    return line
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise AssertionError(f"{text!r} not in gym-tracer's stderr within {timeout} s:\n{self.stderr()}")
+            time.sleep(0.05)
 
     def stdout_text(self):
         return self.stdout_path.read_text(errors="replace")

@@ -28,6 +28,7 @@ pub enum EventKind {
     Data = 2,
     ConnClose = 3,
     ProcessExit = 4,
+    ProcessFork = 5,
 }
 
 impl EventKind {
@@ -37,6 +38,7 @@ impl EventKind {
             2 => Some(Self::Data),
             3 => Some(Self::ConnClose),
             4 => Some(Self::ProcessExit),
+            5 => Some(Self::ProcessFork),
             _ => None,
         }
     }
@@ -120,6 +122,22 @@ pub struct DataEvent {
     pub payload: [u8; 2 * MAX_CAPTURE_BYTES],
 }
 
+/// A traced process forked. The kernel has already added `child_pid` to the PID filter so
+/// that nothing the child does is missed; user space decides whether to keep it there (a
+/// `child_pid` that turns out to be a new thread, not a process, is removed again).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcessForkEvent {
+    /// `header.tgid` is the parent process.
+    pub header: EventHeader,
+    pub child_pid: u32,
+    pub _pad: u32,
+}
+
+/// Values of the PID filter map: why a process is traced.
+pub const TRACED_BY_USER: u8 = 1;
+pub const TRACED_AS_CHILD: u8 = 2;
+
 /// Per-socket state kept in the kernel for traced processes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -192,6 +210,7 @@ pub const SOCK_STREAM: u16 = 1;
 const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
 const _: () = assert!(core::mem::size_of::<ConnOpenEvent>() == 72);
 const _: () = assert!(core::mem::size_of::<DataEventHeader>() == 56);
+const _: () = assert!(core::mem::size_of::<ProcessForkEvent>() == 40);
 const _: () = assert!(core::mem::size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
 const _: () = assert!(core::mem::size_of::<SocketState>() == 24);
 const _: () = assert!(core::mem::size_of::<SocketKey>() == 8);

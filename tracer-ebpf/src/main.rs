@@ -22,8 +22,9 @@ use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_READ_BUFFER, CALL_READ_IOVEC,
     CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, ConnOpenEvent,
     DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
-    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, PendingCall, ROLE_CLIENT,
-    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
+    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, PendingCall,
+    ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
+    TRACED_AS_CHILD,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -96,6 +97,9 @@ const RET: usize = 16;
 
 /// `group_dead` in `sched/sched_process_exit`.
 const GROUP_DEAD: usize = 32;
+
+/// `child_pid` in `sched/sched_process_fork`.
+const CHILD_PID: usize = 20;
 
 #[inline(always)]
 fn traced_tgid() -> Option<(u64, u32)> {
@@ -220,6 +224,31 @@ pub fn enter_close(ctx: TracePointContext) -> u32 {
     };
     let _ = SOCKETS.remove(&key);
     emit(&header(EventKind::ConnClose, pid_tgid, fd, state.conn_id));
+    0
+}
+
+/// Follows forks in the kernel, before the child runs: a uvicorn worker or reloader child
+/// accepts its first connection long before user space could add it to the filter.
+#[tracepoint]
+pub fn process_fork(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: sched_process_fork layout.
+    let child_pid = unsafe { ctx.read_at::<i32>(CHILD_PID).unwrap_or(0) };
+    if child_pid <= 0 {
+        return 0;
+    }
+    let child_pid = child_pid as u32;
+    if TRACED_PIDS.insert(&child_pid, &TRACED_AS_CHILD, 0).is_err() {
+        count_lost();
+        return 0;
+    }
+    emit(&ProcessForkEvent {
+        header: header(EventKind::ProcessFork, pid_tgid, -1, 0),
+        child_pid,
+        _pad: 0,
+    });
     0
 }
 

@@ -1,36 +1,71 @@
-//! The running agent: wires loader → reader → connection table → spans/metrics → exporters,
-//! and handles start-up, signals and shutdown.
+//! The running agent: wires loader → reader → connection table → Gym classification →
+//! spans/metrics → exporters, keeps the set of traced processes up to date (named PIDs,
+//! discovery, forks, exits), and handles start-up, signals and shutdown.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
 
-use crate::cli::RunArgs;
+use crate::classify::{classify, wants_run_body};
+use crate::cli::{Discover, RunArgs};
 use crate::clock::WallClock;
 use crate::connections::{ConnectionTable, HttpExchange, TableAction};
-use crate::events::{KernelEvent, decode};
+use crate::discovery::{GymServer, ProcScanner, gym_server_from_env, read_process_env};
+use crate::events::{KernelEvent, Role, decode};
 use crate::export::{ExportTarget, SpanPipeline};
-use crate::identity::ServiceIdentity;
+use crate::gym::ServerType;
+use crate::gym::routes::{RouteName, RouteTemplate, templates_from_openapi};
+use crate::gym::span_groups::SpanGroups;
+use crate::harvest::{SelfPorts, connect_address, fetch_openapi, listening_ports};
+use crate::identity::GymLabels;
 use crate::loader::{LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
-use crate::spans::server_span;
+use crate::processes::ProcessTable;
+use crate::spans::{SpanRecord, request_spans};
 use crate::stats::Stats;
+
+/// How often `--discover` rescans /proc: servers that start are traced within this.
+const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A server found before it listens is asked for its routes again, this often and this
+/// many times.
+const HARVEST_RETRY: Duration = Duration::from_secs(1);
+const HARVEST_ATTEMPTS: u32 = 60;
+
+/// What the kernel said about traced processes, handled between ring-buffer batches.
+#[derive(Debug)]
+enum Lifecycle {
+    Exited(u32),
+    /// A fork event that was a thread or a child that could not be adopted: take it out of
+    /// the kernel filter again.
+    NotAProcess(u32),
+}
+
+/// A route table harvested from a server, for it and its forked workers.
+struct Harvest {
+    root: u32,
+    templates: Vec<RouteTemplate>,
+}
 
 /// Everything downstream of the ring buffer.
 struct Pipeline {
     clock: WallClock,
     table: ConnectionTable,
-    services: HashMap<u32, Arc<ServiceIdentity>>,
+    processes: ProcessTable,
+    groups: SpanGroups,
+    self_ports: SelfPorts,
     spans: SpanPipeline,
     metrics: Metrics,
     stats: Stats,
     exchanges: Vec<HttpExchange>,
     actions: Vec<TableAction>,
-    exited: Vec<u32>,
+    lifecycle: Vec<Lifecycle>,
+    span_batch: Vec<SpanRecord>,
 }
 
 impl Pipeline {
@@ -43,8 +78,11 @@ impl Pipeline {
                 return;
             }
         };
-        if let KernelEvent::ProcessExit { pid, .. } = event {
-            self.exited.push(pid);
+        match event {
+            KernelEvent::ProcessExit { pid, .. } => self.lifecycle.push(Lifecycle::Exited(pid)),
+            // Adopted at once: the child's own records may follow in this same batch.
+            KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
+            _ => {}
         }
         self.table.apply(
             &event,
@@ -52,20 +90,103 @@ impl Pipeline {
             &mut self.exchanges,
             &mut self.actions,
         );
-        for exchange in self.exchanges.drain(..) {
-            self.stats.exchanges += 1;
-            let Some(service) = self.services.get(&exchange.pid) else {
-                continue;
-            };
-            self.metrics.record(&exchange);
-            if let Some(span) = server_span(&exchange, service, self.clock) {
-                if self.spans.offer(span) {
-                    self.stats.spans_queued += 1;
-                } else {
-                    self.stats.spans_dropped_queue_full += 1;
-                }
+        let mut exchanges = std::mem::take(&mut self.exchanges);
+        for exchange in exchanges.drain(..) {
+            self.handle_exchange(&exchange);
+        }
+        self.exchanges = exchanges;
+    }
+
+    fn handle_exchange(&mut self, exchange: &HttpExchange) {
+        self.stats.exchanges += 1;
+        if self.is_own_request(exchange) {
+            self.stats.self_requests_ignored += 1;
+            return;
+        }
+        let Some(process) = self.processes.get_mut(exchange.pid) else {
+            return;
+        };
+        let meaning = classify(process, exchange);
+        if meaning.route == RouteName::Unnamed {
+            self.stats.requests_unnamed += 1;
+        }
+        let identity = process.identity.clone();
+        self.metrics.record(&identity, exchange, &meaning);
+        request_spans(
+            exchange,
+            &identity,
+            &meaning,
+            self.groups,
+            self.clock,
+            &mut self.span_batch,
+        );
+        for span in self.span_batch.drain(..) {
+            if self.spans.offer(span) {
+                self.stats.spans_queued += 1;
+            } else {
+                self.stats.spans_dropped_queue_full += 1;
             }
         }
+    }
+
+    /// The agent's own route harvest arrives at the server like any client's request.
+    fn is_own_request(&self, exchange: &HttpExchange) -> bool {
+        exchange.role == Role::Server
+            && match (exchange.peer, exchange.local) {
+                (Some(peer), Some(local)) => {
+                    peer.ip() == local.ip() && self.self_ports.contains(peer.port())
+                }
+                _ => false,
+            }
+    }
+
+    fn adopt(&mut self, parent: u32, child: u32) {
+        if !is_process(child) {
+            self.stats.fork_threads_ignored += 1;
+            self.lifecycle.push(Lifecycle::NotAProcess(child));
+            return;
+        }
+        match self.processes.adopt_child(parent, child) {
+            Some(process) => {
+                self.stats.forks_followed += 1;
+                eprintln!(
+                    "gym-tracer: attached pid {child} as {} (child of pid {parent})",
+                    describe(&process.identity.labels)
+                );
+            }
+            None => self.lifecycle.push(Lifecycle::NotAProcess(child)),
+        }
+    }
+}
+
+/// A fork event's child is a process (not a thread) if it leads its own thread group.
+fn is_process(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Tgid:"))
+                .and_then(|tgid| tgid.trim().parse::<u32>().ok())
+        })
+        == Some(pid)
+}
+
+fn describe(labels: &GymLabels) -> String {
+    match (&labels.server_name, labels.server_type) {
+        (Some(name), Some(kind)) => format!("{name} ({})", kind.config_key()),
+        (Some(name), None) => format!("{name} (type unknown)"),
+        (None, _) => "a process that is not a Gym server".to_string(),
+    }
+}
+
+/// A traced process exited: stop filtering it and free what was kept for it.
+fn forget(pipeline: &mut Pipeline, probes: &mut LoadedProbes, pid: u32) {
+    probes.untrace_pid(pid);
+    if pipeline.processes.remove(pid).is_some() {
+        pipeline.metrics.remove_service(pid);
+        pipeline.stats.processes_exited += 1;
+        eprintln!("gym-tracer: pid {pid} exited");
     }
 }
 
@@ -76,6 +197,97 @@ fn check_pids(pids: &[u32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Labels from a Gym server's environment and config.
+fn labels_of(server: &GymServer) -> GymLabels {
+    GymLabels {
+        server_name: Some(server.name.clone()),
+        server_type: server
+            .server_type
+            .as_deref()
+            .and_then(ServerType::from_config_key),
+        server_type_key: server.server_type.clone(),
+        service_group: server.service_group.clone(),
+    }
+}
+
+/// Labels of a `--pid` process: its Gym environment if it has one, then the flags.
+fn labels_of_named(pid: u32, args: &RunArgs) -> (GymLabels, Option<GymServer>) {
+    let server = read_process_env(&PathBuf::from("/proc"), pid)
+        .ok()
+        .and_then(|env| match gym_server_from_env(&env) {
+            Ok(server) => server,
+            Err(error) => {
+                eprintln!("gym-tracer: pid {pid}: {error}");
+                Some(error.into_server())
+            }
+        });
+    let mut labels = server.as_ref().map(labels_of).unwrap_or_default();
+    if args.server_name.is_some() {
+        labels.server_name = args.server_name.clone();
+    }
+    if let Some(server_type) = args.server_type {
+        labels.server_type = Some(server_type);
+        labels.server_type_key = Some(server_type.config_key().to_string());
+    }
+    (labels, server)
+}
+
+/// Where to ask a server for its routes: its configured port, else what it listens on.
+/// Blocking: a configured host may need a DNS lookup.
+fn harvest_address(pid: u32, server: Option<&GymServer>) -> Option<SocketAddr> {
+    if let Some(port) = server.and_then(|s| s.port) {
+        return Some(connect_address(
+            server.and_then(|s| s.host.as_deref()),
+            port,
+        ));
+    }
+    let listening = listening_ports(pid).ok()?;
+    listening
+        .first()
+        .map(|addr| connect_address(Some(&addr.ip().to_string()), addr.port()))
+}
+
+/// Asks one server for its `/openapi.json`, patiently: a server found at start-up may not
+/// listen yet. Gives up quietly (Gym's known routes still name its requests).
+fn spawn_harvest(
+    pid: u32,
+    server: Option<GymServer>,
+    self_ports: SelfPorts,
+    results: mpsc::UnboundedSender<Result<Harvest, String>>,
+) {
+    tokio::spawn(async move {
+        let mut last_error = String::from("it never listened");
+        for _ in 0..HARVEST_ATTEMPTS {
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                return;
+            }
+            let lookup = server.clone();
+            let address =
+                tokio::task::spawn_blocking(move || harvest_address(pid, lookup.as_ref()))
+                    .await
+                    .ok()
+                    .flatten();
+            if let Some(address) = address {
+                match fetch_openapi(address, &self_ports).await {
+                    Ok(document) => {
+                        let result = templates_from_openapi(&document)
+                            .map(|templates| Harvest {
+                                root: pid,
+                                templates,
+                            })
+                            .map_err(|error| format!("pid {pid}: /openapi.json: {error}"));
+                        let _ = results.send(result);
+                        return;
+                    }
+                    Err(error) => last_error = error.to_string(),
+                }
+            }
+            tokio::time::sleep(HARVEST_RETRY).await;
+        }
+        let _ = results.send(Err(format!("pid {pid}: no route table: {last_error}")));
+    });
 }
 
 pub async fn run(args: RunArgs) -> Result<()> {
@@ -104,35 +316,81 @@ pub async fn run(args: RunArgs) -> Result<()> {
     };
     let mut pipeline = Pipeline {
         clock: WallClock::measure(),
-        table: ConnectionTable::new(args.max_connections),
-        services: HashMap::new(),
+        table: ConnectionTable::new(args.max_connections).reading_run_bodies(wants_run_body),
+        processes: ProcessTable::new(args.routes.clone(), args.service_name.clone()),
+        groups: args.span_groups,
+        self_ports: SelfPorts::new(),
         spans: SpanPipeline::start(&target)?,
         metrics: Metrics::new(target.clone(), Duration::from_secs(args.metric_interval)),
         stats: Stats::default(),
         exchanges: Vec::new(),
         actions: Vec::new(),
-        exited: Vec::new(),
+        lifecycle: Vec::new(),
+        span_batch: Vec::new(),
     };
-    for &pid in &args.pids {
-        let service = Arc::new(ServiceIdentity::of_process(
-            pid,
-            args.service_name.as_deref(),
-        ));
-        pipeline.metrics.add_service(&service)?;
-        pipeline.services.insert(pid, service);
+    let (harvest_tx, mut harvest_rx) = mpsc::unbounded_channel();
+    let harvest = !args.no_route_harvest;
+
+    let attach = |pipeline: &mut Pipeline,
+                  probes: &mut LoadedProbes,
+                  pid: u32,
+                  labels: GymLabels,
+                  server: Option<GymServer>|
+     -> Result<()> {
         probes.trace_pid(pid)?;
+        let process = pipeline.processes.attach(pid, labels);
+        pipeline.stats.processes_attached += 1;
+        eprintln!(
+            "gym-tracer: attached pid {pid} as {}",
+            describe(&process.identity.labels)
+        );
+        if harvest {
+            spawn_harvest(pid, server, pipeline.self_ports.clone(), harvest_tx.clone());
+        }
+        Ok(())
+    };
+
+    for &pid in &args.pids {
+        let (labels, server) = labels_of_named(pid, &args);
+        attach(&mut pipeline, &mut probes, pid, labels, server)?;
+    }
+    let mut scanner = args
+        .discover
+        .map(|Discover::Gym| ProcScanner::new(PathBuf::from("/proc")));
+    let discover = |pipeline: &mut Pipeline,
+                    probes: &mut LoadedProbes,
+                    scanner: &mut ProcScanner|
+     -> Result<()> {
+        let found = scanner.scan();
+        // Exits first: a pid that was reused (or re-exec'd as another server) is in both.
+        for pid in found.exited {
+            forget(pipeline, probes, pid);
+        }
+        for (pid, error) in &found.config_errors {
+            eprintln!("gym-tracer: pid {pid}: {error}");
+        }
+        for (pid, server) in found.started {
+            if !pipeline.processes.contains(pid) {
+                attach(pipeline, probes, pid, labels_of(&server), Some(server))?;
+            }
+        }
+        Ok(())
+    };
+    if let Some(scanner) = scanner.as_mut() {
+        discover(&mut pipeline, &mut probes, scanner)?;
     }
     if let Some(path) = &args.ready_file {
         std::fs::write(path, format!("{}\n", std::process::id()))
             .with_context(|| format!("writing the ready file {}", path.display()))?;
     }
     eprintln!(
-        "gym-tracer: tracing pid {} → {}",
-        args.pids
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(", "),
+        "gym-tracer: {} → {}",
+        match (&args.discover, args.pids.len()) {
+            (Some(Discover::Gym), 0) => "watching for Gym servers".to_string(),
+            (Some(Discover::Gym), n) =>
+                format!("tracing {n} named process(es) and watching for Gym servers"),
+            (None, n) => format!("tracing {n} named process(es)"),
+        },
         match &target {
             ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
             ExportTarget::Otlp { endpoint, protocol } => format!("OTLP {protocol:?} {endpoint}"),
@@ -141,7 +399,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
 
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
-    let mut live = args.pids.len();
+    let mut rescan = tokio::time::interval(DISCOVERY_INTERVAL);
+    rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             readable = ring.readable_mut() => {
@@ -152,6 +411,21 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 }
                 guard.clear_ready();
             }
+            _ = rescan.tick(), if scanner.is_some() => {
+                if let Some(scanner) = scanner.as_mut() {
+                    discover(&mut pipeline, &mut probes, scanner)?;
+                }
+            }
+            Some(result) = harvest_rx.recv() => match result {
+                Ok(Harvest { root, templates }) => {
+                    pipeline.stats.route_tables_harvested += 1;
+                    pipeline.processes.set_harvested_routes(root, &templates);
+                }
+                Err(message) => {
+                    pipeline.stats.route_harvests_failed += 1;
+                    eprintln!("gym-tracer: {message}; naming routes from Gym's known routes");
+                }
+            },
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
@@ -159,14 +433,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             let TableAction::Untrack { id, conn_id } = action;
             probes.untrack_socket(id.pid, id.fd, conn_id);
         }
-        for pid in pipeline.exited.drain(..) {
-            if pipeline.services.contains_key(&pid) {
-                probes.untrace_pid(pid);
-                live -= 1;
-                eprintln!("gym-tracer: pid {pid} exited");
+        for change in std::mem::take(&mut pipeline.lifecycle) {
+            match change {
+                Lifecycle::NotAProcess(pid) => probes.untrace_pid(pid),
+                Lifecycle::Exited(pid) => forget(&mut pipeline, &mut probes, pid),
             }
         }
-        if live == 0 {
+        if scanner.is_none() && pipeline.processes.is_empty() {
             eprintln!("gym-tracer: every traced process has exited");
             break;
         }
@@ -180,6 +453,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         pipeline.handle_record(&record);
     }
     pipeline.stats.events_lost_in_kernel = lost;
+    pipeline.stats.environ_unreadable = scanner.as_ref().map_or(0, ProcScanner::unreadable);
     let in_flight = pipeline.table.in_flight_requests();
     let open_connections = pipeline.table.open_connections();
     let Pipeline {

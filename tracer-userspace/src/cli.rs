@@ -2,9 +2,12 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::export::OtlpProtocol;
+use crate::gym::ServerType;
+use crate::gym::routes::RouteTemplate;
+use crate::gym::span_groups::SpanGroups;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -12,11 +15,15 @@ use crate::export::OtlpProtocol;
     version,
     about = "Zero-code eBPF tracer for NeMo Gym's HTTP servers",
     long_about = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n\
-        Attaches to running uvicorn/FastAPI processes from the kernel (syscall tracepoints), \
-        rebuilds a SERVER span for every HTTP/1.x request they serve and the \
-        http.server.request.duration histogram, and exports them: as JSON lines on stdout by \
-        default, or over OTLP when an endpoint is configured. The traced processes are not \
-        changed, restarted or slowed by in-process instrumentation.\n\n\
+        Attaches to running uvicorn/FastAPI processes from the kernel (syscall tracepoints) — \
+        found with --discover gym or named with --pid — and rebuilds from their HTTP/1.x \
+        traffic what NeMo Gym's own telemetry would emit: a SERVER span per request named \
+        after its route template, the gym.rollout / gym.verify / gym.agent.* / gym.model.* \
+        spans with server name and rollout id, http.server.request.duration and the gym.* \
+        metrics. Exports them as JSON lines on stdout by default, or over OTLP when an \
+        endpoint is configured. The traced processes are not changed, restarted or slowed by \
+        in-process instrumentation; request bodies, query strings and Gym's config are never \
+        exported.\n\n\
         Needs root, or CAP_BPF + CAP_PERFMON."
 )]
 pub struct Cli {
@@ -26,16 +33,72 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Trace processes until SIGINT/SIGTERM (or until every traced process has exited).
+    /// Trace processes until SIGINT/SIGTERM (without --discover, also until every traced
+    /// process has exited).
     Run(RunArgs),
+}
+
+/// What `--discover` looks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Discover {
+    /// NeMo Gym servers: processes whose environment has NEMO_GYM_CONFIG_PATH (the server
+    /// name) and NEMO_GYM_CONFIG_DICT (the run's config; only server names, types, hosts
+    /// and ports are read from it).
+    Gym,
 }
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Process id to trace; repeat for several processes. Connections that are already
-    /// open when the agent attaches are not traced, new ones are.
-    #[arg(long = "pid", value_name = "PID", required = true)]
+    /// open when the agent attaches are not traced, new ones are. Children the process
+    /// forks later (uvicorn --workers, reloaders) are traced with its identity. A Gym server
+    /// is recognised from its environment; others can be labelled with --server-name and
+    /// --server-type.
+    #[arg(long = "pid", value_name = "PID", required_unless_present = "discover")]
     pub pids: Vec<u32>,
+
+    /// Find the processes to trace: scan /proc every second, attach to each server found
+    /// (and its children), drop servers that exit, and keep running until SIGINT/SIGTERM.
+    #[arg(long, value_enum, value_name = "KIND")]
+    pub discover: Option<Discover>,
+
+    /// nemo.gym.server.name for the --pid processes (when their environment does not say).
+    #[arg(long, value_name = "NAME", requires = "pids")]
+    pub server_name: Option<String>,
+
+    /// nemo.gym.server.type for the --pid processes: responses_api_agents,
+    /// responses_api_models, resources_servers (or agent, model, resources). Decides which
+    /// gym.* span a route gets; without it the type is inferred from the server's routes.
+    #[arg(long, value_name = "TYPE", requires = "pids")]
+    pub server_type: Option<ServerType>,
+
+    /// Which spans to emit, as Gym's NEMO_GYM_OTEL_SPAN_GROUPS: a comma list of groups
+    /// (server, http_client, rollout, verify, agent, model_call, job, sandbox) and presets
+    /// (default = job,server,http_client,rollout; per_rollout = server,http_client,rollout,
+    /// verify,agent,model_call; all). The tracer defaults to per_rollout, not Gym's
+    /// `default`: observing from outside costs the servers nothing per span, so the
+    /// per-request gym.verify / gym.agent.* / gym.model.* detail is on, and there is no
+    /// run-long job span to hang every rollout under. Metrics are recorded whatever the
+    /// groups.
+    #[arg(
+        long,
+        env = "NEMO_GYM_OTEL_SPAN_GROUPS",
+        value_name = "SPEC",
+        default_value = "per_rollout"
+    )]
+    pub span_groups: SpanGroups,
+
+    /// A route template, as FastAPI writes it (/items/{item_id}, /files/{p:path}), to name
+    /// requests by; repeatable. Checked before the routes harvested from the server's
+    /// /openapi.json and Gym's known routes. Paths no template matches are named with
+    /// ids, numbers and hashes replaced by {id}, in the span name only (never http.route).
+    #[arg(long = "route", value_name = "TEMPLATE")]
+    pub routes: Vec<RouteTemplate>,
+
+    /// Do not ask servers for their route table. By default the agent GETs
+    /// /openapi.json once from each server it attaches to (the request is not traced).
+    #[arg(long)]
+    pub no_route_harvest: bool,
 
     /// Create this file once every probe is attached and the PIDs are in the filter
     /// (scripts and tests wait for it). Removed on exit.
@@ -68,8 +131,9 @@ pub struct RunArgs {
     )]
     pub otlp_protocol: OtlpProtocol,
 
-    /// service.name of every traced process; by default each is named after its
-    /// executable.
+    /// For Gym servers: the service group, as OTEL_SERVICE_NAME is for Gym (service.name is
+    /// <group>/<server name>; a server's own OTEL_SERVICE_NAME wins, the default group is
+    /// `nemo`). For other processes: their service.name (by default, the executable name).
     #[arg(long, env = "OTEL_SERVICE_NAME", value_name = "NAME")]
     pub service_name: Option<String>,
 

@@ -7,9 +7,10 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 
 use crate::events::{ConnOpen, DataTransfer, Direction, KernelEvent, Role};
+use crate::gym::rollout_id::{RolloutId, rollout_id_from_run_body};
 use crate::http::{
     Head, MessageEvent, MessageStream, ParseError, RequestContext, RequestHead, ResponseHead,
-    StreamKind, Transfer,
+    StreamKind, Transfer, WantsBody,
 };
 use crate::stats::Stats;
 
@@ -65,12 +66,16 @@ pub struct HttpExchange {
     pub start_ns: u64,
     /// Monotonic ns when the response's last byte moved (or the abort was seen).
     pub end_ns: u64,
+    /// The rollout id named by the request body, for requests whose body was kept (see
+    /// [`ConnectionTable::new`]).
+    pub run_rollout_id: Option<RolloutId>,
 }
 
 #[derive(Debug)]
 struct InFlight {
     head: RequestHead,
     start_ns: u64,
+    run_rollout_id: Option<RolloutId>,
 }
 
 #[derive(Debug)]
@@ -94,6 +99,8 @@ const MAX_PARSE_ERRORS: u32 = 3;
 pub struct ConnectionTable {
     connections: HashMap<SocketId, Connection>,
     max_connections: usize,
+    /// Inbound requests whose body is read for a rollout id.
+    wants_body: Option<WantsBody>,
     scratch_events: Vec<MessageEvent>,
     scratch_errors: Vec<ParseError>,
 }
@@ -110,9 +117,16 @@ impl ConnectionTable {
         Self {
             connections: HashMap::new(),
             max_connections,
+            wants_body: None,
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
         }
+    }
+
+    /// Inbound requests that `wants_body` accepts get `run_rollout_id` read from their body.
+    pub fn reading_run_bodies(mut self, wants_body: WantsBody) -> Self {
+        self.wants_body = Some(wants_body);
+        self
     }
 
     pub fn open_connections(&self) -> usize {
@@ -153,6 +167,7 @@ impl ConnectionTable {
                     );
                 }
             }
+            KernelEvent::ProcessFork { .. } => {}
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
                 let ids: Vec<SocketId> = self
                     .connections
@@ -203,7 +218,10 @@ impl ConnectionTable {
                 role: open.role,
                 local: open.local,
                 peer: open.peer,
-                requests: MessageStream::new(StreamKind::Requests),
+                requests: match (open.role, self.wants_body) {
+                    (Role::Server, Some(wants)) => MessageStream::keeping_bodies(wants),
+                    _ => MessageStream::new(StreamKind::Requests),
+                },
                 responses: MessageStream::new(StreamKind::Responses),
                 in_flight: VecDeque::new(),
                 current_response: None,
@@ -318,6 +336,7 @@ fn on_message_event(
             connection.in_flight.push_back(InFlight {
                 head,
                 start_ns: first_byte_ns,
+                run_rollout_id: None,
             });
         }
         (
@@ -345,8 +364,15 @@ fn on_message_event(
                 None => stats.responses_without_request += 1,
             }
         }
+        (true, MessageEvent::BodyPrefix(prefix)) => {
+            // The body is read for the few fields that name the rollout, then let go.
+            if let Some(request) = connection.in_flight.back_mut() {
+                request.run_rollout_id = rollout_id_from_run_body(&prefix.bytes, prefix.complete);
+            }
+        }
         // The end of a request body changes nothing: the exchange ends with its response.
         (true, MessageEvent::End { .. }) => {}
+        (false, MessageEvent::BodyPrefix(_)) => {}
         (_, MessageEvent::Head { .. }) => {}
     }
 }
@@ -367,6 +393,7 @@ fn exchange(
         outcome,
         start_ns: request.start_ns,
         end_ns: end_ns.max(request.start_ns),
+        run_rollout_id: request.run_rollout_id,
     }
 }
 

@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 use tracer_abi::{
     AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
-    EventHeader, EventKind, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
+    EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -63,6 +63,11 @@ pub enum KernelEvent<'a> {
     ProcessExit {
         pid: u32,
         timestamp_ns: u64,
+    },
+    /// `child` is already in the kernel's PID filter; it may be a thread, not a process.
+    ProcessFork {
+        parent: u32,
+        child: u32,
     },
 }
 
@@ -157,6 +162,13 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             pid: header.tgid,
             timestamp_ns: header.timestamp_ns,
         },
+        EventKind::ProcessFork => {
+            let fork: ProcessForkEvent = read_struct(bytes)?;
+            KernelEvent::ProcessFork {
+                parent: header.tgid,
+                child: fork.child_pid,
+            }
+        }
     })
 }
 

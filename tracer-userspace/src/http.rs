@@ -51,9 +51,35 @@ pub enum Head {
 pub enum MessageEvent {
     /// A head was parsed; `first_byte_ns` is when the message's first byte moved.
     Head { head: Head, first_byte_ns: u64 },
+    /// The first bytes of the body of the request that was last reported by `Head`, for a
+    /// request the stream was asked to keep them for. Sent just before its `End`.
+    BodyPrefix(BodyPrefix),
     /// The message that was last reported by `Head` ended; `last_byte_ns` is when its last
     /// byte moved.
     End { last_byte_ns: u64, body_bytes: u64 },
+}
+
+/// Longest body prefix a stream keeps for a request it was asked about.
+pub const MAX_BODY_PREFIX: usize = tracer_abi::MAX_CAPTURE_BYTES;
+
+/// The captured start of a request body. `complete` says it is the whole body, so a field
+/// that is absent from it is absent from the body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BodyPrefix {
+    pub bytes: Vec<u8>,
+    pub complete: bool,
+}
+
+/// Which requests' bodies a stream keeps a prefix of (most bodies are never looked at, and
+/// keeping them would cost memory for nothing).
+pub type WantsBody = fn(&RequestHead) -> bool;
+
+/// A body prefix being collected.
+#[derive(Debug)]
+struct PrefixCollector {
+    bytes: Vec<u8>,
+    /// Body bytes that moved but are not in `bytes` (beyond the capture or the limit).
+    missed: bool,
 }
 
 /// Why bytes could not be followed; each is counted by the caller.
@@ -140,6 +166,8 @@ pub struct Transfer<'a> {
 pub struct MessageStream {
     kind: StreamKind,
     state: State,
+    wants_body: Option<WantsBody>,
+    prefix: Option<PrefixCollector>,
 }
 
 impl MessageStream {
@@ -147,6 +175,16 @@ impl MessageStream {
         Self {
             kind,
             state: State::Idle,
+            wants_body: None,
+            prefix: None,
+        }
+    }
+
+    /// A request stream that reports a [`BodyPrefix`] for requests `wants_body` accepts.
+    pub fn keeping_bodies(wants_body: WantsBody) -> Self {
+        Self {
+            wants_body: Some(wants_body),
+            ..Self::new(StreamKind::Requests)
         }
     }
 
@@ -199,12 +237,24 @@ impl MessageStream {
             bytes,
         } = self.state
         {
-            out.push(MessageEvent::End {
-                last_byte_ns: timestamp_ns,
-                body_bytes: bytes,
-            });
+            self.end_message(timestamp_ns, bytes, out);
         }
         self.state = State::Idle;
+    }
+
+    /// Reports the end of the current message, preceded by its body prefix if one was kept.
+    fn end_message(&mut self, last_byte_ns: u64, body_bytes: u64, out: &mut Vec<MessageEvent>) {
+        if let Some(prefix) = self.prefix.take() {
+            let complete = !prefix.missed && prefix.bytes.len() as u64 == body_bytes;
+            out.push(MessageEvent::BodyPrefix(BodyPrefix {
+                bytes: prefix.bytes,
+                complete,
+            }));
+        }
+        out.push(MessageEvent::End {
+            last_byte_ns,
+            body_bytes,
+        });
     }
 
     /// Consumes a prefix of `bytes`; returns how many bytes were used (at least one).
@@ -241,7 +291,18 @@ impl MessageStream {
                     HeadParse::Complete(head, head_len, framing) => {
                         let used = head_len - before;
                         let body = match &head {
-                            Head::Request(_) => framing.body(),
+                            Head::Request(request_head) => {
+                                let body = framing.body();
+                                // Only Content-Length bodies: a chunked prefix would hold
+                                // framing, not the document.
+                                self.prefix = (matches!(body, Some(Body::Length(n)) if n > 0)
+                                    && self.wants_body.is_some_and(|wants| wants(request_head)))
+                                .then(|| PrefixCollector {
+                                    bytes: Vec::new(),
+                                    missed: false,
+                                });
+                                body
+                            }
                             Head::Response(response_head) => {
                                 response_body(response_head, request(), framing)
                             }
@@ -269,22 +330,22 @@ impl MessageStream {
             State::Body { body, bytes: count } => {
                 let (used, done) = advance_body(body, bytes);
                 *count += used as u64;
+                if let Some(prefix) = &mut self.prefix {
+                    let room = MAX_BODY_PREFIX - prefix.bytes.len();
+                    prefix.bytes.extend_from_slice(&bytes[..used.min(room)]);
+                    prefix.missed |= used > room;
+                }
                 if done {
                     let body_bytes = *count;
-                    out.push(MessageEvent::End {
-                        last_byte_ns: timestamp_ns,
-                        body_bytes,
-                    });
                     self.state = State::Idle;
+                    self.end_message(timestamp_ns, body_bytes, out);
                 } else if matches!(body, Body::ChunkedBlind) {
                     // Framing was lost earlier; whatever arrives is body until the tail
                     // says otherwise.
                     if bytes.ends_with(b"0\r\n\r\n") {
-                        out.push(MessageEvent::End {
-                            last_byte_ns: timestamp_ns,
-                            body_bytes: *count,
-                        });
+                        let body_bytes = *count;
                         self.state = State::Idle;
+                        self.end_message(timestamp_ns, body_bytes, out);
                     }
                     return bytes.len();
                 }
@@ -297,11 +358,8 @@ impl MessageStream {
     fn start_body(&mut self, body: Option<Body>, timestamp_ns: u64, out: &mut Vec<MessageEvent>) {
         match body {
             None | Some(Body::Length(0)) => {
-                out.push(MessageEvent::End {
-                    last_byte_ns: timestamp_ns,
-                    body_bytes: 0,
-                });
                 self.state = State::Idle;
+                self.end_message(timestamp_ns, 0, out);
             }
             Some(body) => self.state = State::Body { body, bytes: 0 },
         }
@@ -346,6 +404,9 @@ impl MessageStream {
             }
             State::Body { body, bytes } => {
                 *bytes += gap;
+                if let Some(prefix) = &mut self.prefix {
+                    prefix.missed = true;
+                }
                 match body {
                     Body::Length(remaining) => {
                         if gap < *remaining {
@@ -353,26 +414,20 @@ impl MessageStream {
                         } else {
                             let overshoot = gap - *remaining;
                             let body_bytes = *bytes - overshoot;
-                            out.push(MessageEvent::End {
-                                last_byte_ns: timestamp_ns,
-                                body_bytes,
-                            });
                             self.state = if overshoot > 0 {
                                 errors.push(ParseError::UncapturedStart);
                                 State::Desynced
                             } else {
                                 State::Idle
                             };
+                            self.end_message(timestamp_ns, body_bytes, out);
                         }
                     }
                     Body::Chunked(_) | Body::ChunkedBlind => {
                         if tail.ends_with(b"0\r\n\r\n") {
                             let body_bytes = *bytes;
-                            out.push(MessageEvent::End {
-                                last_byte_ns: timestamp_ns,
-                                body_bytes,
-                            });
                             self.state = State::Idle;
+                            self.end_message(timestamp_ns, body_bytes, out);
                         } else {
                             if matches!(body, Body::Chunked(_)) && tail.is_empty() {
                                 errors.push(ParseError::LostChunkFraming);
@@ -894,5 +949,68 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         rec.feed(b"", 500, b"", 1);
         assert_eq!(rec.errors, vec![ParseError::UncapturedStart]);
         assert!(rec.out.is_empty());
+    }
+
+    fn wants_post(head: &RequestHead) -> bool {
+        head.method == "POST"
+    }
+
+    fn prefixes(events: &[MessageEvent]) -> Vec<BodyPrefix> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                MessageEvent::BodyPrefix(prefix) => Some(prefix.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keeps_the_body_prefix_only_of_requests_it_was_asked_about() {
+        let mut stream = MessageStream::keeping_bodies(wants_post);
+        let (events, errors) = feed_all(
+            &mut stream,
+            &[
+                b"POST /run HTTP/1.1\r\nContent-Length: 10\r\n\r\n{\"a\":",
+                b"1234}",
+                b"PUT /x HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}",
+            ],
+        );
+        assert!(errors.is_empty());
+        assert_eq!(
+            prefixes(&events),
+            [BodyPrefix {
+                bytes: b"{\"a\":1234}".to_vec(),
+                complete: true
+            }]
+        );
+        // The prefix comes right before its message's end.
+        let position = events
+            .iter()
+            .position(|e| matches!(e, MessageEvent::BodyPrefix(_)))
+            .unwrap();
+        assert!(matches!(events[position + 1], MessageEvent::End { .. }));
+    }
+
+    #[test]
+    fn a_body_beyond_the_capture_gives_an_incomplete_prefix() {
+        let mut recorder = Recorder {
+            stream: MessageStream::keeping_bodies(wants_post),
+            out: Vec::new(),
+            errors: Vec::new(),
+        };
+        let captured = b"POST /run HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"_ng_task_index\": 1";
+        let total = captured.len() as u64 - 20 + 100;
+        recorder.feed(captured, total, b"", 1);
+        let kept = prefixes(&recorder.out);
+        assert_eq!(kept.len(), 1);
+        assert!(!kept[0].complete);
+        assert_eq!(kept[0].bytes, b"{\"_ng_task_index\": 1");
+        // Chunked bodies are not kept: their bytes are framing, not the document.
+        let (events, _) = feed_all(
+            &mut MessageStream::keeping_bodies(wants_post),
+            &[b"POST /run HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"],
+        );
+        assert!(prefixes(&events).is_empty());
     }
 }

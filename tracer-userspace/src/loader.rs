@@ -90,6 +90,7 @@ pub fn preflight() -> Result<()> {
     let mut required = vec![
         "syscalls/sys_enter_close".to_string(),
         "sched/sched_process_exit".to_string(),
+        "sched/sched_process_fork".to_string(),
     ];
     for syscall in ENTER_PROGRAMS
         .iter()
@@ -198,6 +199,9 @@ impl LoadedProbes {
         tracepoint(&mut ebpf, "process_exit")?
             .attach("sched", "sched_process_exit")
             .context("attaching process_exit")?;
+        tracepoint(&mut ebpf, "process_fork")?
+            .attach("sched", "sched_process_fork")
+            .context("attaching process_fork")?;
 
         Ok(Self {
             ebpf,
@@ -223,7 +227,7 @@ impl LoadedProbes {
 
     pub fn trace_pid(&mut self, pid: u32) -> Result<()> {
         self.traced_pids()?
-            .insert(pid, 1, 0)
+            .insert(pid, tracer_abi::TRACED_BY_USER, 0)
             .with_context(|| format!("adding pid {pid} to the PID filter"))
     }
 

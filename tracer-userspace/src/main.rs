@@ -1,12 +1,15 @@
 //! gym-tracer: attaches to NeMo Gym's HTTP server processes from the kernel and exports the
 //! spans and metrics their own telemetry would have produced.
 //!
-//! Data flow, one module per stage: `loader` (kernel programs) → ring buffer → `events`
-//! (decode) → `connections` (per-connection state, `http` reassembly) → `spans` / `metrics`
-//! → `export`. `agent` assembles it; this file only parses the command line.
+//! Data flow, one module per stage: `discovery` (which processes) → `loader` (kernel
+//! programs, PID filter) → ring buffer → `events` (decode) → `connections` (per-connection
+//! state, `http` reassembly) → `classify` (Gym meaning: routes, rollout ids, `gym.*` spans,
+//! from `gym` and the per-process state in `processes`, fed by `harvest`) → `spans` /
+//! `metrics` → `export`. `agent` assembles it; this file only parses the command line.
 
 mod agent;
 mod btf;
+mod classify;
 mod cli;
 mod clock;
 mod connections;
@@ -19,6 +22,7 @@ mod http;
 mod identity;
 mod loader;
 mod metrics;
+mod processes;
 mod spans;
 mod stats;
 

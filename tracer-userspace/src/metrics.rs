@@ -1,16 +1,20 @@
-//! Metrics recorded from HTTP exchanges, one SDK meter provider per traced process.
+//! Metrics recorded from HTTP exchanges, one SDK meter provider per traced process: the
+//! stable HTTP server histogram and Gym's `gym.*` instruments, each dimensioned by
+//! `nemo.gym.server.name` (Gym records the `gym.*` ones without attributes).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Histogram, MeterProvider};
+use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
+use crate::classify::RequestMeaning;
 use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
 use crate::export::{ExportTarget, meter_provider};
+use crate::gym::span_groups::SpanGroup;
 use crate::identity::ServiceIdentity;
 
 /// Bucket boundaries the OTel HTTP semantic conventions specify for
@@ -21,7 +25,17 @@ pub const HTTP_DURATION_BOUNDARIES_S: [f64; 14] = [
 
 struct ServiceMetrics {
     provider: SdkMeterProvider,
+    /// `nemo.gym.server.name`, when the process is a Gym server.
+    server_name: Option<KeyValue>,
     server_duration: Histogram<f64>,
+    rollout_duration: Histogram<f64>,
+    verify_duration: Histogram<f64>,
+    verify_success_rate: Gauge<f64>,
+    verify_calls: Counter<u64>,
+    /// Verify calls seen since attach, and how many succeeded: the success rate is the
+    /// cumulative fraction, as Gym defines it (per process, since it started).
+    verify_total: u64,
+    verify_succeeded: u64,
 }
 
 pub struct Metrics {
@@ -39,8 +53,9 @@ impl Metrics {
         }
     }
 
-    /// Creates the provider of a newly traced process. Inside the tokio runtime.
-    pub fn add_service(&mut self, service: &ServiceIdentity) -> Result<()> {
+    /// Creates the provider of a traced process, on its first request: forked helpers that
+    /// never serve HTTP cost nothing. Inside the tokio runtime.
+    fn add_service(&mut self, service: &ServiceIdentity) -> Result<()> {
         let provider = meter_provider(&self.target, service, self.interval)?;
         let meter = provider.meter("gym-tracer");
         let server_duration = meter
@@ -49,32 +64,115 @@ impl Metrics {
             .with_description("Duration of HTTP server requests.")
             .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
             .build();
+        let rollout_duration = meter
+            .f64_histogram("gym.rollout.duration_ms")
+            .with_unit("ms")
+            .with_description("Wall-clock duration of one rollout (agent /run).")
+            .build();
+        let verify_duration = meter
+            .f64_histogram("gym.verify.duration_ms")
+            .with_unit("ms")
+            .with_description("Wall-clock duration of one verification (resources /verify).")
+            .build();
+        let verify_success_rate = meter
+            .f64_gauge("gym.verify.success_rate")
+            .with_description(
+                "Fraction of /verify calls whose handler completed, since the tracer attached.",
+            )
+            .build();
+        let verify_calls = meter
+            .u64_counter("gym.verify.calls")
+            .with_description("/verify calls, by whether the handler completed (succeeded).")
+            .build();
         self.services.insert(
             service.pid,
             ServiceMetrics {
                 provider,
+                server_name: service
+                    .server_name()
+                    .map(|name| KeyValue::new("nemo.gym.server.name", name.to_string())),
                 server_duration,
+                rollout_duration,
+                verify_duration,
+                verify_success_rate,
+                verify_calls,
+                verify_total: 0,
+                verify_succeeded: 0,
             },
         );
         Ok(())
     }
 
-    pub fn record(&self, exchange: &HttpExchange) {
-        let Some(service) = self.services.get(&exchange.pid) else {
-            return;
-        };
+    /// Stops a process's provider after one last export, off the runtime's workers: the
+    /// process has exited, and nothing of it is kept.
+    pub fn remove_service(&mut self, pid: u32) {
+        if let Some(service) = self.services.remove(&pid) {
+            tokio::task::spawn_blocking(move || {
+                if let Err(error) = service.provider.shutdown() {
+                    eprintln!("gym-tracer: final metric export for pid {pid} failed: {error}");
+                }
+            });
+        }
+    }
+
+    pub fn record(
+        &mut self,
+        identity: &ServiceIdentity,
+        exchange: &HttpExchange,
+        meaning: &RequestMeaning,
+    ) {
         if exchange.role != Role::Server {
             return;
         }
-        let seconds = exchange.end_ns.saturating_sub(exchange.start_ns) as f64 / 1e9;
-        let mut attributes = vec![
+        if !self.services.contains_key(&identity.pid)
+            && let Err(error) = self.add_service(identity)
+        {
+            eprintln!("gym-tracer: no metrics for pid {}: {error:#}", identity.pid);
+            return;
+        }
+        let Some(service) = self.services.get_mut(&identity.pid) else {
+            return;
+        };
+        let elapsed_ns = exchange.end_ns.saturating_sub(exchange.start_ns) as f64;
+        let server_name: Vec<KeyValue> = service.server_name.iter().cloned().collect();
+        match meaning.semantic.map(|semantic| semantic.group) {
+            Some(SpanGroup::Rollout) => service
+                .rollout_duration
+                .record(elapsed_ns / 1e6, &server_name),
+            Some(SpanGroup::Verify) => {
+                // Succeeded = the handler completed: a reward of 0 is a success, a 5xx or a
+                // dropped connection is not.
+                let succeeded = matches!(
+                    &exchange.outcome,
+                    Outcome::Response(response) if response.status < 500
+                );
+                service.verify_total += 1;
+                service.verify_succeeded += u64::from(succeeded);
+                service
+                    .verify_duration
+                    .record(elapsed_ns / 1e6, &server_name);
+                service.verify_success_rate.record(
+                    service.verify_succeeded as f64 / service.verify_total as f64,
+                    &server_name,
+                );
+                let mut attributes = server_name.clone();
+                attributes.push(KeyValue::new("succeeded", succeeded));
+                service.verify_calls.add(1, &attributes);
+            }
+            _ => {}
+        }
+        let mut attributes = server_name;
+        attributes.extend([
             KeyValue::new("http.request.method", exchange.request.method.clone()),
             KeyValue::new("url.scheme", "http"),
             KeyValue::new(
                 "network.protocol.version",
                 format!("1.{}", exchange.request.version_minor),
             ),
-        ];
+        ]);
+        if let Some(route) = meaning.route.http_route() {
+            attributes.push(KeyValue::new("http.route", route.to_string()));
+        }
         match &exchange.outcome {
             Outcome::Response(response) => {
                 attributes.push(KeyValue::new(
@@ -89,7 +187,9 @@ impl Metrics {
                 attributes.push(KeyValue::new("error.type", reason.as_error_type()))
             }
         }
-        service.server_duration.record(seconds, &attributes);
+        service
+            .server_duration
+            .record(elapsed_ns / 1e9, &attributes);
     }
 
     /// Exports every provider's final values and stops them.

@@ -5,9 +5,11 @@ use std::sync::Arc;
 
 use rand::Rng;
 
+use crate::classify::RequestMeaning;
 use crate::clock::WallClock;
 use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
+use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::identity::ServiceIdentity;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,7 +20,6 @@ pub enum SpanKind {
         reason = "CLIENT spans are built from client exchanges in [stitching]"
     )]
     Client,
-    #[expect(dead_code, reason = "gym.* INTERNAL spans come with [gym-semantics]")]
     Internal,
 }
 
@@ -140,15 +141,70 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
     Some(())
 }
 
-/// The SERVER span of an inbound request. Client exchanges are not turned into spans yet.
-pub fn server_span(
+/// The spans of one inbound request, as the span groups allow: the SERVER span, and the
+/// `gym.*` INTERNAL span (its child, with the same timing) when the route is one Gym wraps.
+/// Client exchanges are not turned into spans yet.
+pub fn request_spans(
     exchange: &HttpExchange,
     service: &Arc<ServiceIdentity>,
+    meaning: &RequestMeaning,
+    groups: SpanGroups,
     clock: WallClock,
-) -> Option<SpanRecord> {
+    out: &mut Vec<SpanRecord>,
+) {
     if exchange.role != Role::Server {
-        return None;
+        return;
     }
+    let server = server_span(exchange, service, meaning, clock);
+    let semantic = meaning
+        .semantic
+        .filter(|semantic| groups.contains(semantic.group))
+        .map(|semantic| SpanRecord {
+            service: service.clone(),
+            name: semantic.name.to_string(),
+            kind: SpanKind::Internal,
+            trace_id: server.trace_id,
+            span_id: SpanId::random(),
+            // Without the SERVER span, the semantic span hangs where it would have.
+            parent_span_id: if groups.contains(SpanGroup::Server) {
+                Some(server.span_id)
+            } else {
+                server.parent_span_id
+            },
+            parent_is_remote: !groups.contains(SpanGroup::Server) && server.parent_is_remote,
+            start_unix_ns: server.start_unix_ns,
+            end_unix_ns: server.end_unix_ns,
+            attributes: gym_attributes(service, meaning),
+            status: server.status,
+        });
+    if groups.contains(SpanGroup::Server) {
+        out.push(server);
+    }
+    out.extend(semantic);
+}
+
+/// `nemo.gym.server.name` and `nemo.gym.rollout.id`, where known.
+fn gym_attributes(service: &ServiceIdentity, meaning: &RequestMeaning) -> Attributes {
+    let mut attributes = Attributes::new();
+    if let Some(name) = service.server_name() {
+        attributes.push(("nemo.gym.server.name", AttributeValue::Str(name.into())));
+    }
+    if let Some(id) = &meaning.rollout_id {
+        attributes.push((
+            "nemo.gym.rollout.id",
+            AttributeValue::Str(id.as_str().into()),
+        ));
+    }
+    attributes
+}
+
+/// The SERVER span of an inbound request, named `{method} {route}`.
+fn server_span(
+    exchange: &HttpExchange,
+    service: &Arc<ServiceIdentity>,
+    meaning: &RequestMeaning,
+    clock: WallClock,
+) -> SpanRecord {
     let request = &exchange.request;
     let mut attributes: Attributes = vec![
         (
@@ -162,6 +218,12 @@ pub fn server_span(
             AttributeValue::Str(format!("1.{}", request.version_minor)),
         ),
     ];
+    // A guessed template is fine for a name, not for `http.route`, which dashboards group
+    // by: that must be the server's own.
+    if let Some(route) = meaning.route.http_route() {
+        attributes.push(("http.route", AttributeValue::Str(route.to_string())));
+    }
+    let name = meaning.route.span_name(&request.method);
     // server.address is the host the client asked for (the Host header), else the local
     // address the connection arrived on.
     let (host, port) = match request.host.as_deref().map(split_host_port) {
@@ -211,10 +273,11 @@ pub fn server_span(
             SpanStatus::Error
         }
     };
+    attributes.extend(gym_attributes(service, meaning));
     let parent = request.traceparent.as_deref().and_then(parse_traceparent);
-    Some(SpanRecord {
+    SpanRecord {
         service: service.clone(),
-        name: format!("{} {}", request.method, request.path),
+        name,
         kind: SpanKind::Server,
         trace_id: parent
             .map(|(trace, _)| trace)
@@ -226,7 +289,7 @@ pub fn server_span(
         end_unix_ns: clock.to_unix_ns(exchange.end_ns),
         attributes,
         status,
-    })
+    }
 }
 
 /// `host:port`, `[v6]:port` or a bare host.
@@ -246,7 +309,11 @@ fn split_host_port(value: &str) -> (&str, Option<u16>) {
 mod tests {
     use super::*;
     use crate::connections::AbortReason;
+    use crate::gym::rollout_id::RolloutId;
+    use crate::gym::routes::RouteName;
+    use crate::gym::semantics::SemanticSpan;
     use crate::http::{RequestHead, ResponseHead};
+    use crate::identity::GymLabels;
 
     fn exchange(outcome: Outcome, traceparent: Option<&str>) -> HttpExchange {
         HttpExchange {
@@ -256,7 +323,7 @@ mod tests {
             peer: Some("127.0.0.1:50000".parse().unwrap()),
             request: RequestHead {
                 method: "POST".into(),
-                path: "/verify".into(),
+                path: "/ng-rollout/r-7/verify".into(),
                 version_minor: 1,
                 host: Some("localhost:8000".into()),
                 user_agent: Some("ua".into()),
@@ -267,7 +334,51 @@ mod tests {
             outcome,
             start_ns: 1_000,
             end_ns: 5_000,
+            run_rollout_id: None,
         }
+    }
+
+    fn ok() -> Outcome {
+        Outcome::Response(ResponseHead {
+            status: 200,
+            version_minor: 1,
+        })
+    }
+
+    fn verify_meaning() -> RequestMeaning {
+        RequestMeaning {
+            route: RouteName::Template("/verify".into()),
+            rollout_id: RolloutId::parse("r-7"),
+            semantic: Some(SemanticSpan {
+                name: "gym.verify",
+                group: SpanGroup::Verify,
+            }),
+        }
+    }
+
+    fn gym_service() -> Arc<ServiceIdentity> {
+        Arc::new(ServiceIdentity::of_process(
+            std::process::id(),
+            GymLabels {
+                server_name: Some("math".into()),
+                ..GymLabels::default()
+            },
+            None,
+            None,
+        ))
+    }
+
+    fn spans(exchange: &HttpExchange, meaning: &RequestMeaning, groups: &str) -> Vec<SpanRecord> {
+        let mut out = Vec::new();
+        request_spans(
+            exchange,
+            &gym_service(),
+            meaning,
+            groups.parse().unwrap(),
+            WallClock::measure(),
+            &mut out,
+        );
+        out
     }
 
     fn attr<'a>(span: &'a SpanRecord, key: &str) -> Option<&'a AttributeValue> {
@@ -277,44 +388,38 @@ mod tests {
             .map(|(_, v)| v)
     }
 
+    fn str_attr<'a>(span: &'a SpanRecord, key: &str) -> Option<&'a str> {
+        match attr(span, key) {
+            Some(AttributeValue::Str(value)) => Some(value),
+            _ => None,
+        }
+    }
+
     #[test]
     fn server_span_has_semconv_attributes_and_adopts_traceparent() {
-        let service = Arc::new(ServiceIdentity::for_test("svc"));
-        let clock = WallClock::measure();
-        let ok = Outcome::Response(ResponseHead {
-            status: 200,
-            version_minor: 1,
-        });
-        let span = server_span(
-            &exchange(
-                ok,
-                Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
-            ),
-            &service,
-            clock,
-        )
-        .unwrap();
+        let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let all = spans(
+            &exchange(ok(), Some(traceparent)),
+            &verify_meaning(),
+            "server",
+        );
+        assert_eq!(all.len(), 1, "only the server group is on");
+        let span = &all[0];
         assert_eq!(span.name, "POST /verify");
         assert_eq!(span.kind, SpanKind::Server);
         assert_eq!(span.status, SpanStatus::Unset);
         assert_eq!(span.end_unix_ns - span.start_unix_ns, 4_000);
+        assert_eq!(str_attr(span, "http.route"), Some("/verify"));
+        assert_eq!(str_attr(span, "url.path"), Some("/ng-rollout/r-7/verify"));
+        assert_eq!(str_attr(span, "server.address"), Some("localhost"));
+        assert_eq!(attr(span, "server.port"), Some(&AttributeValue::Int(8000)));
+        assert_eq!(str_attr(span, "client.address"), Some("127.0.0.1"));
         assert_eq!(
-            attr(&span, "server.address"),
-            Some(&AttributeValue::Str("localhost".into()))
-        );
-        assert_eq!(attr(&span, "server.port"), Some(&AttributeValue::Int(8000)));
-        assert_eq!(
-            attr(&span, "client.address"),
-            Some(&AttributeValue::Str("127.0.0.1".into()))
-        );
-        assert_eq!(
-            attr(&span, "http.response.status_code"),
+            attr(span, "http.response.status_code"),
             Some(&AttributeValue::Int(200))
         );
-        assert!(
-            attr(&span, "http.route").is_none(),
-            "no route template is known yet"
-        );
+        assert_eq!(str_attr(span, "nemo.gym.server.name"), Some("math"));
+        assert_eq!(str_attr(span, "nemo.gym.rollout.id"), Some("r-7"));
         assert_eq!(span.trace_id.0[0], 0x0a);
         assert_eq!(
             span.parent_span_id,
@@ -323,31 +428,81 @@ mod tests {
     }
 
     #[test]
+    fn semantic_span_is_a_child_with_the_same_timing() {
+        let all = spans(&exchange(ok(), None), &verify_meaning(), "per_rollout");
+        let [server, verify] = &all[..] else {
+            panic!("expected two spans, got {all:?}");
+        };
+        assert_eq!(verify.name, "gym.verify");
+        assert_eq!(verify.kind, SpanKind::Internal);
+        assert_eq!(verify.trace_id, server.trace_id);
+        assert_eq!(verify.parent_span_id, Some(server.span_id));
+        assert_eq!(
+            (verify.start_unix_ns, verify.end_unix_ns),
+            (server.start_unix_ns, server.end_unix_ns)
+        );
+        let keys: Vec<&str> = verify.attributes.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, ["nemo.gym.server.name", "nemo.gym.rollout.id"]);
+    }
+
+    #[test]
+    fn groups_gate_each_span() {
+        let exchange = exchange(ok(), None);
+        let names = |groups| -> Vec<String> {
+            spans(&exchange, &verify_meaning(), groups)
+                .into_iter()
+                .map(|s| s.name)
+                .collect()
+        };
+        assert_eq!(names("default"), ["POST /verify"]);
+        assert_eq!(names("verify"), ["gym.verify"]);
+        let alone = spans(&exchange, &verify_meaning(), "verify");
+        assert_eq!(
+            alone[0].parent_span_id, None,
+            "no server span to hang under"
+        );
+    }
+
+    #[test]
+    fn guessed_routes_name_the_span_but_are_not_http_route() {
+        let meaning = RequestMeaning {
+            route: RouteName::Heuristic("/items/{id}".into()),
+            rollout_id: None,
+            semantic: None,
+        };
+        let all = spans(&exchange(ok(), None), &meaning, "all");
+        assert_eq!(all[0].name, "POST /items/{id}");
+        assert!(attr(&all[0], "http.route").is_none());
+        assert!(attr(&all[0], "nemo.gym.rollout.id").is_none());
+        let unnamed = RequestMeaning {
+            route: RouteName::Unnamed,
+            ..meaning
+        };
+        assert_eq!(
+            spans(&exchange(ok(), None), &unnamed, "all")[0].name,
+            "POST"
+        );
+    }
+
+    #[test]
     fn server_errors_and_aborts_are_errors() {
-        let service = Arc::new(ServiceIdentity::for_test("svc"));
-        let clock = WallClock::measure();
         let failed = Outcome::Response(ResponseHead {
             status: 503,
             version_minor: 1,
         });
-        assert_eq!(
-            server_span(&exchange(failed, None), &service, clock)
-                .unwrap()
-                .status,
-            SpanStatus::Error
-        );
-        let aborted = server_span(
+        let all = spans(&exchange(failed, None), &verify_meaning(), "all");
+        assert!(all.iter().all(|s| s.status == SpanStatus::Error));
+        let aborted = spans(
             &exchange(Outcome::Aborted(AbortReason::ConnectionClosed), None),
-            &service,
-            clock,
-        )
-        .unwrap();
-        assert_eq!(aborted.status, SpanStatus::Error);
-        assert_eq!(
-            attr(&aborted, "error.type"),
-            Some(&AttributeValue::Str("connection_closed".into()))
+            &verify_meaning(),
+            "server",
         );
-        assert!(aborted.parent_span_id.is_none());
+        assert_eq!(aborted[0].status, SpanStatus::Error);
+        assert_eq!(
+            str_attr(&aborted[0], "error.type"),
+            Some("connection_closed")
+        );
+        assert!(aborted[0].parent_span_id.is_none());
     }
 
     #[test]

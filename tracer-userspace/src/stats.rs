@@ -23,6 +23,19 @@ pub struct Stats {
     pub requests_dropped_overflow: u64,
     pub connections_dropped: u64,
     pub connections_not_http: u64,
+    pub processes_attached: u64,
+    pub processes_exited: u64,
+    pub forks_followed: u64,
+    /// Fork events that were new threads of a traced process, not new processes.
+    pub fork_threads_ignored: u64,
+    /// The agent's own requests to the servers (route harvest), not exported.
+    pub self_requests_ignored: u64,
+    pub route_tables_harvested: u64,
+    pub route_harvests_failed: u64,
+    /// Requests named by their method alone: past the per-process cap on guessed routes.
+    pub requests_unnamed: u64,
+    /// Processes whose environment discovery could not read.
+    pub environ_unreadable: u64,
 }
 
 impl Stats {
@@ -44,7 +57,9 @@ impl fmt::Display for Stats {
              spans_queued={} spans_dropped_queue_full={} parse_errors(not_http={} head_too_large={} \
              uncaptured_start={} lost_chunk_framing={}) data_without_connection={} \
              responses_without_request={} requests_dropped_overflow={} connections_dropped={} \
-             connections_not_http={}",
+             connections_not_http={} processes_attached={} processes_exited={} forks_followed={} \
+             fork_threads_ignored={} self_requests_ignored={} route_tables_harvested={} \
+             route_harvests_failed={} requests_unnamed={} environ_unreadable={}",
             self.events_in,
             self.events_lost_in_kernel,
             self.events_undecodable,
@@ -60,6 +75,15 @@ impl fmt::Display for Stats {
             self.requests_dropped_overflow,
             self.connections_dropped,
             self.connections_not_http,
+            self.processes_attached,
+            self.processes_exited,
+            self.forks_followed,
+            self.fork_threads_ignored,
+            self.self_requests_ignored,
+            self.route_tables_harvested,
+            self.route_harvests_failed,
+            self.requests_unnamed,
+            self.environ_unreadable,
         )
     }
 }

@@ -25,8 +25,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Install what a fresh machine lacks: nightly + rust-src, bpf-linker, the test
-    /// venv; mount tracefs when root. Idempotent.
-    Setup,
+    /// venv, the real-Gym venv; mount tracefs when root. Idempotent.
+    Setup {
+        /// Do not create the real-Gym venv (target/gym-venv, about 900 MB); the real-Gym
+        /// integration test is then skipped.
+        #[arg(long)]
+        no_gym_venv: bool,
+    },
     /// Build the agent (the eBPF object is built by tracer-userspace's build.rs).
     Build {
         /// Build with the release profile.
@@ -50,6 +55,9 @@ enum Cmd {
         /// Only run `cargo test`; skip the integration tests (no root needed).
         #[arg(long)]
         unit_only: bool,
+        /// Do not create the real-Gym venv; the real-Gym integration test is skipped.
+        #[arg(long)]
+        no_gym_venv: bool,
         /// Extra arguments for pytest (after `--`).
         #[arg(last = true)]
         pytest_args: Vec<OsString>,
@@ -67,15 +75,16 @@ fn main() -> ExitCode {
         Err(err) => return report(err),
     };
     let result = match cli.command {
-        Cmd::Setup => setup(&ctx),
+        Cmd::Setup { no_gym_venv } => setup(&ctx, !no_gym_venv),
         Cmd::Build { release } => build(&ctx, release).map(|bin| {
             println!("xtask: built {}", bin.display());
         }),
         Cmd::Run { debug, args, .. } => return run(&ctx, !debug, &args).unwrap_or_else(report),
         Cmd::Test {
             unit_only,
+            no_gym_venv,
             pytest_args,
-        } => test(&ctx, unit_only, &pytest_args),
+        } => test(&ctx, unit_only, !no_gym_venv, &pytest_args),
         Cmd::Demo => demo(&ctx),
         Cmd::Lint => lint(&ctx),
     };
@@ -144,6 +153,11 @@ impl Ctx {
         self.root.join("target/venv/bin/python")
     }
 
+    /// The venv the real nemo-gym servers run from (tests/real_gym).
+    fn gym_venv(&self) -> PathBuf {
+        self.root.join("target/gym-venv")
+    }
+
     fn agent_bin(&self, release: bool) -> PathBuf {
         let profile = if release { "release" } else { "debug" };
         self.root.join("target").join(profile).join("gym-tracer")
@@ -210,7 +224,8 @@ fn require_root(what: &str, command: &str) -> Result<()> {
 // setup
 // ---------------------------------------------------------------------------
 
-fn setup(ctx: &Ctx) -> Result<()> {
+/// `gym_venv`: also create the real-Gym venv (off with `--no-gym-venv`).
+fn setup(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     if ctx.path_extended {
         println!(
             "xtask: note: {} is not on your PATH; adding it for the commands xtask runs \
@@ -222,6 +237,11 @@ fn setup(ctx: &Ctx) -> Result<()> {
     ensure_rust_src(ctx)?;
     ensure_bpf_linker(ctx)?;
     ensure_venv(ctx)?;
+    if gym_venv {
+        ensure_gym_venv(ctx)?;
+    } else {
+        println!("xtask: skipping the real-Gym venv (target/gym-venv)");
+    }
     ensure_tracefs(ctx);
     println!("xtask: setup complete");
     Ok(())
@@ -434,12 +454,21 @@ fn make_llvm_prefix(prefix: &Path, libllvm: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `pyenv root` when pyenv is on PATH, else `~/.pyenv`.
+fn pyenv_root(ctx: &Ctx) -> PathBuf {
+    capture(ctx.cmd("pyenv").arg("root"))
+        .map(|s| PathBuf::from(s.trim()))
+        .unwrap_or_else(|| ctx.home.join(".pyenv"))
+}
+
+/// pyenv's Python 3.13.0 (may not exist).
+fn pyenv_python_3_13_0(ctx: &Ctx) -> PathBuf {
+    pyenv_root(ctx).join("versions/3.13.0/bin/python")
+}
+
 /// Picks the Python for the test venv: pyenv's 3.13.0, else python3.13, else python3.
 fn choose_python(ctx: &Ctx) -> PathBuf {
-    let pyenv_root = capture(ctx.cmd("pyenv").arg("root"))
-        .map(|s| PathBuf::from(s.trim()))
-        .unwrap_or_else(|| ctx.home.join(".pyenv"));
-    let pyenv_python = pyenv_root.join("versions/3.13.0/bin/python");
+    let pyenv_python = pyenv_python_3_13_0(ctx);
     if pyenv_python.exists() {
         return pyenv_python;
     }
@@ -501,6 +530,92 @@ fn ensure_venv(ctx: &Ctx) -> Result<()> {
     )?;
     fs::write(&stamp, &requirements)
         .with_context(|| format!("cannot write {}", stamp.display()))?;
+    Ok(())
+}
+
+/// The real nemo-gym 0.7.0 servers run from their own venv, target/gym-venv, made with
+/// pyenv's Python 3.13.0: tests/real_gym/requirements.txt (the pinned web stack), then
+/// tests/real_gym/requirements-nodeps.txt (nemo-gym and ray) with `--no-deps
+/// --ignore-requires-python`. Stamped on both files' content, like the test venv.
+fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
+    let dir = ctx.root.join("tests/real_gym");
+    let read =
+        |name: &str| {
+            let path = dir.join(name);
+            fs::read_to_string(&path).map(|text| (path.clone(), text)).with_context(|| {
+            format!(
+                "cannot read {}: the real-Gym requirements are missing; restore tests/real_gym \
+                 from git, or run `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
+                path.display()
+            )
+        })
+        };
+    let (requirements_path, requirements) = read("requirements.txt")?;
+    let (nodeps_path, nodeps) = read("requirements-nodeps.txt")?;
+    let stamp_text = format!("{requirements}\n--no-deps--\n{nodeps}");
+
+    let venv = ctx.gym_venv();
+    let python = venv.join("bin/python");
+    let stamp = venv.join(".requirements-stamp");
+    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(stamp_text.as_str()) {
+        println!("xtask: real-Gym venv is up to date");
+        return Ok(());
+    }
+    if !python.exists() {
+        let base = pyenv_python_3_13_0(ctx);
+        if !base.exists() {
+            bail!(
+                "pyenv's Python 3.13.0 is not at {}: install it (`pyenv install 3.13.0`; \
+                 nemo-gym 0.7.0 is run with exactly that interpreter), or run \
+                 `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
+                base.display()
+            );
+        }
+        println!(
+            "xtask: creating the real-Gym venv at {} with {}",
+            venv.display(),
+            base.display()
+        );
+        let mut cmd = Command::new(&base);
+        cmd.env("PATH", &ctx.path)
+            .current_dir(&ctx.root)
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv);
+        run_checked(
+            &mut cmd,
+            "could not create the real-Gym venv: check that pyenv's Python 3.13.0 has the venv \
+             module (reinstall it with `pyenv install --force 3.13.0`) and retry",
+        )?;
+    }
+    println!(
+        "xtask: installing nemo-gym 0.7.0 and its web stack into {}; about 90 s the first time",
+        venv.display()
+    );
+    let hint = "pip could not install the real-Gym requirements: check the output above \
+                (network access to PyPI); delete target/gym-venv to start over, then rerun \
+                `cargo xtask setup` (or skip the real-Gym test with `--no-gym-venv`)";
+    let mut cmd = Command::new(&python);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args(["-m", "pip", "install", "-q", "-r"])
+        .arg(&requirements_path);
+    run_checked(&mut cmd, hint)?;
+    let mut cmd = Command::new(&python);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-requires-python",
+            "-r",
+        ])
+        .arg(&nodeps_path);
+    run_checked(&mut cmd, hint)?;
+    fs::write(&stamp, &stamp_text).with_context(|| format!("cannot write {}", stamp.display()))?;
     Ok(())
 }
 
@@ -566,8 +681,8 @@ fn exit_code(status: ExitStatus) -> ExitCode {
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }
 
-fn test(ctx: &Ctx, unit_only: bool, pytest_args: &[OsString]) -> Result<()> {
-    setup(ctx)?;
+fn test(ctx: &Ctx, unit_only: bool, gym_venv: bool, pytest_args: &[OsString]) -> Result<()> {
+    setup(ctx, gym_venv)?;
 
     println!("xtask: running the unit tests");
     run_checked(
@@ -595,6 +710,14 @@ fn test(ctx: &Ctx, unit_only: bool, pytest_args: &[OsString]) -> Result<()> {
         .arg(ctx.root.join("tests"))
         .args(["-v", "-rA"])
         .args(pytest_args);
+    // tests/test_real_gym.py runs the real servers from this venv; it skips only when told
+    // the venv was left out on purpose, and fails when it is missing otherwise.
+    if gym_venv {
+        cmd.env("GYM_REAL_VENV", ctx.gym_venv())
+            .env_remove("GYM_REAL_VENV_SKIPPED");
+    } else {
+        cmd.env("GYM_REAL_VENV_SKIPPED", "cargo xtask test --no-gym-venv");
+    }
     run_checked(
         &mut cmd,
         "integration tests failed: see the pytest report above (rerun one with \
@@ -606,7 +729,8 @@ fn test(ctx: &Ctx, unit_only: bool, pytest_args: &[OsString]) -> Result<()> {
 
 fn demo(ctx: &Ctx) -> Result<()> {
     require_root("the demo loads", "demo")?;
-    setup(ctx)?;
+    // The demo runs Gym-shaped servers from the test venv, not the real-Gym venv.
+    setup(ctx, false)?;
     let bin = build(ctx, true)?;
     println!("xtask: running the demo against {}", bin.display());
     let mut cmd = Command::new(ctx.venv_python());

@@ -1,0 +1,355 @@
+"""Start the real nemo-gym 0.7.0 servers the way `ng_run` / `gym env start` does.
+
+Three servers from the installed package, plus a canned OpenAI-compatible upstream:
+
+| server name (NEMO_GYM_CONFIG_PATH) | type                 | impl                      |
+| ---------------------------------- | -------------------- | ------------------------- |
+| `example_single_tool_call_simple_agent` | responses_api_agents | simple_agent         |
+| `policy_model`                      | responses_api_models | openai_model              |
+| `example_single_tool_call`          | resources_servers    | example_single_tool_call  |
+
+How Gym launches a server (nemo_gym/cli/env.py `RunHelper._start`, `_server_launch_command`;
+nemo_gym/cli/setup_command.py `run_command`), and what this module does the same way:
+- the run config is resolved by nemo_gym's GlobalConfigDictParser (make_config.py) and
+  passed whole, as YAML, in NEMO_GYM_CONFIG_DICT; NEMO_GYM_CONFIG_PATH = the server's name;
+- `/bin/bash -c "cd <server dir> && source <venv>/bin/activate && <venv>/bin/python app.py"`
+  (Gym's command with `skip_venv_if_present` and a ready venv; Gym's per-server uv venv is
+  replaced by the one shared gym venv). bash execs the last command of the list, so the
+  Popen pid is the server's Python;
+- env = our environment + the two variables above, PYTHONPATH = <server dir>[:old],
+  UV_CACHE_DIR, UV_LOCK_TIMEOUT. Unlike Gym, OTEL_* and NEMO_GYM_* variables of the caller
+  are not passed on, so Gym's in-process telemetry stays off and `service.name` is `nemo/...`.
+- Gym's head server (a thread inside the `ng_run` process, port 11000) is NOT started:
+  a server launched with NEMO_GYM_CONFIG_DICT never contacts it (ServerClient reads the
+  config from the environment), and nothing on the rollout path calls it.
+- ng_run 0.7.0 would also start a generated `legacy_agent` relay (environment_servers) in
+  front of the agent; rollouts are driven at the agent's /run directly instead.
+
+Readiness is Gym's: any HTTP answer on `GET /` of every server.
+
+Use with the gym venv (`cargo xtask setup` makes target/gym-venv):
+
+    run = RealGymRun(venv).start()
+    result = run.drive_rollout(task_index=0, rollout_index=0)
+    run.stop()
+
+Or by hand: `python tests/real_gym/launch.py --venv target/gym-venv [--observability]`.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+AGENT = "example_single_tool_call_simple_agent"
+MODEL = "policy_model"
+RESOURCES = "example_single_tool_call"
+SERVER_TYPES = {
+    AGENT: "responses_api_agents",
+    MODEL: "responses_api_models",
+    RESOURCES: "resources_servers",
+}
+# The canned upstream's key; it is in the YAML (NEMO_GYM_CONFIG_DICT) and must never be exported.
+API_KEY = "sk-canned-upstream-5ecret-0f-the-yaml-7f3a9c"
+EXAMPLE_DATA = "resources_servers/example_single_tool_call/data/example.jsonl"
+
+
+def free_ports(n):
+    """n distinct free ports (all held until every one is chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def default_venv():
+    return Path(os.environ.get("GYM_REAL_VENV") or HERE.parent.parent / "target" / "gym-venv")
+
+
+def run_config(ports, upstream_port, observability, capture_dir, access_log):
+    """The run config before Gym's parser fills the global keys (what a user's YAML holds)."""
+    config = {
+        MODEL: {"responses_api_models": {"openai_model": {
+            "entrypoint": "app.py",
+            "host": "127.0.0.1",
+            "port": ports[MODEL],
+            "openai_base_url": f"http://127.0.0.1:{upstream_port}/v1",
+            "openai_api_key": API_KEY,
+            "openai_model": "canned-model",
+        }}},
+        RESOURCES: {"resources_servers": {"example_single_tool_call": {
+            "entrypoint": "app.py",
+            "host": "127.0.0.1",
+            "port": ports[RESOURCES],
+            "domain": "agent",
+            "verified": False,
+            "description": "Basic single-step tool calling",
+        }}},
+        AGENT: {"responses_api_agents": {"simple_agent": {
+            "entrypoint": "app.py",
+            "host": "127.0.0.1",
+            "port": ports[AGENT],
+            "resources_server": {"type": "resources_servers", "name": RESOURCES},
+            "model_server": {"type": "responses_api_models", "name": MODEL},
+        }}},
+    }
+    if observability:
+        # Evaluation model-call capture: the agent then prefixes downstream model and
+        # resources calls with /ng-rollout/<rollout id>/ (base_responses_api_agent.py
+        # `_model_call_capture_enabled`, server_utils.ServerClient.request).
+        config["observability_enabled"] = True
+        config["model_call_capture_dir"] = str(capture_dir)
+    if access_log:
+        config["uvicorn_logging_show_200_ok"] = True
+    return config
+
+
+def _clean_env():
+    """Our environment without telemetry or Gym variables that would change the servers."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
+
+
+class RealGymRun:
+    """One run of the three real servers and the canned upstream.
+
+    observability: enable Gym's model-call capture (adds the /ng-rollout/<id>/ prefixes).
+    access_log: let uvicorn log every request (`uvicorn_logging_show_200_ok`); see
+    `access_log_paths()`.
+    """
+
+    def __init__(self, venv=None, observability=False, access_log=False, workdir=None):
+        self.venv = Path(venv or default_venv()).absolute()
+        self.python = self.venv / "bin" / "python"
+        if not self.python.exists():
+            raise RuntimeError(f"{self.python} does not exist: run `cargo xtask setup` to create the gym venv")
+        self.observability = observability
+        self.access_log = access_log
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="real-gym-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.upstream_port, *ports = free_ports(1 + len(SERVER_TYPES))
+        self.ports = dict(zip(SERVER_TYPES, ports))
+        self.upstream = None
+        self.processes = {}
+        self.servers = {}
+        self.config_yaml = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, timeout=120):
+        try:
+            self._start_upstream()
+            self._resolve_config()
+            for name, server in self.servers.items():
+                self._start_server(name, server)
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_upstream(self):
+        ready = self.workdir / "upstream.ready"
+        log = open(self.workdir / "canned_upstream.log", "wb")
+        self.upstream = subprocess.Popen(
+            [sys.executable, str(HERE / "canned_upstream.py"), "--port", str(self.upstream_port),
+             "--api-key", API_KEY, "--ready-file", str(ready)],
+            env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+        )
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if self.upstream.poll() is not None:
+                raise RuntimeError(f"canned upstream exited: {self._tail('canned_upstream.log')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("canned upstream did not start within 20 s")
+            time.sleep(0.05)
+
+    def _resolve_config(self):
+        initial = run_config(self.ports, self.upstream_port, self.observability,
+                             self.workdir / "model-calls", self.access_log)
+        initial_path = self.workdir / "run_config.yaml"
+        initial_path.write_text(json.dumps(initial, indent=2))  # JSON is YAML
+        resolved_path = self.workdir / "resolved_config.yaml"
+        out = subprocess.run(
+            [str(self.python), str(HERE / "make_config.py"), str(initial_path), "--out", str(resolved_path)],
+            env=_clean_env(), cwd=self.workdir, capture_output=True, text=True, timeout=120,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"make_config.py failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        self.config_yaml = resolved_path.read_text()
+        self.servers = {s["name"]: s for s in map(json.loads, out.stdout.splitlines())}
+        if set(self.servers) != set(SERVER_TYPES):
+            raise RuntimeError(f"make_config.py found servers {sorted(self.servers)}, want {sorted(SERVER_TYPES)}")
+
+    def launch_command(self, server):
+        """Gym's `_server_launch_command` with skip_venv_if_present and a ready venv."""
+        venv = shlex.quote(str(self.venv))
+        return (f"cd {shlex.quote(server['dir'])} && source {venv}/bin/activate "
+                f"&& {shlex.quote(str(self.python))} {shlex.quote(server['entrypoint'])}")
+
+    def _start_server(self, name, server):
+        env = _clean_env()
+        env["NEMO_GYM_CONFIG_DICT"] = self.config_yaml
+        env["NEMO_GYM_CONFIG_PATH"] = name
+        env["PYTHONPATH"] = ":".join(p for p in (server["dir"], env.get("PYTHONPATH")) if p)
+        env["UV_CACHE_DIR"] = str(self.workdir / "cache" / "uv")
+        env["UV_LOCK_TIMEOUT"] = "1800"
+        log = open(self.workdir / f"{name}.log", "wb")
+        self.processes[name] = subprocess.Popen(
+            self.launch_command(server), shell=True, executable="/bin/bash",
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+
+    def _wait_ready(self, timeout):
+        pending = set(self.servers)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for name in sorted(pending):
+                process = self.processes[name]
+                if process.poll() is not None:
+                    raise RuntimeError(f"server {name} exited with {process.returncode}:\n{self._tail(name + '.log')}")
+                try:
+                    urllib.request.urlopen(self.urls[name] + "/", timeout=2).read()
+                except urllib.error.HTTPError:
+                    pass  # any answer counts, like Gym's poll_for_status
+                except OSError:
+                    continue
+                pending.discard(name)
+            if pending and time.monotonic() > deadline:
+                logs = "\n".join(f"--- {n}:\n{self._tail(n + '.log')}" for n in sorted(pending))
+                raise RuntimeError(f"servers not ready within {timeout} s: {sorted(pending)}\n{logs}")
+            if pending:
+                time.sleep(0.2)
+
+    def stop(self, timeout=15):
+        """SIGINT every server (uvicorn shuts down), then the upstream; SIGKILL stragglers."""
+        procs = list(self.processes.values()) + ([self.upstream] if self.upstream else [])
+        for process in procs:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout
+        for process in procs:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def pids(self):
+        """Server name -> pid (bash execs the server, so this is the Python process)."""
+        return {name: p.pid for name, p in self.processes.items()}
+
+    @property
+    def urls(self):
+        return {name: f"http://{s['host']}:{s['port']}" for name, s in self.servers.items()}
+
+    def server_type(self, name):
+        return self.servers[name]["type"]
+
+    def example_row(self, index=0):
+        path = Path(self.servers[RESOURCES]["dir"]).parent.parent / EXAMPLE_DATA
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if i == index:
+                    return json.loads(line)
+        raise IndexError(index)
+
+    def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None):
+        """A flat row as rollout collection posts it to /run."""
+        body = self.example_row(task_index)
+        body["agent_ref"] = {"type": "responses_api_agents", "name": AGENT}
+        body["_ng_task_index"] = task_index
+        body["_ng_rollout_index"] = rollout_index
+        if attempt_index is not None:
+            body["_ng_attempt_index"] = attempt_index
+        return body
+
+    def drive_rollout(self, task_index=0, rollout_index=0, attempt_index=None, timeout=60):
+        """POST one rollout to the agent's /run; returns the verify response (has `reward`)."""
+        body = json.dumps(self.rollout_body(task_index, rollout_index, attempt_index)).encode()
+        request = urllib.request.Request(self.urls[AGENT] + "/run", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"/run answered {e.code}: {e.read()[:2000]!r}\n{self.logs()}") from e
+
+    def upstream_requests(self):
+        """What the canned upstream saw: [{method, path, auth_ok}]."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.upstream_port}/_canned/requests", timeout=5) as r:
+            return json.loads(r.read())
+
+    def access_log_paths(self):
+        """Server name -> [(method, path, status)] from uvicorn's access log (access_log=True)."""
+        # `(name) INFO:     127.0.0.1:PORT - "POST /run HTTP/1.1" 200 OK`
+        pattern = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" (\d{3})')
+        out = {}
+        for name in self.servers:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace")
+            out[name] = [m.groups() for m in pattern.finditer(text)]
+        return out
+
+    def _tail(self, filename, lines=40):
+        try:
+            return "\n".join((self.workdir / filename).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"<{e}>"
+
+    def logs(self):
+        return "\n".join(f"--- {name}.log:\n{self._tail(name + '.log')}" for name in self.servers)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Start the real Gym servers, drive one rollout, print paths.")
+    parser.add_argument("--venv", default=None)
+    parser.add_argument("--observability", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the servers running until Ctrl-C")
+    args = parser.parse_args()
+    run = RealGymRun(args.venv, observability=args.observability, access_log=True)
+    with run:
+        print("workdir:", run.workdir)
+        print("pids:", run.pids)
+        print("urls:", run.urls)
+        result = run.drive_rollout(task_index=0, rollout_index=0)
+        print("reward:", result.get("reward"))
+        time.sleep(0.5)  # let the access logs flush
+        for name, entries in run.access_log_paths().items():
+            for method, path, status in entries:
+                print(f"{name}: {method} {path} {status}")
+        for entry in run.upstream_requests():
+            print(f"upstream: {entry['method']} {entry['path']} auth_ok={entry['auth_ok']}")
+        if args.keep:
+            print("running; Ctrl-C to stop")
+            try:
+                signal.pause()
+            except KeyboardInterrupt:
+                pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""A Gym-shaped resources server (`resources_servers`): a pure-ASGI middleware like Gym's
+RolloutContextMiddleware strips `/ng-rollout/<id>` (strict id pattern; a malformed id is not
+stripped, so it 404s), then /seed_session, /verify, /close_session, /aggregate_metrics and
+GET /reverify_mode.
+
+/verify scores `reward` from the body (default 1.0; 0 is still a success) and raises -> 500
+when the body has `"raise": true`.
+"""
+
+import re
+from contextvars import ContextVar
+
+from fastapi import Request
+
+from servers.gym_common import ROLLOUT_ID_PATTERN, new_app, serve
+
+ROLLOUT_ID = ContextVar("rollout_id", default=None)
+
+
+class RolloutContextMiddleware:
+    PREFIX = re.compile(rf"^/ng-rollout/(?P<rollout_id>{ROLLOUT_ID_PATTERN.pattern.strip('^$')})(?P<rest>/.*)$")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        match = self.PREFIX.match(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is None:
+            return await self.app(scope, receive, send)
+        path = match.group("rest")
+        token = ROLLOUT_ID.set(match.group("rollout_id"))
+        try:
+            await self.app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
+        finally:
+            ROLLOUT_ID.reset(token)
+
+
+class VerifierCrashed(RuntimeError):
+    pass
+
+
+app = new_app()
+
+
+@app.post("/seed_session")
+async def seed_session(request: Request):
+    await request.body()
+    return {"rollout_id": ROLLOUT_ID.get()}
+
+
+@app.post("/verify")
+async def verify(request: Request):
+    body = await request.json()
+    if body.get("raise"):
+        raise VerifierCrashed("verifier raised, as asked")
+    return {"reward": float(body.get("reward", 1.0)), "rollout_id": ROLLOUT_ID.get()}
+
+
+@app.post("/close_session")
+async def close_session(request: Request):
+    await request.body()
+    return {"closed": True}
+
+
+@app.post("/aggregate_metrics")
+async def aggregate_metrics(request: Request):
+    body = await request.json()
+    rewards = [r.get("reward", 0.0) for r in body.get("verify_responses", [])]
+    return {"mean_reward": sum(rewards) / len(rewards) if rewards else 0.0}
+
+
+@app.get("/reverify_mode")
+async def reverify_mode():
+    return {"reverify": False}
+
+
+# Routes of the environment's own, as real resources servers add (tools): not in Gym's route
+# table, so only the harvested /openapi.json names them.
+@app.post("/get_weather")
+async def get_weather(request: Request):
+    await request.body()
+    return {"weather": "sunny"}
+
+
+@app.get("/items/{item_id}")
+async def get_item(item_id: int):
+    return {"item": item_id}
+
+
+app = RolloutContextMiddleware(app)
+
+if __name__ == "__main__":
+    serve(app)

@@ -1,0 +1,107 @@
+//! The traced processes: who each one is and how its routes are named. Filled from `--pid`,
+//! discovery and fork events; emptied by exits, which free everything kept per process.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::gym::ServerType;
+use crate::gym::routes::{RouteNamer, RouteTable, RouteTemplate};
+use crate::gym::semantics::infer_server_type;
+use crate::identity::{GymLabels, ServiceIdentity};
+
+pub struct TracedProcess {
+    pub identity: Arc<ServiceIdentity>,
+    /// The process that was attached: itself, or the ancestor it was forked from. Routes
+    /// harvested from a server apply to all of its worker processes.
+    pub root: u32,
+    /// From the labels, or inferred from the harvested routes.
+    pub server_type: Option<ServerType>,
+    /// The labels named a type the tracer has no `gym.*` spans for: nothing is inferred.
+    pub other_server_type: bool,
+    pub namer: RouteNamer,
+}
+
+pub struct ProcessTable {
+    processes: HashMap<u32, TracedProcess>,
+    user_routes: Vec<RouteTemplate>,
+    agent_service_name: Option<String>,
+}
+
+impl ProcessTable {
+    pub fn new(user_routes: Vec<RouteTemplate>, agent_service_name: Option<String>) -> Self {
+        Self {
+            processes: HashMap::new(),
+            user_routes,
+            agent_service_name,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.processes.is_empty()
+    }
+
+    pub fn contains(&self, pid: u32) -> bool {
+        self.processes.contains_key(&pid)
+    }
+
+    pub fn get_mut(&mut self, pid: u32) -> Option<&mut TracedProcess> {
+        self.processes.get_mut(&pid)
+    }
+
+    /// Registers a process that was named or discovered.
+    pub fn attach(&mut self, pid: u32, labels: GymLabels) -> &TracedProcess {
+        let server_type = labels.server_type;
+        let other_server_type = server_type.is_none() && labels.server_type_key.is_some();
+        let mut table = RouteTable::new(self.user_routes.clone());
+        table.set_server_type(server_type);
+        let identity =
+            ServiceIdentity::of_process(pid, labels, self.agent_service_name.as_deref(), None);
+        self.processes.entry(pid).insert_entry(TracedProcess {
+            identity: Arc::new(identity),
+            root: pid,
+            server_type,
+            other_server_type,
+            namer: RouteNamer::new(table),
+        });
+        &self.processes[&pid]
+    }
+
+    /// Registers a forked child under its parent's identity; `None` if the parent is not
+    /// (or no longer) traced.
+    pub fn adopt_child(&mut self, parent: u32, child: u32) -> Option<&TracedProcess> {
+        let parent_process = self.processes.get(&parent)?;
+        let identity = ServiceIdentity::of_process(
+            child,
+            parent_process.identity.labels.clone(),
+            self.agent_service_name.as_deref(),
+            Some(parent),
+        );
+        let process = TracedProcess {
+            identity: Arc::new(identity),
+            root: parent_process.root,
+            server_type: parent_process.server_type,
+            other_server_type: parent_process.other_server_type,
+            namer: parent_process.namer.clone(),
+        };
+        self.processes.insert(child, process);
+        self.processes.get(&child)
+    }
+
+    pub fn remove(&mut self, pid: u32) -> Option<TracedProcess> {
+        self.processes.remove(&pid)
+    }
+
+    /// Routes harvested from `root`'s `/openapi.json`, for it and its children. A server
+    /// whose type is not known gets it from its routes.
+    pub fn set_harvested_routes(&mut self, root: u32, templates: &[RouteTemplate]) {
+        let inferred = infer_server_type(templates);
+        for process in self.processes.values_mut().filter(|p| p.root == root) {
+            if !process.other_server_type {
+                process.server_type = process.server_type.or(inferred);
+            }
+            let table = process.namer.table_mut();
+            table.set_harvested(templates.to_vec());
+            table.set_server_type(process.server_type);
+        }
+    }
+}
