@@ -135,9 +135,11 @@ def visible_run_id(body, capture):
 
 
 def known_route(server, path, harvest=True):
-    """The route template of `path` on `server`, or None: Gym's routes, and the app's own when harvested."""
+    """The route template of `path` on `server`, or None: Gym's routes, and the app's own when
+    harvested (`harvest` True), or only the templates given with --route (`harvest` a set)."""
     route, _ = split_prefix(path)
-    for template in GYM_ROUTES[server.type] | SHARED_ROUTES | (server.routes if harvest else set()):
+    extra = server.routes if harvest is True else set(harvest or ())
+    for template in GYM_ROUTES[server.type] | SHARED_ROUTES | extra:
         if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), route):
             return template
     return None
@@ -493,16 +495,19 @@ def test_gym_metrics_after_sigint(gym, tracer):
         (e.server, e.method, e.status, known_route(by_name[e.server], e.path)) for e in expected)
 
 
-def test_without_route_harvest_only_gym_routes_are_templates(gym, tracer):
+@pytest.mark.parametrize("user_routes", [(), ("/items/{item_id}",)], ids=["no-routes", "with-route-flag"])
+def test_without_route_harvest_only_gym_routes_are_templates(gym, tracer, user_routes):
     """--no-route-harvest: Gym's own routes (/verify, /health) still get http.route; the app's
-    others do not, and a numeric id in them is named {id} in the span name only."""
+    others do not, and a numeric id in them is named {id} in the span name only — unless a
+    --route template names it."""
     run = gym()
-    agent = tracer("--no-route-harvest")
+    agent = tracer("--no-route-harvest", *[arg for route in user_routes for arg in ("--route", route)])
     sent = [run.resources.send("GET", "/health"), run.resources.send("POST", "/ng-rollout/h-1/verify", {}),
             run.resources.send("POST", "/get_weather", {"city": "Oslo"}), run.resources.send("GET", "/items/7"),
             run.model.send("POST", "/ng-rollout/h-1/v1/responses", {"input": PROMPT})]
-    expected = seen_by_servers(run, sent, harvest=False)
-    assert {e.name for e in expected} >= {"POST /get_weather", "GET /items/{id}", "GET /health"}
+    expected = seen_by_servers(run, sent, harvest=set(user_routes))
+    items = "GET /items/{item_id}" if user_routes else "GET /items/{id}"
+    assert {e.name for e in expected} >= {"POST /get_weather", items, "GET /health"}
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected, harvest=False)
+    assert_server_spans(spans, run, expected, harvest=set(user_routes))
     assert_semantic_spans(spans, run)
