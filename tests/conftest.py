@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from harness import UvicornServer
+from harness import Agent, UvicornServer
 from otlp_receiver import OtlpReceiver
 
 
@@ -30,3 +30,21 @@ def receiver():
     receiver = OtlpReceiver().start()
     yield receiver
     receiver.stop()
+
+
+@pytest.fixture
+def tracer():
+    """Starts gym-tracer with `--discover gym` (plus any flags); a test that does not stop it
+    itself gets it killed at teardown."""
+    agents = []
+
+    def start(*extra_args, env=None):
+        agent = Agent(discover=True, extra_args=extra_args, env=env)
+        agents.append(agent)
+        return agent.start()
+
+    yield start
+    for agent in agents:
+        if agent.process and agent.process.poll() is None:
+            agent.process.kill()
+            agent.process.wait()

@@ -17,7 +17,6 @@ from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
 from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, GymRun, drive_rollouts,
                         rollout_mix, run_body)
-from harness import Agent
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 PREFIX = re.compile(r"^/ng-rollout/(?P<id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
@@ -324,22 +323,6 @@ def gym():
     yield start
     for run in runs:
         run.stop()
-
-
-@pytest.fixture
-def tracer():
-    agents = []
-
-    def start(*extra_args, env=None):
-        agent = Agent(discover=True, extra_args=extra_args, env=env)
-        agents.append(agent)
-        return agent.start()
-
-    yield start
-    for agent in agents:
-        if agent.process and agent.process.poll() is None:
-            agent.process.kill()
-            agent.process.wait()
 
 
 # ---- tests ----

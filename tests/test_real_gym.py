@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Agent
+from harness import ROOT
 from real_gym.launch import AGENT, API_KEY, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
 
 PREFIX = re.compile(r"^/ng-rollout/(?P<id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
@@ -97,22 +97,6 @@ def real_gym():
     yield start
     for run in runs:
         run.stop()
-
-
-@pytest.fixture
-def tracer():
-    agents = []
-
-    def start(*extra_args):
-        agent = Agent(discover=True, extra_args=extra_args)
-        agents.append(agent)
-        return agent.start()
-
-    yield start
-    for agent in agents:
-        if agent.process and agent.process.poll() is None:
-            agent.process.kill()
-            agent.process.wait()
 
 
 @pytest.mark.parametrize("observability", [False, True], ids=["plain", "observability"])

@@ -46,3 +46,127 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
         semantic,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::connections::AbortReason;
+    use crate::events::Role;
+    use crate::gym::ServerType;
+    use crate::gym::span_groups::SpanGroup;
+    use crate::http::ResponseHead;
+    use crate::identity::GymLabels;
+    use crate::processes::ProcessTable;
+
+    const PID: u32 = 4242;
+
+    fn exchange(path: &str, status: Option<u16>, body_id: Option<&str>) -> HttpExchange {
+        HttpExchange {
+            pid: PID,
+            role: Role::Server,
+            local: None,
+            peer: None,
+            request: RequestHead {
+                method: "POST".into(),
+                path: path.into(),
+                version_minor: 1,
+                host: None,
+                user_agent: None,
+                traceparent: None,
+                expects_continue: false,
+                truncated: false,
+            },
+            outcome: match status {
+                Some(status) => Outcome::Response(ResponseHead {
+                    status,
+                    version_minor: 1,
+                }),
+                None => Outcome::Aborted(AbortReason::ConnectionClosed),
+            },
+            start_ns: 1,
+            end_ns: 2,
+            run_rollout_id: body_id.and_then(RolloutId::parse),
+        }
+    }
+
+    fn table(
+        name: Option<&str>,
+        server_type: Option<ServerType>,
+        key: Option<&str>,
+    ) -> ProcessTable {
+        let mut table = ProcessTable::new(Vec::new(), None);
+        table.attach(
+            PID,
+            GymLabels {
+                server_name: name.map(String::from),
+                server_type,
+                server_type_key: key.map(String::from),
+                service_group: None,
+            },
+        );
+        table
+    }
+
+    fn meaning(table: &mut ProcessTable, exchange: &HttpExchange) -> RequestMeaning {
+        classify(table.get_mut(PID).unwrap(), exchange)
+    }
+
+    #[test]
+    fn a_prefixed_verify_is_named_by_its_route_with_the_prefix_id() {
+        let mut resources = table(Some("math"), Some(ServerType::Resources), None);
+        let verify = meaning(
+            &mut resources,
+            &exchange("/ng-rollout/r-1/verify", Some(200), None),
+        );
+        assert_eq!(verify.route, RouteName::Template("/verify".into()));
+        assert_eq!(verify.rollout_id, RolloutId::parse("r-1"));
+        let semantic = verify.semantic.unwrap();
+        assert_eq!(
+            (semantic.name, semantic.group),
+            ("gym.verify", SpanGroup::Verify)
+        );
+        // A dropped connection still ran the handler: a failed gym.verify.
+        let dropped = meaning(&mut resources, &exchange("/verify", None, None));
+        assert_eq!(dropped.semantic.unwrap().name, "gym.verify");
+    }
+
+    #[test]
+    fn run_takes_its_id_from_the_body() {
+        let mut agent = table(Some("agent"), Some(ServerType::Agent), None);
+        let run = meaning(&mut agent, &exchange("/run", Some(200), Some("7-1-a2")));
+        assert_eq!(run.rollout_id, RolloutId::parse("7-1-a2"));
+        assert_eq!(run.semantic.unwrap().name, "gym.rollout");
+    }
+
+    #[test]
+    fn no_semantic_span_without_a_handler_or_a_gym_identity() {
+        let mut resources = table(Some("math"), Some(ServerType::Resources), None);
+        for status in [404, 405] {
+            let missing = meaning(&mut resources, &exchange("/verify", Some(status), None));
+            assert_eq!(missing.semantic, None, "{status}");
+        }
+        let mut plain = table(None, None, None);
+        assert_eq!(
+            meaning(&mut plain, &exchange("/verify", Some(200), None)).semantic,
+            None
+        );
+        // A Gym server of a kind without gym.* spans: its /run is not a rollout.
+        let mut environment = table(Some("env"), None, Some("environment_servers"));
+        assert_eq!(
+            meaning(&mut environment, &exchange("/run", Some(200), None)).semantic,
+            None
+        );
+    }
+
+    #[test]
+    fn run_bodies_are_read_only_for_run() {
+        let head = |path: &str, method: &str| RequestHead {
+            method: method.into(),
+            ..exchange(path, Some(200), None).request
+        };
+        assert!(wants_run_body(&head("/run", "POST")));
+        assert!(wants_run_body(&head("/ng-rollout/x/run", "POST")));
+        assert!(!wants_run_body(&head("/run", "GET")));
+        assert!(!wants_run_body(&head("/verify", "POST")));
+    }
+}

@@ -48,13 +48,14 @@ pub enum Discover {
 }
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("what").args(["pids", "discover"]).required(true).multiple(true)))]
 pub struct RunArgs {
     /// Process id to trace; repeat for several processes. Connections that are already
     /// open when the agent attaches are not traced, new ones are. Children the process
     /// forks later (uvicorn --workers, reloaders) are traced with its identity. A Gym server
     /// is recognised from its environment; others can be labelled with --server-name and
     /// --server-type.
-    #[arg(long = "pid", value_name = "PID", required_unless_present = "discover")]
+    #[arg(long = "pid", value_name = "PID")]
     pub pids: Vec<u32>,
 
     /// Find the processes to trace: scan /proc every second, attach to each server found

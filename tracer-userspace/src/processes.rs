@@ -105,3 +105,62 @@ impl ProcessTable {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spans::AttributeValue;
+
+    fn labels(name: &str, server_type: Option<ServerType>) -> GymLabels {
+        GymLabels {
+            server_name: Some(name.into()),
+            server_type,
+            server_type_key: server_type.map(|t| t.config_key().to_string()),
+            service_group: None,
+        }
+    }
+
+    #[test]
+    fn a_child_inherits_identity_routes_and_root() {
+        let mut table = ProcessTable::new(Vec::new(), None);
+        table.attach(10, labels("math", Some(ServerType::Resources)));
+        let routes: Vec<RouteTemplate> = vec!["/items/{item_id}".parse().unwrap()];
+        table.set_harvested_routes(10, &routes);
+        let child = table.adopt_child(10, 11).unwrap();
+        assert_eq!(child.root, 10);
+        assert_eq!(child.server_type, Some(ServerType::Resources));
+        assert_eq!(child.identity.server_name(), Some("math"));
+        assert_eq!(
+            child.identity.attributes.get("process.parent_pid"),
+            Some(&AttributeValue::Int(10))
+        );
+        let grandchild = table.adopt_child(11, 12).unwrap();
+        assert_eq!(grandchild.root, 10, "routes are the attached server's");
+        let named = table.get_mut(12).unwrap().namer.name("/items/3");
+        assert_eq!(named.http_route(), Some("/items/{item_id}"));
+        assert!(table.adopt_child(99, 100).is_none(), "untraced parent");
+    }
+
+    #[test]
+    fn harvested_routes_give_an_unknown_type_but_never_override_one() {
+        let mut table = ProcessTable::new(Vec::new(), None);
+        table.attach(20, labels("unknown", None));
+        table.attach(
+            21,
+            GymLabels {
+                server_type_key: Some("environment_servers".into()),
+                ..labels("env", None)
+            },
+        );
+        let agent_routes: Vec<RouteTemplate> = vec!["/run".parse().unwrap()];
+        table.set_harvested_routes(20, &agent_routes);
+        table.set_harvested_routes(21, &agent_routes);
+        assert_eq!(
+            table.get_mut(20).unwrap().server_type,
+            Some(ServerType::Agent)
+        );
+        assert_eq!(table.get_mut(21).unwrap().server_type, None);
+        assert!(table.remove(20).is_some());
+        assert!(!table.contains(20));
+    }
+}

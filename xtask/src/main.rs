@@ -478,6 +478,39 @@ fn choose_python(ctx: &Ctx) -> PathBuf {
     PathBuf::from("python3")
 }
 
+/// `base -m venv venv`; `what` names the venv in the log line.
+fn create_venv(ctx: &Ctx, base: &Path, venv: &Path, what: &str, hint: &str) -> Result<()> {
+    println!(
+        "xtask: creating the {what} venv at {} with {}",
+        venv.display(),
+        base.display()
+    );
+    let mut cmd = Command::new(base);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args(["-m", "venv"])
+        .arg(venv);
+    run_checked(&mut cmd, hint)
+}
+
+/// `python -m pip install -q FLAGS -r requirements`.
+fn pip_install(
+    ctx: &Ctx,
+    python: &Path,
+    flags: &[&str],
+    requirements: &Path,
+    hint: &str,
+) -> Result<()> {
+    let mut cmd = Command::new(python);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args(["-m", "pip", "install", "-q"])
+        .args(flags)
+        .arg("-r")
+        .arg(requirements);
+    run_checked(&mut cmd, hint)
+}
+
 /// The integration tests are pytest; keep their deps in a venv under target/.
 fn ensure_venv(ctx: &Ctx) -> Result<()> {
     let requirements_path = ctx.root.join("tests/requirements.txt");
@@ -491,20 +524,11 @@ fn ensure_venv(ctx: &Ctx) -> Result<()> {
     let venv = ctx.root.join("target/venv");
     let python = ctx.venv_python();
     if !python.exists() {
-        let base = choose_python(ctx);
-        println!(
-            "xtask: creating the test venv at {} with {}",
-            venv.display(),
-            base.display()
-        );
-        let mut cmd = Command::new(&base);
-        cmd.env("PATH", &ctx.path)
-            .current_dir(&ctx.root)
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv);
-        run_checked(
-            &mut cmd,
+        create_venv(
+            ctx,
+            &choose_python(ctx),
+            &venv,
+            "test",
             "could not create the Python venv: install Python 3 with the venv module \
              (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
         )?;
@@ -518,13 +542,11 @@ fn ensure_venv(ctx: &Ctx) -> Result<()> {
         "xtask: installing the test requirements into {}",
         venv.display()
     );
-    let mut cmd = Command::new(&python);
-    cmd.env("PATH", &ctx.path)
-        .current_dir(&ctx.root)
-        .args(["-m", "pip", "install", "-q", "-r"])
-        .arg(&requirements_path);
-    run_checked(
-        &mut cmd,
+    pip_install(
+        ctx,
+        &python,
+        &[],
+        &requirements_path,
         "pip could not install the test requirements: check the output above (network \
          access to PyPI); delete target/venv to start over, then rerun `cargo xtask setup`",
     )?;
@@ -571,19 +593,11 @@ fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
                 base.display()
             );
         }
-        println!(
-            "xtask: creating the real-Gym venv at {} with {}",
-            venv.display(),
-            base.display()
-        );
-        let mut cmd = Command::new(&base);
-        cmd.env("PATH", &ctx.path)
-            .current_dir(&ctx.root)
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv);
-        run_checked(
-            &mut cmd,
+        create_venv(
+            ctx,
+            &base,
+            &venv,
+            "real-Gym",
             "could not create the real-Gym venv: check that pyenv's Python 3.13.0 has the venv \
              module (reinstall it with `pyenv install --force 3.13.0`) and retry",
         )?;
@@ -595,26 +609,14 @@ fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
     let hint = "pip could not install the real-Gym requirements: check the output above \
                 (network access to PyPI); delete target/gym-venv to start over, then rerun \
                 `cargo xtask setup` (or skip the real-Gym test with `--no-gym-venv`)";
-    let mut cmd = Command::new(&python);
-    cmd.env("PATH", &ctx.path)
-        .current_dir(&ctx.root)
-        .args(["-m", "pip", "install", "-q", "-r"])
-        .arg(&requirements_path);
-    run_checked(&mut cmd, hint)?;
-    let mut cmd = Command::new(&python);
-    cmd.env("PATH", &ctx.path)
-        .current_dir(&ctx.root)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--ignore-requires-python",
-            "-r",
-        ])
-        .arg(&nodeps_path);
-    run_checked(&mut cmd, hint)?;
+    pip_install(ctx, &python, &[], &requirements_path, hint)?;
+    pip_install(
+        ctx,
+        &python,
+        &["--no-deps", "--ignore-requires-python"],
+        &nodeps_path,
+        hint,
+    )?;
     fs::write(&stamp, &stamp_text).with_context(|| format!("cannot write {}", stamp.display()))?;
     Ok(())
 }
