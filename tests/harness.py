@@ -122,6 +122,11 @@ class Agent:
     def stderr(self):
         return self.stderr_path.read_text(errors="replace")
 
+    def wait_for_routes(self, pid, timeout=15):
+        """Waits until the agent has harvested `pid`'s route table: requests served before
+        that are named from Gym's known routes only."""
+        return self.wait_for_stderr(f"gym-tracer: pid {pid}: ", timeout)
+
     def wait_for_stderr(self, text, timeout=15):
         """Waits until `text` appears in the agent's stderr; returns the first line holding it."""
         deadline = time.monotonic() + timeout

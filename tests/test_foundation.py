@@ -91,6 +91,7 @@ def wait_for_spans(agent, count, timeout=5.0):
 def test_json_lines_spans_for_a_known_mix_of_requests(server_factory, flavour):
     server = server_factory(**flavour)
     agent = Agent([server.pid]).start()
+    agent.wait_for_routes(server.pid)
     expected = drive_known_mix(server)
     wait_for_spans(agent, sum(expected.values()))
     agent.stop()

@@ -298,9 +298,12 @@ def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 
 
-def assert_attached(agent, run, *names):
+def assert_attached(agent, run, *names, routes=True):
+    """Each server attached, and (unless --no-route-harvest) its route table harvested."""
     for server in [run[n] for n in names] if names else run.servers.values():
         agent.wait_for_stderr(f"gym-tracer: attached pid {server.pid} as {server.name} ({server.type})")
+        if routes:
+            agent.wait_for_routes(server.pid)
 
 
 def assert_nothing_secret(agent):
@@ -351,6 +354,7 @@ def test_rollout_id_from_a_run_body_larger_than_the_capture(gym, tracer, capture
     wrong one) when they come after the big field; the downstream calls carry it in their prefix."""
     run = gym()
     agent = tracer(*(["--capture-bytes", str(capture)] if capture else []))
+    assert_attached(agent, run)
     size = capture or DEFAULT_CAPTURE
     bodies = [
         # Indices first, but an _ng_rollout_id could still follow and win: undecided, no id.
@@ -373,6 +377,7 @@ def test_resource_names_each_server_after_its_gym_name(gym, tracer):
     server's own environment sets OTEL_SERVICE_NAME."""
     run = gym(env={"example_verifier": {"OTEL_SERVICE_NAME": "my-gym"}})
     agent = tracer()
+    assert_attached(agent, run)
     sent = drive_rollouts(run, rollout_mix(3))
     expected = seen_by_servers(run, sent)
     spans = finish(agent, run, expected)
@@ -392,6 +397,7 @@ def test_span_groups_gate_each_kind_of_span(gym, tracer, how, spec, groups):
     groups, no CLIENT span without http_client."""
     run = gym()
     agent = tracer("--span-groups", spec) if how == "flag" else tracer(env={"NEMO_GYM_OTEL_SPAN_GROUPS": spec})
+    assert_attached(agent, run)
     sent = drive_rollouts(run, rollout_mix(11)) + direct_calls(run)
     expected = seen_by_servers(run, sent)
     spans = finish(agent, run, expected, groups)
@@ -436,6 +442,7 @@ def test_gym_metrics_after_sigint(gym, tracer):
     ratio, each per nemo.gym.server.name; http.server.request.duration counts every request."""
     run = gym()
     agent = tracer()
+    assert_attached(agent, run)
     sent = drive_rollouts(run, rollout_mix(22)) + [
         run.resources.send("POST", "/verify", {"reward": 0.0}),
         run.resources.send("POST", "/ng-rollout/v-1/verify", {"raise": True}),

@@ -113,6 +113,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
     agent = tracer()
     for name, pid in pids.items():
         agent.wait_for_stderr(f"gym-tracer: attached pid {pid} as {name} ({SERVER_TYPES[name]})")
+        agent.wait_for_routes(pid)
 
     before = {name: len(entries) for name, entries in run.access_log_paths().items()}
     result = run.drive_rollout(task_index=TASK, rollout_index=ROLLOUT)

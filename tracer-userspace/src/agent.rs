@@ -420,6 +420,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 Ok(Harvest { root, templates }) => {
                     pipeline.stats.route_tables_harvested += 1;
                     pipeline.processes.set_harvested_routes(root, &templates);
+                    // Requests served before this line are named from Gym's known routes only.
+                    eprintln!(
+                        "gym-tracer: pid {root}: {} route templates from its /openapi.json",
+                        templates.len()
+                    );
                 }
                 Err(message) => {
                     pipeline.stats.route_harvests_failed += 1;
