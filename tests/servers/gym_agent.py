@@ -14,7 +14,7 @@ under the same prefix. POST /aggregate_metrics.
 import aiohttp
 from fastapi import Request
 
-from servers.gym_common import ROLLOUT_ID_PATTERN, base_url, new_app, own_entry, serve
+from servers.gym_common import ROLLOUT_ID_PATTERN, base_url, client_span, new_app, own_entry, serve, traced
 
 CONFIG = own_entry()
 MODEL_URL = base_url(CONFIG["model_server"]["name"])
@@ -31,7 +31,10 @@ def client():
 
 
 async def post(url, payload):
-    async with client().post(url, json=payload) as response:
+    with client_span("POST", url) as call:  # Gym's CLIENT span, in the in-process OTel mode only
+        response = await client().post(url, json=payload, headers=call.headers)
+        call.status(response.status)
+    async with response:
         response.raise_for_status()
         return await response.json()
 
@@ -57,6 +60,7 @@ app = new_app()
 
 
 @app.post("/run")
+@traced("rollout", "gym.rollout", rollout_id_from_body=rollout_id_from_run_body)
 async def run(request: Request):
     body = await request.json()
     rollout_id = rollout_id_from_run_body(body)
@@ -69,6 +73,7 @@ async def run(request: Request):
 @app.post("/v1/responses")
 @app.post("/ng-rollout/{rollout_id}/v1/responses")
 @app.post("/ng-rollout/{rollout_id}/training-token-capture/v1/responses")
+@traced("agent", "gym.agent.responses")
 async def responses(request: Request):
     prefix = request.url.path.removesuffix("/v1/responses")
     return await post(f"{MODEL_URL}{prefix}/v1/responses", await request.json())

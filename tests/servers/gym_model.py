@@ -7,7 +7,7 @@ import re
 
 from fastapi import Request
 
-from servers.gym_common import new_app, serve
+from servers.gym_common import ROLLOUT_ID, new_app, serve, traced
 
 ANSWER = "The answer is 42."
 
@@ -20,16 +20,21 @@ class RolloutPrefixMiddleware:
 
     async def __call__(self, scope, receive, send):
         match = self.PREFIX.match(scope.get("path", "")) if scope["type"] == "http" else None
-        if match is not None:
-            path = match.group("rest")
-            scope = {**scope, "path": path, "raw_path": path.encode()}
-        await self.app(scope, receive, send)
+        if match is None:
+            return await self.app(scope, receive, send)
+        path = match.group("rest")
+        token = ROLLOUT_ID.set(match.group("rollout_id"))  # as Gym's: published to the handler
+        try:
+            await self.app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
+        finally:
+            ROLLOUT_ID.reset(token)
 
 
 app = new_app()
 
 
 @app.post("/v1/chat/completions")
+@traced("model_call", "gym.model.chat_completions")
 async def chat_completions(request: Request):
     body = await request.json()
     return {
@@ -40,6 +45,7 @@ async def chat_completions(request: Request):
 
 
 @app.post("/v1/responses")
+@traced("model_call", "gym.model.responses")
 async def responses(request: Request):
     body = await request.json()
     return {
@@ -51,6 +57,7 @@ async def responses(request: Request):
 
 
 @app.post("/v1/messages")
+@traced("model_call", "gym.model.messages")
 async def messages(request: Request):
     body = await request.json()
     return {

@@ -8,13 +8,10 @@ when the body has `"raise": true`.
 """
 
 import re
-from contextvars import ContextVar
 
 from fastapi import Request
 
-from servers.gym_common import ROLLOUT_ID_PATTERN, new_app, serve
-
-ROLLOUT_ID = ContextVar("rollout_id", default=None)
+from servers.gym_common import ROLLOUT_ID, ROLLOUT_ID_PATTERN, new_app, serve, traced
 
 
 class RolloutContextMiddleware:
@@ -49,6 +46,7 @@ async def seed_session(request: Request):
 
 
 @app.post("/verify")
+@traced("verify", "gym.verify")
 async def verify(request: Request):
     body = await request.json()
     if body.get("raise"):

@@ -2,6 +2,7 @@
 //! spans/metrics → exporters, keeps the set of traced processes up to date (named PIDs,
 //! discovery, forks, exits), and handles start-up, signals and shutdown.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,23 +12,24 @@ use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use crate::classify::{classify, wants_run_body};
-use crate::cli::{Discover, RunArgs};
+use crate::classify::{classify, semantic_at_start, wants_run_body};
+use crate::cli::{Discover, Output, RunArgs};
 use crate::clock::WallClock;
-use crate::connections::{ConnectionTable, HttpExchange, TableAction};
+use crate::connections::{ConnectionTable, HttpExchange, RequestStart, TableAction};
 use crate::discovery::{GymServer, ProcScanner, gym_server_from_env, read_process_env};
 use crate::events::{KernelEvent, Role, decode};
 use crate::export::{ExportTarget, SpanPipeline};
 use crate::gym::ServerType;
-use crate::gym::routes::{RouteName, RouteTemplate, templates_from_openapi};
-use crate::gym::span_groups::SpanGroups;
+use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix, templates_from_openapi};
+use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::harvest::{SelfPorts, connect_address, fetch_openapi, listening_ports};
 use crate::identity::GymLabels;
 use crate::loader::{LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
 use crate::processes::ProcessTable;
-use crate::spans::{SpanRecord, request_spans};
+use crate::spans::{RequestView, SpanKind, SpanRecord, request_spans};
 use crate::stats::Stats;
+use crate::stitch::{SpanRole, StartFacts, StitchConfig, Stitcher};
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
@@ -36,6 +38,9 @@ const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
 /// many times.
 const HARVEST_RETRY: Duration = Duration::from_secs(1);
 const HARVEST_ATTEMPTS: u32 = 60;
+
+/// How often held spans are checked for release.
+const RELEASE_TICK: Duration = Duration::from_millis(100);
 
 /// What the kernel said about traced processes, handled between ring-buffer batches.
 #[derive(Debug)]
@@ -62,10 +67,16 @@ struct Pipeline {
     spans: SpanPipeline,
     metrics: Metrics,
     stats: Stats,
+    stitcher: Stitcher,
+    /// Listening addresses of traced Gym servers → server name, for `peer.service`.
+    peer_names: HashMap<SocketAddr, String>,
     exchanges: Vec<HttpExchange>,
     actions: Vec<TableAction>,
+    /// Sockets to stop capturing, applied to the kernel between ring-buffer batches.
+    untrack: Vec<TableAction>,
     lifecycle: Vec<Lifecycle>,
     span_batch: Vec<SpanRecord>,
+    released: Vec<SpanRecord>,
 }
 
 impl Pipeline {
@@ -90,6 +101,19 @@ impl Pipeline {
             &mut self.exchanges,
             &mut self.actions,
         );
+        // Starts first: a request's span id must be known before anything refers to it.
+        let mut actions = std::mem::take(&mut self.actions);
+        for action in actions.drain(..) {
+            match action {
+                TableAction::Started(start) => self.start_request(&start),
+                TableAction::RolloutFromBody {
+                    span_id,
+                    rollout_id,
+                } => self.stitcher.set_rollout(span_id, rollout_id),
+                untrack @ TableAction::Untrack { .. } => self.untrack.push(untrack),
+            }
+        }
+        self.actions = actions;
         let mut exchanges = std::mem::take(&mut self.exchanges);
         for exchange in exchanges.drain(..) {
             self.handle_exchange(&exchange);
@@ -97,30 +121,85 @@ impl Pipeline {
         self.exchanges = exchanges;
     }
 
+    fn start_request(&mut self, start: &RequestStart) {
+        if start.role == Role::Server && self.is_own(start.peer, start.local) {
+            return;
+        }
+        let Some(process) = self.processes.get_mut(start.pid) else {
+            return;
+        };
+        let rollout_id = strip_rollout_prefix(&start.path).rollout_id;
+        let facts = match start.role {
+            Role::Server => {
+                if let (Some(local), Some(name)) = (start.local, process.identity.server_name()) {
+                    self.peer_names
+                        .entry(local)
+                        .or_insert_with(|| name.to_string());
+                }
+                let semantic = semantic_at_start(process, &start.method, &start.path);
+                StartFacts {
+                    rollout_id,
+                    emits_own: self.groups.contains(SpanGroup::Server),
+                    emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
+                }
+            }
+            Role::Client => StartFacts {
+                rollout_id,
+                emits_own: self.groups.contains(SpanGroup::HttpClient),
+                emits_semantic: false,
+            },
+        };
+        self.stitcher.start(start, facts, std::time::Instant::now());
+    }
+
     fn handle_exchange(&mut self, exchange: &HttpExchange) {
         self.stats.exchanges += 1;
-        if self.is_own_request(exchange) {
+        let now = std::time::Instant::now();
+        if exchange.role == Role::Server && self.is_own(exchange.peer, exchange.local) {
             self.stats.self_requests_ignored += 1;
+            self.stitcher.finish(exchange.span_id, now);
             return;
         }
         let Some(process) = self.processes.get_mut(exchange.pid) else {
+            self.stitcher.finish(exchange.span_id, now);
             return;
         };
         let meaning = classify(process, exchange);
-        if meaning.route == RouteName::Unnamed {
+        if exchange.role == Role::Server && meaning.route == RouteName::Unnamed {
             self.stats.requests_unnamed += 1;
         }
         let identity = process.identity.clone();
-        self.metrics.record(&identity, exchange, &meaning);
-        request_spans(
+        let peer_service = exchange
+            .peer
+            .filter(|_| exchange.role == Role::Client)
+            .and_then(|peer| self.peer_names.get(&peer))
+            .map(String::as_str);
+        self.metrics
+            .record(&identity, exchange, &meaning, peer_service);
+        let view = RequestView {
             exchange,
-            &identity,
-            &meaning,
-            self.groups,
-            self.clock,
-            &mut self.span_batch,
-        );
+            service: &identity,
+            meaning: &meaning,
+            semantic_span_id: self.stitcher.semantic_span_id(exchange.span_id),
+            peer_service,
+        };
+        request_spans(&view, self.groups, self.clock, &mut self.span_batch);
         for span in self.span_batch.drain(..) {
+            let role = if span.kind == SpanKind::Internal {
+                SpanRole::Semantic
+            } else {
+                SpanRole::Own
+            };
+            self.stitcher
+                .hold(exchange.span_id, role, span, now, &mut self.released);
+        }
+        self.stitcher.finish(exchange.span_id, now);
+        self.offer_released();
+    }
+
+    /// Hands the spans the stitcher let go of to the exporters.
+    fn offer_released(&mut self) {
+        for span in self.released.drain(..) {
             if self.spans.offer(span) {
                 self.stats.spans_queued += 1;
             } else {
@@ -130,14 +209,13 @@ impl Pipeline {
     }
 
     /// The agent's own route harvest arrives at the server like any client's request.
-    fn is_own_request(&self, exchange: &HttpExchange) -> bool {
-        exchange.role == Role::Server
-            && match (exchange.peer, exchange.local) {
-                (Some(peer), Some(local)) => {
-                    peer.ip() == local.ip() && self.self_ports.contains(peer.port())
-                }
-                _ => false,
+    fn is_own(&self, peer: Option<SocketAddr>, local: Option<SocketAddr>) -> bool {
+        match (peer, local) {
+            (Some(peer), Some(local)) => {
+                peer.ip() == local.ip() && self.self_ports.contains(peer.port())
             }
+            _ => false,
+        }
     }
 
     fn adopt(&mut self, parent: u32, child: u32) {
@@ -312,7 +390,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             endpoint: endpoint.clone(),
             protocol: args.otlp_protocol,
         },
-        _ => ExportTarget::JsonLines,
+        _ => match args.output {
+            Output::Json => ExportTarget::JsonLines,
+            Output::Tree => ExportTarget::Tree,
+        },
     };
     let mut pipeline = Pipeline {
         clock: WallClock::measure(),
@@ -323,10 +404,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
         spans: SpanPipeline::start(&target)?,
         metrics: Metrics::new(target.clone(), Duration::from_secs(args.metric_interval)),
         stats: Stats::default(),
+        stitcher: Stitcher::new(StitchConfig {
+            delay: Duration::from_millis(args.stitch_delay_ms),
+            max_pending: args.max_pending_spans,
+            max_nodes: args.max_pending_spans.saturating_mul(4),
+        }),
+        peer_names: HashMap::new(),
         exchanges: Vec::new(),
         actions: Vec::new(),
+        untrack: Vec::new(),
         lifecycle: Vec::new(),
         span_batch: Vec::new(),
+        released: Vec::new(),
     };
     let (harvest_tx, mut harvest_rx) = mpsc::unbounded_channel();
     let harvest = !args.no_route_harvest;
@@ -344,6 +433,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
             "gym-tracer: attached pid {pid} as {}",
             describe(&process.identity.labels)
         );
+        // Callers name this server as `peer.service` by the address they connect to.
+        // (Only literal addresses: a host name would need a DNS lookup here.)
+        if let Some(server) = &server
+            && let Some(port) = server.port
+        {
+            let host = server.host.as_deref();
+            if host.is_none_or(|h| h == "localhost" || h.parse::<std::net::IpAddr>().is_ok()) {
+                pipeline
+                    .peer_names
+                    .insert(connect_address(host, port), server.name.clone());
+            }
+        }
         if harvest {
             spawn_harvest(pid, server, pipeline.self_ports.clone(), harvest_tx.clone());
         }
@@ -393,12 +494,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
         },
         match &target {
             ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
+            ExportTarget::Tree => "a tree per trace on stdout".to_string(),
             ExportTarget::Otlp { endpoint, protocol } => format!("OTLP {protocol:?} {endpoint}"),
         }
     );
 
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
+    let mut release = tokio::time::interval(RELEASE_TICK);
+    release.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut rescan = tokio::time::interval(DISCOVERY_INTERVAL);
     rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -410,6 +514,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     pipeline.handle_record(&record);
                 }
                 guard.clear_ready();
+            }
+            _ = release.tick() => {
+                pipeline.stitcher.release(std::time::Instant::now(), &mut pipeline.released);
+                pipeline.offer_released();
             }
             _ = rescan.tick(), if scanner.is_some() => {
                 if let Some(scanner) = scanner.as_mut() {
@@ -434,9 +542,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = interrupt.recv() => break,
             _ = terminate.recv() => break,
         }
-        for action in pipeline.actions.drain(..) {
-            let TableAction::Untrack { id, conn_id } = action;
-            probes.untrack_socket(id.pid, id.fd, conn_id);
+        for action in pipeline.untrack.drain(..) {
+            if let TableAction::Untrack { id, conn_id } = action {
+                probes.untrack_socket(id.pid, id.fd, conn_id);
+            }
         }
         for change in std::mem::take(&mut pipeline.lifecycle) {
             match change {
@@ -457,6 +566,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     while let Some(record) = ring.next() {
         pipeline.handle_record(&record);
     }
+    pipeline.stitcher.release_all(&mut pipeline.released);
+    pipeline.offer_released();
+    pipeline.stats.stitch = pipeline.stitcher.stats;
     pipeline.stats.events_lost_in_kernel = lost;
     pipeline.stats.environ_unreadable = scanner.as_ref().map_or(0, ProcScanner::unreadable);
     let in_flight = pipeline.table.in_flight_requests();

@@ -2,6 +2,7 @@
 //! `gym.*` span it stands for. Spans and metrics are both built from this, so they agree.
 
 use crate::connections::{HttpExchange, Outcome};
+use crate::events::Role;
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::routes::{RouteName, strip_rollout_prefix};
 use crate::gym::semantics::{SemanticSpan, semantic_span};
@@ -24,6 +25,14 @@ pub fn wants_run_body(head: &RequestHead) -> bool {
 pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> RequestMeaning {
     let request = &exchange.request;
     let stripped = strip_rollout_prefix(&request.path);
+    if exchange.role == Role::Client {
+        // A call is named `HTTP {method}`; what matters is the rollout its path names.
+        return RequestMeaning {
+            route: RouteName::Unnamed,
+            rollout_id: stripped.rollout_id,
+            semantic: None,
+        };
+    }
     let route = process.namer.name(stripped.route_path);
     // Gym's `/run` takes the id from its body only; a prefix is what every other route has.
     let rollout_id = exchange.run_rollout_id.clone().or(stripped.rollout_id);
@@ -31,14 +40,10 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
         exchange.outcome,
         Outcome::Response(ref response) if response.status == 404 || response.status == 405
     );
-    // Only a Gym server (named by its environment or --server-name) gets gym.* spans.
-    let is_gym_server = process.identity.labels.server_name.is_some() && !process.other_server_type;
-    let semantic = match &route {
-        _ if !handled || !is_gym_server => None,
-        RouteName::Template(template) => {
-            semantic_span(process.server_type, &request.method, template)
-        }
-        _ => semantic_span(process.server_type, &request.method, stripped.route_path),
+    let semantic = if handled {
+        semantic_of(process, &request.method, &route, stripped.route_path)
+    } else {
+        None
     };
     RequestMeaning {
         route,
@@ -47,16 +52,45 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
     }
 }
 
+/// The `gym.*` span an inbound request will have, judged from its head alone: its calls
+/// must know what to hang under before it ends.
+pub fn semantic_at_start(
+    process: &mut TracedProcess,
+    method: &str,
+    path: &str,
+) -> Option<SemanticSpan> {
+    let stripped = strip_rollout_prefix(path);
+    let route = process.namer.name(stripped.route_path);
+    semantic_of(process, method, &route, stripped.route_path)
+}
+
+fn semantic_of(
+    process: &TracedProcess,
+    method: &str,
+    route: &RouteName,
+    route_path: &str,
+) -> Option<SemanticSpan> {
+    // Only a Gym server (named by its environment or --server-name) gets gym.* spans.
+    let is_gym_server = process.identity.labels.server_name.is_some() && !process.other_server_type;
+    if !is_gym_server {
+        return None;
+    }
+    match route {
+        RouteName::Template(template) => semantic_span(process.server_type, method, template),
+        _ => semantic_span(process.server_type, method, route_path),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::connections::AbortReason;
-    use crate::events::Role;
     use crate::gym::ServerType;
     use crate::gym::span_groups::SpanGroup;
     use crate::http::ResponseHead;
     use crate::identity::GymLabels;
     use crate::processes::ProcessTable;
+    use crate::spans::SpanId;
 
     const PID: u32 = 4242;
 
@@ -86,6 +120,7 @@ mod tests {
             start_ns: 1,
             end_ns: 2,
             run_rollout_id: body_id.and_then(RolloutId::parse),
+            span_id: SpanId::random(),
         }
     }
 

@@ -38,6 +38,15 @@ pub enum Command {
     Run(RunArgs),
 }
 
+/// What is written to stdout when no OTLP endpoint is configured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// One JSON object per span and per metric data point (the machine format).
+    Json,
+    /// Each finished trace as an indented tree, as it completes (for people; no metrics).
+    Tree,
+}
+
 /// What `--discover` looks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Discover {
@@ -123,6 +132,10 @@ pub struct RunArgs {
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 
+    /// stdout format when no OTLP endpoint is set: `json` lines, or a `tree` per trace.
+    #[arg(long, value_enum, default_value = "json")]
+    pub output: Output,
+
     /// OTLP transport.
     #[arg(
         long,
@@ -142,6 +155,18 @@ pub struct RunArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub metric_interval: u64,
+
+    /// Milliseconds a finished span is held before export, so that a parent/child edge seen
+    /// a little late (the two ends of a connection are reported by different CPUs) still
+    /// applies. Spans released without their match are counted (spans_flushed_unmatched).
+    #[arg(long, value_name = "MS", default_value_t = 500)]
+    pub stitch_delay_ms: u64,
+
+    /// Finished spans held for stitching at most; past it the oldest are exported early
+    /// (counted as spans_released_early).
+    #[arg(long, value_name = "N", default_value_t = 100_000,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_pending_spans: usize,
 
     /// Connections tracked at once; more are counted as dropped, not traced.
     #[arg(long, value_name = "N", default_value_t = 65_536)]

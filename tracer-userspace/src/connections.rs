@@ -12,6 +12,7 @@ use crate::http::{
     Head, MessageEvent, MessageStream, ParseError, RequestContext, RequestHead, ResponseHead,
     StreamKind, Transfer, WantsBody,
 };
+use crate::spans::SpanId;
 use crate::stats::Stats;
 
 /// Requests a single connection may have in flight (pipelining depth) before the oldest is
@@ -69,6 +70,25 @@ pub struct HttpExchange {
     /// The rollout id named by the request body, for requests whose body was kept (see
     /// [`ConnectionTable::new`]).
     pub run_rollout_id: Option<RolloutId>,
+    /// Given when the request started (see [`TableAction::Started`]).
+    pub span_id: SpanId,
+}
+
+/// A request whose head was just seen. Its span id exists from now on, so that the calls it
+/// makes and the server that receives it can refer to it before it ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestStart {
+    pub pid: u32,
+    pub role: Role,
+    pub local: Option<SocketAddr>,
+    pub peer: Option<SocketAddr>,
+    /// Which request of its connection this is (0 for the first): the client and the server
+    /// of one connection count the same requests in the same order.
+    pub sequence: u64,
+    pub span_id: SpanId,
+    pub method: String,
+    pub path: String,
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug)]
@@ -76,6 +96,7 @@ struct InFlight {
     head: RequestHead,
     start_ns: u64,
     run_rollout_id: Option<RolloutId>,
+    span_id: SpanId,
 }
 
 #[derive(Debug)]
@@ -87,6 +108,8 @@ struct Connection {
     requests: MessageStream,
     responses: MessageStream,
     in_flight: VecDeque<InFlight>,
+    /// Requests seen on this connection so far.
+    requests_seen: u64,
     /// The response head being received, if it is a final (non-1xx) one.
     current_response: Option<ResponseHead>,
     parse_errors: u32,
@@ -110,6 +133,13 @@ pub struct ConnectionTable {
 pub enum TableAction {
     /// Stop capturing this socket in the kernel: it is not HTTP/1.x.
     Untrack { id: SocketId, conn_id: u64 },
+    /// A request started; reported before anything that depends on it.
+    Started(RequestStart),
+    /// A started request's body named its rollout.
+    RolloutFromBody {
+        span_id: SpanId,
+        rollout_id: RolloutId,
+    },
 }
 
 impl ConnectionTable {
@@ -224,6 +254,7 @@ impl ConnectionTable {
                 },
                 responses: MessageStream::new(StreamKind::Responses),
                 in_flight: VecDeque::new(),
+                requests_seen: 0,
                 current_response: None,
                 parse_errors: 0,
             },
@@ -284,7 +315,9 @@ impl ConnectionTable {
         }
         connection.parse_errors += errors.len() as u32;
         for event in events.drain(..) {
-            on_message_event(id.pid, connection, is_request, event, stats, exchanges);
+            on_message_event(
+                id.pid, connection, is_request, event, stats, exchanges, actions,
+            );
         }
         if connection.parse_errors >= MAX_PARSE_ERRORS && connection.in_flight.is_empty() {
             actions.push(TableAction::Untrack {
@@ -310,6 +343,7 @@ fn on_message_event(
     event: MessageEvent,
     stats: &mut Stats,
     exchanges: &mut Vec<HttpExchange>,
+    actions: &mut Vec<TableAction>,
 ) {
     match (is_request, event) {
         (
@@ -333,10 +367,24 @@ fn on_message_event(
                     ));
                 }
             }
+            let span_id = SpanId::random();
+            actions.push(TableAction::Started(RequestStart {
+                pid,
+                role: connection.role,
+                local: connection.local,
+                peer: connection.peer,
+                sequence: connection.requests_seen,
+                span_id,
+                method: head.method.clone(),
+                path: head.path.clone(),
+                traceparent: head.traceparent.clone(),
+            }));
+            connection.requests_seen += 1;
             connection.in_flight.push_back(InFlight {
                 head,
                 start_ns: first_byte_ns,
                 run_rollout_id: None,
+                span_id,
             });
         }
         (
@@ -368,6 +416,12 @@ fn on_message_event(
             // The body is read for the few fields that name the rollout, then let go.
             if let Some(request) = connection.in_flight.back_mut() {
                 request.run_rollout_id = rollout_id_from_run_body(&prefix.bytes, prefix.complete);
+                if let Some(rollout_id) = &request.run_rollout_id {
+                    actions.push(TableAction::RolloutFromBody {
+                        span_id: request.span_id,
+                        rollout_id: rollout_id.clone(),
+                    });
+                }
             }
         }
         // The end of a request body changes nothing: the exchange ends with its response.
@@ -394,6 +448,7 @@ fn exchange(
         start_ns: request.start_ns,
         end_ns: end_ns.max(request.start_ns),
         run_rollout_id: request.run_rollout_id,
+        span_id: request.span_id,
     }
 }
 
@@ -409,7 +464,16 @@ fn finish(
     let mut events = Vec::new();
     connection.responses.close(timestamp_ns, &mut events);
     for event in events {
-        on_message_event(pid, &mut connection, false, event, stats, exchanges);
+        // A response end cannot start a request: nothing is pushed.
+        on_message_event(
+            pid,
+            &mut connection,
+            false,
+            event,
+            stats,
+            exchanges,
+            &mut Vec::new(),
+        );
     }
     while let Some(request) = connection.in_flight.pop_front() {
         exchanges.push(exchange(

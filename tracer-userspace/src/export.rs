@@ -1,4 +1,5 @@
-//! Exporters: JSON lines on stdout (the default) or OTLP over gRPC or HTTP/protobuf.
+//! Exporters: JSON lines on stdout (the default), trace trees on stdout (`--output tree`), or
+//! OTLP over gRPC or HTTP/protobuf.
 //!
 //! Spans go through a bounded queue to one export task, which batches them and hands each
 //! batch, grouped by traced process, to the OTLP exporter with that process's resource.
@@ -8,7 +9,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
@@ -24,6 +25,7 @@ use tokio::sync::mpsc;
 
 use crate::identity::ServiceIdentity;
 use crate::spans::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
+use crate::tree::{TreeCounters, TreeOptions, TreePrinter};
 
 /// OTLP transport, as `OTEL_EXPORTER_OTLP_PROTOCOL` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -37,6 +39,13 @@ pub enum OtlpProtocol {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExportTarget {
     JsonLines,
+    /// Each finished trace as an indented tree on stdout, for a human; metrics are not
+    /// exported (stdout is the tree's).
+    #[expect(
+        dead_code,
+        reason = "constructed once `--output tree` is wired in cli/agent"
+    )]
+    Tree,
     Otlp {
         endpoint: String,
         protocol: OtlpProtocol,
@@ -52,6 +61,8 @@ const BATCH_DELAY: Duration = Duration::from_millis(500);
 pub struct ExportTotals {
     pub spans_exported: u64,
     pub spans_failed: u64,
+    /// Set for [`ExportTarget::Tree`].
+    pub tree: Option<TreeCounters>,
 }
 
 pub struct SpanPipeline {
@@ -61,6 +72,7 @@ pub struct SpanPipeline {
 
 enum SpanSink {
     JsonLines,
+    Tree(Box<TreePrinter<std::io::Stdout>>),
     Otlp(Box<opentelemetry_otlp::SpanExporter>),
 }
 
@@ -92,6 +104,10 @@ impl SpanPipeline {
     pub fn start(target: &ExportTarget) -> Result<Self> {
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
+            ExportTarget::Tree => SpanSink::Tree(Box::new(TreePrinter::new(
+                TreeOptions::default(),
+                std::io::stdout(),
+            ))),
             ExportTarget::Otlp { endpoint, protocol } => {
                 SpanSink::Otlp(Box::new(otlp_span_exporter(endpoint, *protocol)?))
             }
@@ -139,9 +155,24 @@ async fn run_span_export(
         if !batch.is_empty() {
             export_batch(&mut sink, std::mem::take(&mut batch), &mut totals).await;
         }
+        // Trees are printed on this tick (at least every BATCH_DELAY), not only when spans
+        // arrive: a trace is printed when it has been quiet.
+        if let SpanSink::Tree(printer) = &mut sink {
+            printer.print_ready(Instant::now());
+        }
         if !open {
-            if let SpanSink::Otlp(exporter) = &mut sink {
-                let _ = exporter.shutdown();
+            match &mut sink {
+                SpanSink::Otlp(exporter) => {
+                    let _ = exporter.shutdown();
+                }
+                SpanSink::Tree(printer) => {
+                    printer.flush_all();
+                    let counters = printer.counters();
+                    totals.spans_exported = counters.spans_printed;
+                    totals.spans_failed = counters.spans_unwritten;
+                    totals.tree = Some(counters);
+                }
+                SpanSink::JsonLines => {}
             }
             return totals;
         }
@@ -157,6 +188,13 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
             }
             let _ = out.flush();
             totals.spans_exported += batch.len() as u64;
+        }
+        // Counted at shutdown, from the printer: a span is exported when its tree is printed.
+        SpanSink::Tree(printer) => {
+            let now = Instant::now();
+            for span in batch {
+                printer.add(span, now);
+            }
         }
         SpanSink::Otlp(exporter) => {
             let mut by_service: HashMap<u32, (Arc<ServiceIdentity>, Vec<SpanData>)> =
@@ -413,6 +451,8 @@ pub fn meter_provider(
     use opentelemetry_sdk::runtime::Tokio;
     let builder = SdkMeterProvider::builder().with_resource(service.resource.clone());
     let provider = match target {
+        // No reader: metric lines would break up the trees on stdout.
+        ExportTarget::Tree => builder.build(),
         ExportTarget::JsonLines => builder
             .with_reader(
                 PeriodicReader::builder(JsonLinesMetricExporter, Tokio)

@@ -25,6 +25,8 @@ mod metrics;
 mod processes;
 mod spans;
 mod stats;
+mod stitch;
+mod tree;
 
 use clap::Parser;
 

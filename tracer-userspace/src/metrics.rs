@@ -17,6 +17,24 @@ use crate::export::{ExportTarget, meter_provider};
 use crate::gym::span_groups::SpanGroup;
 use crate::identity::ServiceIdentity;
 
+/// `http.response.status_code`, and `error.type` for 5xx and aborts.
+fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
+    match outcome {
+        Outcome::Response(response) => {
+            attributes.push(KeyValue::new(
+                "http.response.status_code",
+                response.status as i64,
+            ));
+            if response.status >= 500 {
+                attributes.push(KeyValue::new("error.type", response.status.to_string()));
+            }
+        }
+        Outcome::Aborted(reason) => {
+            attributes.push(KeyValue::new("error.type", reason.as_error_type()))
+        }
+    }
+}
+
 /// Bucket boundaries the OTel HTTP semantic conventions specify for
 /// `http.server.request.duration`, in seconds.
 pub const HTTP_DURATION_BOUNDARIES_S: [f64; 14] = [
@@ -28,6 +46,7 @@ struct ServiceMetrics {
     /// `nemo.gym.server.name`, when the process is a Gym server.
     server_name: Option<KeyValue>,
     server_duration: Histogram<f64>,
+    client_duration: Histogram<f64>,
     rollout_duration: Histogram<f64>,
     verify_duration: Histogram<f64>,
     verify_success_rate: Gauge<f64>,
@@ -64,6 +83,12 @@ impl Metrics {
             .with_description("Duration of HTTP server requests.")
             .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
             .build();
+        let client_duration = meter
+            .f64_histogram("http.client.request.duration")
+            .with_unit("s")
+            .with_description("Duration of HTTP client requests.")
+            .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
+            .build();
         let rollout_duration = meter
             .f64_histogram("gym.rollout.duration_ms")
             .with_unit("ms")
@@ -92,6 +117,7 @@ impl Metrics {
                     .server_name()
                     .map(|name| KeyValue::new("nemo.gym.server.name", name.to_string())),
                 server_duration,
+                client_duration,
                 rollout_duration,
                 verify_duration,
                 verify_success_rate,
@@ -115,15 +141,14 @@ impl Metrics {
         }
     }
 
+    /// `peer_service`: the Gym server name of a call's peer, when known.
     pub fn record(
         &mut self,
         identity: &ServiceIdentity,
         exchange: &HttpExchange,
         meaning: &RequestMeaning,
+        peer_service: Option<&str>,
     ) {
-        if exchange.role != Role::Server {
-            return;
-        }
         if !self.services.contains_key(&identity.pid)
             && let Err(error) = self.add_service(identity)
         {
@@ -134,6 +159,24 @@ impl Metrics {
             return;
         };
         let elapsed_ns = exchange.end_ns.saturating_sub(exchange.start_ns) as f64;
+        if exchange.role == Role::Client {
+            let mut attributes = vec![KeyValue::new(
+                "http.request.method",
+                exchange.request.method.clone(),
+            )];
+            if let Some(peer) = exchange.peer {
+                attributes.push(KeyValue::new("server.address", peer.ip().to_string()));
+                attributes.push(KeyValue::new("server.port", peer.port() as i64));
+            }
+            if let Some(name) = peer_service {
+                attributes.push(KeyValue::new("peer.service", name.to_string()));
+            }
+            push_outcome(&exchange.outcome, &mut attributes);
+            service
+                .client_duration
+                .record(elapsed_ns / 1e9, &attributes);
+            return;
+        }
         let server_name: Vec<KeyValue> = service.server_name.iter().cloned().collect();
         match meaning.semantic.map(|semantic| semantic.group) {
             Some(SpanGroup::Rollout) => service
@@ -173,20 +216,7 @@ impl Metrics {
         if let Some(route) = meaning.route.http_route() {
             attributes.push(KeyValue::new("http.route", route.to_string()));
         }
-        match &exchange.outcome {
-            Outcome::Response(response) => {
-                attributes.push(KeyValue::new(
-                    "http.response.status_code",
-                    response.status as i64,
-                ));
-                if response.status >= 500 {
-                    attributes.push(KeyValue::new("error.type", response.status.to_string()));
-                }
-            }
-            Outcome::Aborted(reason) => {
-                attributes.push(KeyValue::new("error.type", reason.as_error_type()))
-            }
-        }
+        push_outcome(&exchange.outcome, &mut attributes);
         service
             .server_duration
             .record(elapsed_ns / 1e9, &attributes);

@@ -15,10 +15,6 @@ use crate::identity::ServiceIdentity;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpanKind {
     Server,
-    #[expect(
-        dead_code,
-        reason = "CLIENT spans are built from client exchanges in [stitching]"
-    )]
     Client,
     Internal,
 }
@@ -141,18 +137,39 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
     Some(())
 }
 
-/// The spans of one inbound request, as the span groups allow: the SERVER span, and the
-/// `gym.*` INTERNAL span (its child, with the same timing) when the route is one Gym wraps.
-/// Client exchanges are not turned into spans yet.
+/// What the spans of one finished request are built from.
+pub struct RequestView<'a> {
+    pub exchange: &'a HttpExchange,
+    pub service: &'a Arc<ServiceIdentity>,
+    pub meaning: &'a RequestMeaning,
+    /// The id the `gym.*` span was given when the request started (its calls already hang
+    /// under it).
+    pub semantic_span_id: Option<SpanId>,
+    /// The Gym server name of the peer, for a CLIENT span.
+    pub peer_service: Option<&'a str>,
+}
+
+/// The spans of one request, as the span groups allow: for an inbound request its SERVER span
+/// and the `gym.*` INTERNAL span (its child, same timing) when the route is one Gym wraps; for
+/// an outbound call its CLIENT span. Trace ids and parents are provisional (an inbound
+/// `traceparent`, else none): the stitcher sets them.
 pub fn request_spans(
-    exchange: &HttpExchange,
-    service: &Arc<ServiceIdentity>,
-    meaning: &RequestMeaning,
+    view: &RequestView<'_>,
     groups: SpanGroups,
     clock: WallClock,
     out: &mut Vec<SpanRecord>,
 ) {
-    if exchange.role != Role::Server {
+    let RequestView {
+        exchange,
+        service,
+        meaning,
+        semantic_span_id,
+        peer_service,
+    } = *view;
+    if exchange.role == Role::Client {
+        if groups.contains(SpanGroup::HttpClient) {
+            out.push(client_span(exchange, service, meaning, peer_service, clock));
+        }
         return;
     }
     let server = server_span(exchange, service, meaning, clock);
@@ -164,7 +181,7 @@ pub fn request_spans(
             name: semantic.name.to_string(),
             kind: SpanKind::Internal,
             trace_id: server.trace_id,
-            span_id: SpanId::random(),
+            span_id: semantic_span_id.unwrap_or_else(SpanId::random),
             // Without the SERVER span, the semantic span hangs where it would have.
             parent_span_id: if groups.contains(SpanGroup::Server) {
                 Some(server.span_id)
@@ -181,6 +198,87 @@ pub fn request_spans(
         out.push(server);
     }
     out.extend(semantic);
+}
+
+/// The CLIENT span of an outbound call, named `HTTP {method}` as Gym names it.
+fn client_span(
+    exchange: &HttpExchange,
+    service: &Arc<ServiceIdentity>,
+    meaning: &RequestMeaning,
+    peer_service: Option<&str>,
+    clock: WallClock,
+) -> SpanRecord {
+    let request = &exchange.request;
+    let mut attributes: Attributes = vec![
+        (
+            "http.request.method",
+            AttributeValue::Str(request.method.clone()),
+        ),
+        (
+            "network.protocol.version",
+            AttributeValue::Str(format!("1.{}", request.version_minor)),
+        ),
+    ];
+    if let Some(peer) = exchange.peer {
+        // The query string was never kept: `path` has none.
+        attributes.push((
+            "url.full",
+            AttributeValue::Str(format!("http://{peer}{}", request.path)),
+        ));
+        attributes.push(("server.address", AttributeValue::Str(peer.ip().to_string())));
+        attributes.push(("server.port", AttributeValue::Int(peer.port() as i64)));
+    }
+    if let Some(name) = peer_service {
+        attributes.push(("peer.service", AttributeValue::Str(name.to_string())));
+    }
+    let status = outcome_attributes(&exchange.outcome, &mut attributes);
+    if let Some(id) = &meaning.rollout_id {
+        attributes.push((
+            "nemo.gym.rollout.id",
+            AttributeValue::Str(id.as_str().into()),
+        ));
+    }
+    SpanRecord {
+        service: service.clone(),
+        name: format!("HTTP {}", request.method),
+        kind: SpanKind::Client,
+        trace_id: TraceId::random(),
+        span_id: exchange.span_id,
+        parent_span_id: None,
+        parent_is_remote: false,
+        start_unix_ns: clock.to_unix_ns(exchange.start_ns),
+        end_unix_ns: clock.to_unix_ns(exchange.end_ns),
+        attributes,
+        status,
+    }
+}
+
+/// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
+fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanStatus {
+    match outcome {
+        Outcome::Response(response) => {
+            attributes.push((
+                "http.response.status_code",
+                AttributeValue::Int(response.status as i64),
+            ));
+            if response.status >= 500 {
+                attributes.push((
+                    "error.type",
+                    AttributeValue::Str(response.status.to_string()),
+                ));
+                SpanStatus::Error
+            } else {
+                SpanStatus::Unset
+            }
+        }
+        Outcome::Aborted(reason) => {
+            attributes.push((
+                "error.type",
+                AttributeValue::Str(reason.as_error_type().into()),
+            ));
+            SpanStatus::Error
+        }
+    }
 }
 
 /// `nemo.gym.server.name` and `nemo.gym.rollout.id`, where known.
@@ -249,30 +347,7 @@ fn server_span(
     if let Some(agent) = &request.user_agent {
         attributes.push(("user_agent.original", AttributeValue::Str(agent.clone())));
     }
-    let status = match &exchange.outcome {
-        Outcome::Response(response) => {
-            attributes.push((
-                "http.response.status_code",
-                AttributeValue::Int(response.status as i64),
-            ));
-            if response.status >= 500 {
-                attributes.push((
-                    "error.type",
-                    AttributeValue::Str(response.status.to_string()),
-                ));
-                SpanStatus::Error
-            } else {
-                SpanStatus::Unset
-            }
-        }
-        Outcome::Aborted(reason) => {
-            attributes.push((
-                "error.type",
-                AttributeValue::Str(reason.as_error_type().into()),
-            ));
-            SpanStatus::Error
-        }
-    };
+    let status = outcome_attributes(&exchange.outcome, &mut attributes);
     attributes.extend(gym_attributes(service, meaning));
     let parent = request.traceparent.as_deref().and_then(parse_traceparent);
     SpanRecord {
@@ -282,7 +357,7 @@ fn server_span(
         trace_id: parent
             .map(|(trace, _)| trace)
             .unwrap_or_else(TraceId::random),
-        span_id: SpanId::random(),
+        span_id: exchange.span_id,
         parent_span_id: parent.map(|(_, span)| span),
         parent_is_remote: parent.is_some(),
         start_unix_ns: clock.to_unix_ns(exchange.start_ns),
@@ -335,6 +410,7 @@ mod tests {
             start_ns: 1_000,
             end_ns: 5_000,
             run_rollout_id: None,
+            span_id: SpanId::random(),
         }
     }
 
@@ -370,10 +446,15 @@ mod tests {
 
     fn spans(exchange: &HttpExchange, meaning: &RequestMeaning, groups: &str) -> Vec<SpanRecord> {
         let mut out = Vec::new();
-        request_spans(
+        let view = RequestView {
             exchange,
-            &gym_service(),
+            service: &gym_service(),
             meaning,
+            semantic_span_id: None,
+            peer_service: None,
+        };
+        request_spans(
+            &view,
             groups.parse().unwrap(),
             WallClock::measure(),
             &mut out,

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::http::ParseError;
+use crate::stitch::StitchStats;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -36,6 +37,7 @@ pub struct Stats {
     pub requests_unnamed: u64,
     /// Processes whose environment discovery could not read.
     pub environ_unreadable: u64,
+    pub stitch: StitchStats,
 }
 
 impl Stats {
@@ -59,7 +61,9 @@ impl fmt::Display for Stats {
              responses_without_request={} requests_dropped_overflow={} connections_dropped={} \
              connections_not_http={} processes_attached={} processes_exited={} forks_followed={} \
              fork_threads_ignored={} self_requests_ignored={} route_tables_harvested={} \
-             route_harvests_failed={} requests_unnamed={} environ_unreadable={}",
+             route_harvests_failed={} requests_unnamed={} environ_unreadable={} \
+             cross_process_links={} parents_ambiguous={} parents_contradicted={} parents_none={} \
+             spans_flushed_unmatched={} spans_released_early={} stitch_nodes_evicted={}",
             self.events_in,
             self.events_lost_in_kernel,
             self.events_undecodable,
@@ -84,6 +88,13 @@ impl fmt::Display for Stats {
             self.route_harvests_failed,
             self.requests_unnamed,
             self.environ_unreadable,
+            self.stitch.cross_process_links,
+            self.stitch.parents_ambiguous,
+            self.stitch.parents_contradicted,
+            self.stitch.parents_none,
+            self.stitch.spans_flushed_unmatched,
+            self.stitch.spans_released_early,
+            self.stitch.nodes_evicted,
         )
     }
 }

@@ -1,0 +1,810 @@
+//! Stitching: which span is whose parent and which trace each one is in, so that one rollout
+//! reads as one trace across the agent, model and resources processes.
+//!
+//! Every request gets its span id when its head is seen ([`RequestStart`]), long before it
+//! ends, so edges can be drawn while both ends are still in flight:
+//! - inside a process, an outbound call hangs under the inbound request that caused it (the
+//!   one in-flight inbound request with the call's rollout id, else the only one in flight,
+//!   else nothing — never a guess);
+//! - across processes on this host, the server end of a TCP connection hangs under the client
+//!   end: both count the connection's requests in the same order, so (client address, server
+//!   address, request number) names one request from either side, whichever is seen first;
+//! - an inbound `traceparent` wins over both.
+//!
+//! Trace ids are resolved when a span is released, not when it is built: a finished span is
+//! held for a short delay ([`StitchConfig::delay`]) so an edge found a little late still
+//! applies. A trace with a rollout id gets a trace id derived from it ([`rollout_trace_id`]),
+//! so agents on different hosts agree without talking.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use crate::connections::RequestStart;
+use crate::events::Role;
+use crate::gym::rollout_id::RolloutId;
+use crate::spans::{AttributeValue, SpanId, SpanRecord, TraceId, parse_traceparent};
+
+/// How long the graph keeps a finished request: a call that outlives its caller (fire and
+/// forget) still finds its parent within this.
+const FINISHED_LINGER: Duration = Duration::from_secs(30);
+
+/// A one-sided connection entry (the other end is not traced, or is another host) is given up
+/// after this.
+const UNMATCHED_LINGER: Duration = Duration::from_secs(30);
+
+/// Parent chains longer than this are cut (they cannot happen in a real call graph; the
+/// bound keeps a corrupted graph from looping).
+const MAX_DEPTH: usize = 64;
+
+#[derive(Clone, Copy, Debug)]
+pub struct StitchConfig {
+    /// How long a finished span waits for edges found late.
+    pub delay: Duration,
+    /// Finished spans held at most; past it the oldest is released early (and counted).
+    pub max_pending: usize,
+    /// Requests (in flight or recently finished) the graph holds at most.
+    pub max_nodes: usize,
+}
+
+/// Which span of a request a held record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanRole {
+    /// The SERVER or CLIENT span of the request itself.
+    Own,
+    /// The `gym.*` INTERNAL span of an inbound request.
+    Semantic,
+}
+
+/// What the stitcher counts; added to the agent's summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StitchStats {
+    /// Outbound calls with more than one candidate parent and nothing to tell them apart.
+    pub parents_ambiguous: u64,
+    /// Outbound calls made while no inbound request of the process was in flight.
+    pub parents_none: u64,
+    /// Outbound calls whose rollout id contradicts the only in-flight inbound request.
+    pub parents_contradicted: u64,
+    /// Server spans linked to the client span of a caller on this host.
+    pub cross_process_links: u64,
+    /// Server spans released before their caller's client span was seen: the edge came
+    /// later than `--stitch-delay-ms` and is lost.
+    pub spans_flushed_unmatched: u64,
+    /// Spans released before their delay because too many were held.
+    pub spans_released_early: u64,
+    /// Requests dropped from the graph because it was full.
+    pub nodes_evicted: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Parent {
+    None,
+    /// From an inbound `traceparent`: a span of a process seen only through its header.
+    Remote(TraceId, SpanId),
+    /// A request of this host: for a server, the caller's client request; for a client, the
+    /// inbound request that made the call.
+    Local(SpanId),
+}
+
+/// One request in the graph.
+#[derive(Debug)]
+struct Node {
+    pid: u32,
+    parent: Parent,
+    /// Its own: the path prefix, the `/run` body, or adopted from the calls it made.
+    rollout: Option<RolloutId>,
+    /// Whether the request's own SERVER/CLIENT span is emitted (span groups).
+    emits_own: bool,
+    /// The `gym.*` span's id, when one will be emitted: the calls the request makes hang
+    /// under it, as under Gym's `gym.rollout`.
+    semantic_span_id: Option<SpanId>,
+    /// Set when a span of the request (or of a descendant) is released: fixed from then on.
+    trace: Option<TraceId>,
+    /// Used if the request turns out to be a root without a rollout id.
+    random_trace: TraceId,
+    finished: bool,
+}
+
+/// One request on one TCP connection, named the same from both ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ConnectionKey {
+    client: SocketAddr,
+    server: SocketAddr,
+    sequence: u64,
+}
+
+struct Held {
+    release_at: Instant,
+    node: SpanId,
+    role: SpanRole,
+    span: SpanRecord,
+}
+
+/// The trace id of every span of a rollout: the first 16 bytes of
+/// SHA-256("nemo.gym.rollout/" + rollout id).
+pub fn rollout_trace_id(rollout_id: &RolloutId) -> TraceId {
+    let digest = Sha256::new()
+        .chain_update(b"nemo.gym.rollout/")
+        .chain_update(rollout_id.as_str().as_bytes())
+        .finalize();
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&digest[..16]);
+    if id == [0; 16] {
+        id[15] = 1; // the all-zero trace id is invalid
+    }
+    TraceId(id)
+}
+
+pub struct Stitcher {
+    config: StitchConfig,
+    nodes: HashMap<SpanId, Node>,
+    /// In-flight inbound requests per process: the candidates for an outbound call's parent.
+    inbound: HashMap<u32, Vec<SpanId>>,
+    waiting_clients: HashMap<ConnectionKey, SpanId>,
+    waiting_servers: HashMap<ConnectionKey, SpanId>,
+    /// Connection keys in the order they were registered, to expire one-sided ones.
+    key_expiry: VecDeque<(Instant, ConnectionKey)>,
+    finished: VecDeque<(Instant, SpanId)>,
+    held: VecDeque<Held>,
+    pub stats: StitchStats,
+}
+
+/// What the caller knows about a starting request besides the table's [`RequestStart`].
+pub struct StartFacts {
+    /// From the path prefix.
+    pub rollout_id: Option<RolloutId>,
+    /// Whether the request's own span will be emitted.
+    pub emits_own: bool,
+    /// Whether a `gym.*` span will be emitted for it (inbound only).
+    pub emits_semantic: bool,
+}
+
+impl Stitcher {
+    pub fn new(config: StitchConfig) -> Self {
+        Self {
+            config,
+            nodes: HashMap::new(),
+            inbound: HashMap::new(),
+            waiting_clients: HashMap::new(),
+            waiting_servers: HashMap::new(),
+            key_expiry: VecDeque::new(),
+            finished: VecDeque::new(),
+            held: VecDeque::new(),
+            stats: StitchStats::default(),
+        }
+    }
+
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The span id a request's `gym.*` span must use (pre-allocated at start).
+    pub fn semantic_span_id(&self, request: SpanId) -> Option<SpanId> {
+        self.nodes.get(&request).and_then(|n| n.semantic_span_id)
+    }
+
+    /// Registers a request whose head was just seen, and draws the edges that are known now.
+    pub fn start(&mut self, start: &RequestStart, facts: StartFacts, now: Instant) {
+        if self.nodes.len() >= self.config.max_nodes {
+            self.evict_one();
+        }
+        let key = match (start.role, start.local, start.peer) {
+            (Role::Server, Some(local), Some(peer)) => Some(ConnectionKey {
+                client: peer,
+                server: local,
+                sequence: start.sequence,
+            }),
+            (Role::Client, Some(local), Some(peer)) => Some(ConnectionKey {
+                client: local,
+                server: peer,
+                sequence: start.sequence,
+            }),
+            _ => None,
+        };
+        let mut node = Node {
+            pid: start.pid,
+            parent: Parent::None,
+            rollout: facts.rollout_id,
+            emits_own: facts.emits_own,
+            semantic_span_id: (start.role == Role::Server && facts.emits_semantic)
+                .then(SpanId::random),
+            trace: None,
+            random_trace: TraceId::random(),
+            finished: false,
+        };
+        match start.role {
+            Role::Server => {
+                let remote = start.traceparent.as_deref().and_then(parse_traceparent);
+                let client = key.and_then(|key| self.waiting_clients.remove(&key));
+                node.parent = match (remote, client) {
+                    (Some((trace, span)), _) => Parent::Remote(trace, span),
+                    (None, Some(client)) => {
+                        self.stats.cross_process_links += 1;
+                        Parent::Local(client)
+                    }
+                    (None, None) => {
+                        if let Some(key) = key {
+                            self.waiting_servers.insert(key, start.span_id);
+                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
+                        }
+                        Parent::None
+                    }
+                };
+                self.inbound
+                    .entry(start.pid)
+                    .or_default()
+                    .push(start.span_id);
+            }
+            Role::Client => {
+                node.parent = match self.choose_caller(start.pid, node.rollout.as_ref()) {
+                    Some(inbound) => Parent::Local(inbound),
+                    None => Parent::None,
+                };
+                if let Some(key) = key {
+                    match self.waiting_servers.remove(&key) {
+                        Some(server) => self.link_server(server, start.span_id),
+                        None => {
+                            self.waiting_clients.insert(key, start.span_id);
+                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
+                        }
+                    }
+                }
+            }
+        }
+        self.nodes.insert(start.span_id, node);
+    }
+
+    /// A request's body named its rollout (an agent's `/run`).
+    pub fn set_rollout(&mut self, request: SpanId, rollout_id: RolloutId) {
+        if let Some(node) = self.nodes.get_mut(&request) {
+            node.rollout = Some(rollout_id);
+        }
+    }
+
+    /// The in-flight inbound request of `pid` that made an outbound call, by the rules in the
+    /// module doc. A call that names a rollout lends it to a parent that has none.
+    fn choose_caller(&mut self, pid: u32, rollout: Option<&RolloutId>) -> Option<SpanId> {
+        let candidates = self.inbound.get(&pid).map(Vec::as_slice).unwrap_or(&[]);
+        if let Some(rollout) = rollout {
+            let same: Vec<SpanId> = candidates
+                .iter()
+                .copied()
+                .filter(|id| self.effective_rollout(*id).as_ref() == Some(rollout))
+                .collect();
+            match same.as_slice() {
+                [one] => return Some(*one),
+                [] => {}
+                _ => {
+                    self.stats.parents_ambiguous += 1;
+                    return None;
+                }
+            }
+        }
+        match candidates {
+            [] => {
+                self.stats.parents_none += 1;
+                None
+            }
+            [only] => {
+                let only = *only;
+                match (rollout, self.effective_rollout(only)) {
+                    (Some(_), Some(_)) => {
+                        // The only candidate belongs to another rollout.
+                        self.stats.parents_contradicted += 1;
+                        None
+                    }
+                    (Some(rollout), None) => {
+                        if let Some(node) = self.nodes.get_mut(&only) {
+                            node.rollout = Some(rollout.clone());
+                        }
+                        Some(only)
+                    }
+                    (None, _) => Some(only),
+                }
+            }
+            _ => {
+                self.stats.parents_ambiguous += 1;
+                None
+            }
+        }
+    }
+
+    fn link_server(&mut self, server: SpanId, client: SpanId) {
+        let Some(node) = self.nodes.get_mut(&server) else {
+            return;
+        };
+        if node.trace.is_some() {
+            // Its spans are out already, under a trace of their own.
+            self.stats.spans_flushed_unmatched += 1;
+        } else if node.parent == Parent::None {
+            node.parent = Parent::Local(client);
+            self.stats.cross_process_links += 1;
+        }
+    }
+
+    /// A request ended (its spans, if any, are [`hold`](Self::hold)-ed by the caller).
+    pub fn finish(&mut self, request: SpanId, now: Instant) {
+        let Some(node) = self.nodes.get_mut(&request) else {
+            return;
+        };
+        node.finished = true;
+        let pid = node.pid;
+        if let Some(list) = self.inbound.get_mut(&pid) {
+            list.retain(|id| *id != request);
+            if list.is_empty() {
+                self.inbound.remove(&pid);
+            }
+        }
+        self.finished.push_back((now, request));
+    }
+
+    /// Holds a finished span until its delay has passed.
+    pub fn hold(
+        &mut self,
+        request: SpanId,
+        role: SpanRole,
+        span: SpanRecord,
+        now: Instant,
+        out: &mut Vec<SpanRecord>,
+    ) {
+        if self.held.len() >= self.config.max_pending
+            && let Some(oldest) = self.held.pop_front()
+        {
+            self.stats.spans_released_early += 1;
+            out.push(self.resolve(oldest));
+        }
+        self.held.push_back(Held {
+            release_at: now + self.config.delay,
+            node: request,
+            role,
+            span,
+        });
+    }
+
+    /// Releases the spans whose delay has passed, and forgets what is too old to matter.
+    pub fn release(&mut self, now: Instant, out: &mut Vec<SpanRecord>) {
+        while self.held.front().is_some_and(|h| h.release_at <= now) {
+            let held = self.held.pop_front().expect("checked");
+            out.push(self.resolve(held));
+        }
+        while self
+            .key_expiry
+            .front()
+            .is_some_and(|(expiry, _)| *expiry <= now)
+        {
+            let (_, key) = self.key_expiry.pop_front().expect("checked");
+            self.waiting_clients.remove(&key);
+            self.waiting_servers.remove(&key);
+        }
+        while self
+            .finished
+            .front()
+            .is_some_and(|(at, _)| *at + FINISHED_LINGER <= now)
+        {
+            let (_, id) = self.finished.pop_front().expect("checked");
+            self.nodes.remove(&id);
+        }
+    }
+
+    /// Releases everything held (at shutdown).
+    pub fn release_all(&mut self, out: &mut Vec<SpanRecord>) {
+        while let Some(held) = self.held.pop_front() {
+            out.push(self.resolve(held));
+        }
+    }
+
+    fn evict_one(&mut self) {
+        if let Some((_, id)) = self.finished.pop_front() {
+            self.nodes.remove(&id);
+            self.stats.nodes_evicted += 1;
+        }
+    }
+
+    /// Sets a held span's trace and parent from the graph as it is now, and fixes its trace
+    /// (and its ancestors') so that what is released later agrees.
+    fn resolve(&mut self, held: Held) -> SpanRecord {
+        let Held {
+            node: id,
+            role,
+            mut span,
+            ..
+        } = held;
+        let Some(node) = self.nodes.get(&id) else {
+            // Evicted from the graph: the span stands alone.
+            span.trace_id = TraceId::random();
+            return span;
+        };
+        let (emits_own, remote_parent) =
+            (node.emits_own, matches!(node.parent, Parent::Remote(..)));
+        let trace = self.trace_of(id);
+        let outer_parent = self.parent_span_of(id);
+        span.parent_span_id = match role {
+            SpanRole::Semantic if emits_own => Some(id),
+            _ => outer_parent,
+        };
+        span.parent_is_remote = remote_parent && (role == SpanRole::Own || !emits_own);
+        span.trace_id = trace;
+        if !span
+            .attributes
+            .iter()
+            .any(|(k, _)| *k == "nemo.gym.rollout.id")
+            && let Some(rollout) = self.effective_rollout(id)
+        {
+            span.attributes.push((
+                "nemo.gym.rollout.id",
+                AttributeValue::Str(rollout.as_str().to_string()),
+            ));
+        }
+        self.fix_trace(id, trace);
+        span
+    }
+
+    fn fix_trace(&mut self, mut id: SpanId, trace: TraceId) {
+        for _ in 0..MAX_DEPTH {
+            let Some(node) = self.nodes.get_mut(&id) else {
+                return;
+            };
+            if node.trace.is_some() {
+                return;
+            }
+            node.trace = Some(trace);
+            match node.parent {
+                Parent::Local(parent) => id = parent,
+                _ => return,
+            }
+        }
+    }
+
+    /// The rollout id a request belongs to: its own, else its caller's (carried down).
+    fn effective_rollout(&self, mut id: SpanId) -> Option<RolloutId> {
+        for _ in 0..MAX_DEPTH {
+            let node = self.nodes.get(&id)?;
+            if let Some(rollout) = &node.rollout {
+                return Some(rollout.clone());
+            }
+            match node.parent {
+                Parent::Local(parent) => id = parent,
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    fn trace_of(&self, mut id: SpanId) -> TraceId {
+        let start = id;
+        for _ in 0..MAX_DEPTH {
+            let Some(node) = self.nodes.get(&id) else {
+                break;
+            };
+            if let Some(trace) = node.trace {
+                return trace;
+            }
+            match node.parent {
+                Parent::Remote(trace, _) => return trace,
+                Parent::Local(parent) if self.nodes.contains_key(&parent) => id = parent,
+                _ => {
+                    // A root of this host: its rollout decides, else its own random id.
+                    return match self.effective_rollout(start) {
+                        Some(rollout) => rollout_trace_id(&rollout),
+                        None => node.random_trace,
+                    };
+                }
+            }
+        }
+        self.nodes
+            .get(&start)
+            .map_or_else(TraceId::random, |n| n.random_trace)
+    }
+
+    /// The span a request's own span hangs under: for a server, the caller's client span
+    /// (or the remote parent); for a client, the gym.* span (or SERVER span) of the inbound
+    /// request that made the call. Requests whose spans are not emitted are passed through.
+    fn parent_span_of(&self, mut id: SpanId) -> Option<SpanId> {
+        for _ in 0..MAX_DEPTH {
+            let node = self.nodes.get(&id)?;
+            match node.parent {
+                Parent::None => return None,
+                Parent::Remote(_, span) => return Some(span),
+                Parent::Local(parent) => {
+                    let Some(parent_node) = self.nodes.get(&parent) else {
+                        return Some(parent);
+                    };
+                    if let Some(semantic) = parent_node.semantic_span_id {
+                        return Some(semantic);
+                    }
+                    if parent_node.emits_own {
+                        return Some(parent);
+                    }
+                    id = parent;
+                }
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::ServiceIdentity;
+    use crate::spans::{SpanKind, SpanStatus};
+    use std::sync::Arc;
+
+    const AGENT: u32 = 1;
+    const MODEL: u32 = 2;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn start(
+        pid: u32,
+        role: Role,
+        local: u16,
+        peer: u16,
+        sequence: u64,
+        path: &str,
+    ) -> RequestStart {
+        RequestStart {
+            pid,
+            role,
+            local: Some(addr(local)),
+            peer: Some(addr(peer)),
+            sequence,
+            span_id: SpanId::random(),
+            method: "POST".into(),
+            path: path.into(),
+            traceparent: None,
+        }
+    }
+
+    fn facts(rollout: Option<&str>, semantic: bool) -> StartFacts {
+        StartFacts {
+            rollout_id: rollout.and_then(RolloutId::parse),
+            emits_own: true,
+            emits_semantic: semantic,
+        }
+    }
+
+    fn span(name: &str, span_id: SpanId) -> SpanRecord {
+        SpanRecord {
+            service: Arc::new(ServiceIdentity::for_test("svc")),
+            name: name.into(),
+            kind: SpanKind::Server,
+            trace_id: TraceId([0; 16]),
+            span_id,
+            parent_span_id: None,
+            parent_is_remote: false,
+            start_unix_ns: 1,
+            end_unix_ns: 2,
+            attributes: Vec::new(),
+            status: SpanStatus::Unset,
+        }
+    }
+
+    fn config() -> StitchConfig {
+        StitchConfig {
+            delay: Duration::from_millis(100),
+            max_pending: 100,
+            max_nodes: 1000,
+        }
+    }
+
+    /// One rollout: agent /run (8000) → model (9000) over one connection (client port 40000).
+    /// `server_first`: the model's read is seen before the agent's write.
+    fn rollout(server_first: bool) -> (Vec<SpanRecord>, StitchStats) {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        stitcher.start(&run, facts(None, true), now);
+        stitcher.set_rollout(run.span_id, RolloutId::parse("7-1").unwrap());
+        let call = start(
+            AGENT,
+            Role::Client,
+            40000,
+            9000,
+            0,
+            "/ng-rollout/7-1/v1/responses",
+        );
+        let served = start(
+            MODEL,
+            Role::Server,
+            9000,
+            40000,
+            0,
+            "/ng-rollout/7-1/v1/responses",
+        );
+        if server_first {
+            stitcher.start(&served, facts(Some("7-1"), true), now);
+            stitcher.start(&call, facts(Some("7-1"), false), now);
+        } else {
+            stitcher.start(&call, facts(Some("7-1"), false), now);
+            stitcher.start(&served, facts(Some("7-1"), true), now);
+        }
+        let mut out = Vec::new();
+        let semantic = |s: &Stitcher, id| s.semantic_span_id(id).unwrap();
+        let served_semantic = semantic(&stitcher, served.span_id);
+        stitcher.hold(
+            served.span_id,
+            SpanRole::Own,
+            span("POST /v1/responses", served.span_id),
+            now,
+            &mut out,
+        );
+        stitcher.hold(
+            served.span_id,
+            SpanRole::Semantic,
+            span("gym.model.responses", served_semantic),
+            now,
+            &mut out,
+        );
+        stitcher.finish(served.span_id, now);
+        stitcher.hold(
+            call.span_id,
+            SpanRole::Own,
+            span("HTTP POST", call.span_id),
+            now,
+            &mut out,
+        );
+        stitcher.finish(call.span_id, now);
+        let run_semantic = semantic(&stitcher, run.span_id);
+        stitcher.hold(
+            run.span_id,
+            SpanRole::Own,
+            span("POST /run", run.span_id),
+            now,
+            &mut out,
+        );
+        stitcher.hold(
+            run.span_id,
+            SpanRole::Semantic,
+            span("gym.rollout", run_semantic),
+            now,
+            &mut out,
+        );
+        stitcher.finish(run.span_id, now);
+        stitcher.release(now, &mut out);
+        assert!(out.is_empty(), "held for the delay");
+        stitcher.release(now + Duration::from_millis(100), &mut out);
+        (out, stitcher.stats)
+    }
+
+    fn by_name<'a>(spans: &'a [SpanRecord], name: &str) -> &'a SpanRecord {
+        spans.iter().find(|s| s.name == name).unwrap()
+    }
+
+    #[test]
+    fn one_rollout_is_one_tree_whichever_end_is_seen_first() {
+        for server_first in [false, true] {
+            let (spans, stats) = rollout(server_first);
+            assert_eq!(spans.len(), 5);
+            let trace = rollout_trace_id(&RolloutId::parse("7-1").unwrap());
+            assert!(spans.iter().all(|s| s.trace_id == trace), "{server_first}");
+            let run = by_name(&spans, "POST /run");
+            let rollout = by_name(&spans, "gym.rollout");
+            let call = by_name(&spans, "HTTP POST");
+            let served = by_name(&spans, "POST /v1/responses");
+            let model = by_name(&spans, "gym.model.responses");
+            assert_eq!(run.parent_span_id, None);
+            assert_eq!(rollout.parent_span_id, Some(run.span_id));
+            assert_eq!(call.parent_span_id, Some(rollout.span_id));
+            assert_eq!(served.parent_span_id, Some(call.span_id));
+            assert_eq!(model.parent_span_id, Some(served.span_id));
+            assert_eq!(stats.cross_process_links, 1);
+            assert_eq!(stats.spans_flushed_unmatched, 0);
+        }
+    }
+
+    #[test]
+    fn a_caller_seen_after_the_delay_is_counted_not_linked() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+        stitcher.start(&served, facts(None, false), now);
+        let mut out = Vec::new();
+        stitcher.hold(
+            served.span_id,
+            SpanRole::Own,
+            span("POST /v1/responses", served.span_id),
+            now,
+            &mut out,
+        );
+        stitcher.finish(served.span_id, now);
+        stitcher.release(now + Duration::from_secs(1), &mut out);
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
+        stitcher.start(&call, facts(None, false), now + Duration::from_secs(1));
+        assert_eq!(stitcher.stats.spans_flushed_unmatched, 1);
+        assert_eq!(stitcher.stats.cross_process_links, 0);
+    }
+
+    #[test]
+    fn calls_pick_their_parent_by_rollout_id_or_not_at_all() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let a = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        let b = start(AGENT, Role::Server, 8000, 50001, 0, "/run");
+        stitcher.start(&a, facts(Some("a"), false), now);
+        stitcher.start(&b, facts(Some("b"), false), now);
+        let for_b = start(AGENT, Role::Client, 40000, 9000, 0, "/ng-rollout/b/verify");
+        stitcher.start(&for_b, facts(Some("b"), false), now);
+        assert_eq!(stitcher.parent_span_of(for_b.span_id), Some(b.span_id));
+        // Two in flight, no id on the call: no parent, counted.
+        let anonymous = start(AGENT, Role::Client, 40001, 9000, 0, "/verify");
+        stitcher.start(&anonymous, facts(None, false), now);
+        assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
+        assert_eq!(stitcher.stats.parents_ambiguous, 1);
+        // One in flight but of another rollout: contradicting evidence, no edge.
+        stitcher.finish(a.span_id, now);
+        let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
+        stitcher.start(&for_c, facts(Some("c"), false), now);
+        assert_eq!(stitcher.parent_span_of(for_c.span_id), None);
+        assert_eq!(stitcher.stats.parents_contradicted, 1);
+    }
+
+    #[test]
+    fn a_run_without_an_id_adopts_the_one_its_calls_carry() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        stitcher.start(&run, facts(None, true), now);
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/ng-rollout/r9/verify");
+        stitcher.start(&call, facts(Some("r9"), false), now);
+        let mut out = Vec::new();
+        stitcher.hold(
+            run.span_id,
+            SpanRole::Own,
+            span("POST /run", run.span_id),
+            now,
+            &mut out,
+        );
+        stitcher.release_all(&mut out);
+        let expected = rollout_trace_id(&RolloutId::parse("r9").unwrap());
+        assert_eq!(out[0].trace_id, expected);
+        assert!(out[0].attributes.iter().any(|(k, v)| *k == "nemo.gym.rollout.id"
+            && *v == AttributeValue::Str("r9".into())));
+    }
+
+    #[test]
+    fn a_traceparent_wins_and_one_sided_entries_expire() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let mut served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+        served.traceparent = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+        stitcher.start(&served, facts(None, false), now);
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
+        stitcher.start(&call, facts(None, false), now);
+        assert_eq!(stitcher.trace_of(served.span_id).0[0], 0x0a);
+        assert_eq!(stitcher.stats.cross_process_links, 0);
+        // The client's entry waits for a server that never comes, then goes.
+        assert_eq!(stitcher.waiting_clients.len(), 1);
+        stitcher.release(now + UNMATCHED_LINGER, &mut Vec::new());
+        assert!(stitcher.waiting_clients.is_empty());
+    }
+
+    #[test]
+    fn held_spans_are_bounded() {
+        let mut stitcher = Stitcher::new(StitchConfig {
+            max_pending: 2,
+            ..config()
+        });
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for port in 0..3 {
+            let request = start(MODEL, Role::Server, 9000, 41000 + port, 0, "/x");
+            stitcher.start(&request, facts(None, false), now);
+            stitcher.hold(
+                request.span_id,
+                SpanRole::Own,
+                span("POST /x", request.span_id),
+                now,
+                &mut out,
+            );
+        }
+        assert_eq!(out.len(), 1);
+        assert_eq!(stitcher.held(), 2);
+        assert_eq!(stitcher.stats.spans_released_early, 1);
+    }
+}
