@@ -1,6 +1,7 @@
 """`cargo xtask demo`: start three Gym-shaped servers (agent, model, resources) the way Gym
 launches them, let gym-tracer find them with `--discover gym`, drive a few rollouts through
-the agent's /run, and show the spans and gym.* metrics the tracer printed."""
+the agent's /run, and show what the tracer printed with `--output tree`: one tree per
+rollout across the three processes, then the gym.* metrics at shutdown."""
 
 import argparse
 import json
@@ -9,29 +10,6 @@ import sys
 
 from gym_launch import GymRun, drive_rollouts, run_body
 from harness import Agent
-
-
-def show_spans(spans):
-    print(f"\ndemo: gym-tracer exported {len(spans)} spans, by rollout (no CLIENT spans or cross-process"
-          " parents yet: each server's spans are their own trace):\n")
-    print(f"  {'service.name':<26} {'kind':<8} {'span':<28} {'status':>6} {'rollout id':<12} {'ms':>7}")
-    for span in spans:
-        attributes = span["attributes"]
-        duration_ms = (span["end_time_unix_nano"] - span["start_time_unix_nano"]) / 1e6
-        print(f"  {span['resource']['service.name']:<26} {span['kind']:<8} {span['name']:<28} "
-              f"{attributes.get('http.response.status_code', ''):>6} "
-              f"{attributes.get('nemo.gym.rollout.id', '-'):<12} {duration_ms:>7.1f}")
-
-
-def show_metrics(agent):
-    print("\ndemo: gym.* metrics at shutdown:\n")
-    for name in ("gym.rollout.duration_ms", "gym.verify.duration_ms", "gym.verify.calls",
-                 "gym.verify.success_rate"):
-        for point in agent.metric_points(name):
-            value = point.get("count", point.get("value"))
-            labels = ", ".join(f"{k}={v}" for k, v in point["attributes"].items())
-            kind = "count" if "count" in point else "value"
-            print(f"  {name:<26} {kind}={value:<8} {{{labels}}}")
 
 
 def main():
@@ -46,10 +24,10 @@ def main():
         run.start()
         for server in run.servers.values():
             print(f"demo: {server.type} server {server.name!r} on {server.base_url}, pid {server.pid}")
-        agent = Agent(discover=True).start()
+        agent = Agent(discover=True, extra_args=["--output", "tree"]).start()
         print(f"demo: gym-tracer started: {' '.join(agent.args)}")
         for server in run.servers.values():
-            agent.wait_for_stderr(f"attached pid {server.pid}")
+            agent.wait_for_routes(server.pid)
         bodies = [
             run_body(0, 0),                                   # id "0-0" from the body
             run_body(0, 1, attempt=2),                        # "0-1-a2"
@@ -64,20 +42,14 @@ def main():
             agent.stop()
         run.stop()
 
-    pids = {server.pid for server in run.servers.values()}
-    spans = [s for s in agent.spans() if s["resource"]["process.pid"] in pids]
-    show_spans(sorted(spans, key=lambda s: (s["attributes"].get("nemo.gym.rollout.id", ""),
-                                            s["start_time_unix_nano"], s["kind"] != "SERVER")))
-    verify = next((s for s in spans if s["name"] == "gym.verify"), None)
-    if verify:
-        print("\ndemo: one gym.verify span as the JSON line it was printed as:\n")
-        print(json.dumps(verify, indent=2))
-    show_metrics(agent)
-    print("\ndemo: agent's closing line:")
+    output = agent.stdout_text()
+    print("\ndemo: what gym-tracer printed (--output tree):\n")
+    print(output)
+    print("demo: agent's closing line:")
     print("  " + agent.stderr().strip().splitlines()[-1])
-    names = {s["name"] for s in spans}
-    wanted = {"POST /run", "gym.rollout", "POST /v1/responses", "gym.model.responses", "POST /verify", "gym.verify"}
-    return 0 if wanted <= names else 1
+    wanted = ["POST /run", "gym.rollout", "HTTP POST", "POST /v1/responses", "gym.model.responses",
+              "POST /verify", "gym.verify", "metric gym.verify.calls"]
+    return 0 if all(text in output for text in wanted) else 1
 
 
 if __name__ == "__main__":

@@ -355,7 +355,7 @@ COMPARED_ATTRIBUTES = ("http.request.method", "http.response.status_code", "nemo
 
 def normalized_attributes(node):
     attributes = {ALIASES.get(k, k): v for k, v in node.attributes.items()}
-    if "url.full" in attributes:
+    if "url.full" in attributes and node.kind == "CLIENT":  # (the old semconv's SERVER spans have http.url)
         attributes["url.full (path)"] = "/" + attributes["url.full"].split("://", 1)[1].split("/", 1)[1]
     return {key: attributes.get(key) for key in COMPARED_ATTRIBUTES}
 
@@ -426,7 +426,7 @@ def compare_nodes(key, ref, ours, where, result):
         else:
             explanation = "unexplained"
         result.attributes.append((key, here, "status", ref.span["status"], ours.span["status"], explanation))
-    extra = set(ref.attributes) - set(ours.attributes) - set(ALIASES)
+    extra = set(ref.attributes) - set(ours.attributes) - set(ALIASES) - set(COMPARED_ATTRIBUTES)
     if extra:
         result.attributes.append((key, here, "keys only in the reference", sorted(extra), None, "old-http-semconv"
                                   if extra & {"http.target", "http.flavor", "net.peer.ip"} else "unexplained"))

@@ -584,8 +584,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
     }
+    let tree_summary = totals.tree.map(|t| format!(" {t}")).unwrap_or_default();
     eprintln!(
-        "gym-tracer: stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}",
+        "gym-tracer: stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}{tree_summary}",
         totals.spans_exported, totals.spans_failed
     );
     Ok(())

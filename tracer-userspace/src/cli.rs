@@ -24,6 +24,14 @@ use crate::gym::span_groups::SpanGroups;
         endpoint is configured. The traced processes are not changed, restarted or slowed by \
         in-process instrumentation; request bodies, query strings and Gym's config are never \
         exported.\n\n\
+        Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
+        is one trace with Gym's parent edges: a call hangs under the inbound request that made \
+        it (matched by rollout id, or as the only request in flight; never guessed), and the \
+        callee's SERVER span under the caller's CLIENT span (the agent sees both ends of the \
+        connection). Across hosts, each agent derives a rollout's trace id from its rollout id \
+        (first 16 bytes of SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its \
+        rollout lands in the same trace; an edge between hosts is drawn only where an inbound \
+        traceparent header proves it.\n\n\
         Needs root, or CAP_BPF + CAP_PERFMON."
 )]
 pub struct Cli {

@@ -41,10 +41,6 @@ pub enum ExportTarget {
     JsonLines,
     /// Each finished trace as an indented tree on stdout, for a human; metrics are not
     /// exported (stdout is the tree's).
-    #[expect(
-        dead_code,
-        reason = "constructed once `--output tree` is wired in cli/agent"
-    )]
     Tree,
     Otlp {
         endpoint: String,
@@ -323,9 +319,43 @@ fn span_data(span: &SpanRecord) -> SpanData {
 // Metrics
 // ---------------------------------------------------------------------------------------
 
-/// Writes every metric data point as one JSON line (the format in DESIGN.md).
+/// Writes every metric data point to stdout as one line: JSON (the format in DESIGN.md), or
+/// for people, next to `--output tree`, `metric <name> {attributes} <values>`.
 #[derive(Debug)]
-pub struct JsonLinesMetricExporter;
+pub struct StdoutMetricExporter {
+    pub human: bool,
+}
+
+/// One data point, as a line a person reads: only the values that say something.
+fn human_metric_line(line: &Value) -> String {
+    let field = |key: &str| line.get(key).cloned().unwrap_or(Value::Null);
+    let attributes = match field("attributes") {
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    let values = match field("type").as_str() {
+        Some("histogram") => format!(
+            "count={} sum={} min={} max={}",
+            field("count"),
+            field("sum"),
+            field("min"),
+            field("max")
+        ),
+        _ => format!("value={}", field("value")),
+    };
+    format!(
+        "metric {} {{{attributes}}} {values} {}",
+        field("metric").as_str().unwrap_or("?"),
+        field("unit").as_str().unwrap_or("")
+    )
+}
 
 fn kv_json(attributes: impl Iterator<Item = impl std::borrow::Borrow<KeyValue>>) -> Value {
     let mut map = Map::new();
@@ -416,12 +446,16 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
     lines
 }
 
-impl PushMetricExporter for JsonLinesMetricExporter {
+impl PushMetricExporter for StdoutMetricExporter {
     async fn export(&self, metrics: &ResourceMetrics) -> OTelSdkResult {
         let lines = metric_lines(metrics);
         let mut out = std::io::stdout().lock();
         for line in lines {
-            let _ = writeln!(out, "{line}");
+            let _ = if self.human {
+                writeln!(out, "{}", human_metric_line(&line))
+            } else {
+                writeln!(out, "{line}")
+            };
         }
         let _ = out.flush();
         Ok(())
@@ -451,13 +485,16 @@ pub fn meter_provider(
     use opentelemetry_sdk::runtime::Tokio;
     let builder = SdkMeterProvider::builder().with_resource(service.resource.clone());
     let provider = match target {
-        // No reader: metric lines would break up the trees on stdout.
-        ExportTarget::Tree => builder.build(),
-        ExportTarget::JsonLines => builder
+        ExportTarget::Tree | ExportTarget::JsonLines => builder
             .with_reader(
-                PeriodicReader::builder(JsonLinesMetricExporter, Tokio)
-                    .with_interval(interval)
-                    .build(),
+                PeriodicReader::builder(
+                    StdoutMetricExporter {
+                        human: matches!(target, ExportTarget::Tree),
+                    },
+                    Tokio,
+                )
+                .with_interval(interval)
+                .build(),
             )
             .build(),
         ExportTarget::Otlp { endpoint, protocol } => {
