@@ -11,6 +11,7 @@ Needs target/gym-venv (`cargo xtask setup`); skipped only when setup was told to
 """
 
 import collections
+import hashlib
 import os
 import re
 import socket
@@ -35,6 +36,48 @@ SEMANTIC = {  # (server name, SERVER span name) -> the gym.* child it must have
 }
 # Never in the tracer's output: the key in the YAML, the model's and the tool's text (and the prompt).
 NEVER_EXPORTED = [API_KEY, "It is cold in", "is cold."]
+
+
+def rollout_trace_id(rollout_id):
+    """The trace id the tracer derives from a rollout id (README, "Across hosts")."""
+    return hashlib.sha256(f"nemo.gym.rollout/{rollout_id}".encode()).hexdigest()[:32]
+
+
+def _model_call():
+    """The agent's call to the model, which calls its (canned) OpenAI upstream in turn."""
+    upstream = ("HTTP POST", MODEL, [])
+    return ("HTTP POST", AGENT, [("POST /v1/responses", MODEL, [("gym.model.responses", MODEL, [upstream])])])
+
+
+# One rollout as Gym's own telemetry draws it: (span name, server, children), order-free.
+EXPECTED_TREE = ("POST /run", AGENT, [("gym.rollout", AGENT, [
+    ("HTTP POST", AGENT, [("POST /seed_session", RESOURCES, [])]),
+    ("HTTP POST", AGENT, [("POST /v1/responses", AGENT, [("gym.agent.responses", AGENT, [
+        _model_call(),
+        ("HTTP POST", AGENT, [("POST /get_weather", RESOURCES, [])]),
+        _model_call(),
+    ])])]),
+    ("HTTP POST", AGENT, [("POST /verify", RESOURCES, [("gym.verify", RESOURCES, [])])]),
+])])
+
+
+def canonical(node):
+    name, server, children = node
+    return (name, server, tuple(sorted(canonical(child) for child in children)))
+
+
+def tree_shape(spans, by_pid):
+    """The spans as canonical trees, from their parent_span_id edges (roots: parent not among them)."""
+    ids = {s["span_id"] for s in spans}
+    children = collections.defaultdict(list)
+    for span in spans:
+        children[span["parent_span_id"]].append(span)
+
+    def node(span):
+        return canonical((span["name"], by_pid[span["resource"]["process.pid"]],
+                          [node(child) for child in children[span["span_id"]]]))
+
+    return [node(span) for span in spans if span["parent_span_id"] not in ids]
 
 
 def gym_venv():
@@ -238,6 +281,13 @@ def test_one_real_rollout(real_gym, tracer, observability):
                    a.get("http.route"))] += point["count"]
     assert durations == collections.Counter(
         (server, method, status, split_prefix(path)[0]) for server, method, path, status in served)
+
+    # Stitching: the whole rollout is one trace — the agent's call to its own /v1/responses
+    # and the model and tool calls beneath it included — with its id derived from the rollout id.
+    traced = [s for s in spans if not harvest(s["attributes"].get("http.request.method"),
+                                              s["attributes"].get("url.path"))]
+    assert {s["trace_id"] for s in traced} == {rollout_trace_id(RUN_ID)}, agent.stderr().splitlines()[-1]
+    assert tree_shape(traced, by_pid) == [canonical(EXPECTED_TREE)], agent.stderr().splitlines()[-1]
 
     prompt = run.rollout_body(TASK, ROLLOUT)["responses_create_params"]["input"][-1]["content"]
     for text in [*NEVER_EXPORTED, prompt]:

@@ -277,9 +277,12 @@ impl Stitcher {
             match same.as_slice() {
                 [one] => return Some(*one),
                 [] => {}
-                _ => {
-                    self.stats.parents_ambiguous += 1;
-                    return None;
+                many => {
+                    let nested = self.innermost_of_chain(many);
+                    if nested.is_none() {
+                        self.stats.parents_ambiguous += 1;
+                    }
+                    return nested;
                 }
             }
         }
@@ -305,11 +308,52 @@ impl Stitcher {
                     (None, _) => Some(only),
                 }
             }
-            _ => {
-                self.stats.parents_ambiguous += 1;
-                None
+            many => {
+                let many = many.to_vec();
+                let nested = self.innermost_of_chain(&many);
+                if nested.is_none() {
+                    self.stats.parents_ambiguous += 1;
+                }
+                nested
             }
         }
+    }
+
+    /// When the in-flight candidates are nested — each one called, directly or not, by the
+    /// one before (an agent's `/run` awaiting its own `/v1/responses`) — the innermost is
+    /// the one making calls: a handler that awaits a nested call makes none meanwhile. That
+    /// is the documented best guess; candidates that are not one chain give `None`.
+    fn innermost_of_chain(&self, candidates: &[SpanId]) -> Option<SpanId> {
+        let mut by_depth: Vec<(usize, SpanId)> =
+            candidates.iter().map(|id| (self.depth(*id), *id)).collect();
+        by_depth.sort_by_key(|(depth, _)| *depth);
+        let chained = by_depth
+            .windows(2)
+            .all(|pair| self.is_ancestor(pair[0].1, pair[1].1));
+        chained
+            .then(|| by_depth.last().map(|(_, id)| *id))
+            .flatten()
+    }
+
+    fn depth(&self, mut id: SpanId) -> usize {
+        for depth in 0..MAX_DEPTH {
+            match self.nodes.get(&id).map(|n| n.parent) {
+                Some(Parent::Local(parent)) => id = parent,
+                _ => return depth,
+            }
+        }
+        MAX_DEPTH
+    }
+
+    fn is_ancestor(&self, ancestor: SpanId, mut id: SpanId) -> bool {
+        for _ in 0..MAX_DEPTH {
+            match self.nodes.get(&id).map(|n| n.parent) {
+                Some(Parent::Local(parent)) if parent == ancestor => return true,
+                Some(Parent::Local(parent)) => id = parent,
+                _ => return false,
+            }
+        }
+        false
     }
 
     fn link_server(&mut self, server: SpanId, client: SpanId) {
@@ -742,6 +786,58 @@ mod tests {
         stitcher.start(&for_c, facts(Some("c"), false), now);
         assert_eq!(stitcher.parent_span_of(for_c.span_id), None);
         assert_eq!(stitcher.stats.parents_contradicted, 1);
+    }
+
+    #[test]
+    fn calls_of_a_nested_self_call_hang_under_the_innermost_request() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        // The agent's /run calls the agent's own /v1/responses, which calls the model.
+        let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        stitcher.start(&run, facts(Some("r"), true), now);
+        let self_call = start(
+            AGENT,
+            Role::Client,
+            40000,
+            8000,
+            0,
+            "/ng-rollout/r/v1/responses",
+        );
+        stitcher.start(&self_call, facts(Some("r"), false), now);
+        let nested = start(
+            AGENT,
+            Role::Server,
+            8000,
+            40000,
+            0,
+            "/ng-rollout/r/v1/responses",
+        );
+        stitcher.start(&nested, facts(Some("r"), true), now);
+        let model_call = start(
+            AGENT,
+            Role::Client,
+            40001,
+            9000,
+            0,
+            "/ng-rollout/r/v1/responses",
+        );
+        stitcher.start(&model_call, facts(Some("r"), false), now);
+        let tool_call = start(AGENT, Role::Client, 40002, 7000, 0, "/get_weather");
+        stitcher.start(&tool_call, facts(None, false), now);
+        let nested_semantic = stitcher.semantic_span_id(nested.span_id);
+        assert_eq!(stitcher.parent_span_of(model_call.span_id), nested_semantic);
+        assert_eq!(stitcher.parent_span_of(tool_call.span_id), nested_semantic);
+        assert_eq!(
+            stitcher.effective_rollout(tool_call.span_id),
+            RolloutId::parse("r")
+        );
+        // Two unrelated requests are not a chain: no parent.
+        let other = start(AGENT, Role::Server, 8000, 50001, 0, "/run");
+        stitcher.start(&other, facts(Some("s"), true), now);
+        let anonymous = start(AGENT, Role::Client, 40003, 7000, 0, "/get_weather");
+        stitcher.start(&anonymous, facts(None, false), now);
+        assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
+        assert_eq!(stitcher.stats.parents_ambiguous, 1);
     }
 
     #[test]
