@@ -475,6 +475,19 @@ fn finish(
             &mut Vec::new(),
         );
     }
+    // A response whose head arrived was answered, even if the rest of its body never was
+    // read: a client that gives up on a 5xx body (aiohttp's raise_for_status) closes here.
+    if let Some(response) = connection.current_response.take()
+        && let Some(request) = connection.in_flight.pop_front()
+    {
+        exchanges.push(exchange(
+            pid,
+            &connection,
+            request,
+            Outcome::Response(response),
+            timestamp_ns,
+        ));
+    }
     while let Some(request) = connection.in_flight.pop_front() {
         exchanges.push(exchange(
             pid,
@@ -657,5 +670,34 @@ mod tests {
         }
         let (_, stats, _) = run(&events);
         assert_eq!(stats.connections_dropped, 4);
+    }
+
+    #[test]
+    fn a_response_cut_off_in_its_body_keeps_its_status() {
+        const PARTIAL: &[u8] =
+            b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 100\r\n\r\n{\"detail\"";
+        let (exchanges, _, _) = run(&[
+            open(5, 100, Role::Client),
+            data(
+                5,
+                100,
+                Direction::Write,
+                10,
+                b"POST /verify HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
+            ),
+            data(5, 100, Direction::Read, 20, PARTIAL),
+            KernelEvent::Close {
+                pid: 7,
+                fd: 5,
+                conn_id: 100,
+                timestamp_ns: 30,
+            },
+        ]);
+        assert_eq!(exchanges.len(), 1);
+        assert!(matches!(
+            &exchanges[0].outcome,
+            Outcome::Response(response) if response.status == 500
+        ));
+        assert_eq!(exchanges[0].end_ns, 30);
     }
 }
