@@ -26,7 +26,8 @@ use crate::gym::span_groups::SpanGroups;
         exported.\n\n\
         Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
         is one trace with Gym's parent edges: a call hangs under the inbound request that made \
-        it (matched by rollout id, or as the only request in flight; never guessed), and the \
+        it (the in-flight request with the call's rollout id, else the only one in flight, else \
+        the innermost of nested ones; otherwise none, counted), and the \
         callee's SERVER span under the caller's CLIENT span (the agent sees both ends of the \
         connection). Across hosts, each agent derives a rollout's trace id from its rollout id \
         (first 16 bytes of SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its \
