@@ -20,6 +20,14 @@ pub const TAIL_BYTES: usize = 8;
 /// How many iovecs of one `readv`/`writev`/`sendmsg`/`recvmsg` are looked at.
 pub const MAX_IOVECS: u32 = 4;
 
+/// The kernel wakes the agent only once this many bytes wait on the ring buffer; below it
+/// records are posted without a wake-up and the agent drains the ring every
+/// [`RING_DRAIN_INTERVAL_MS`]. A wake-up per record cost the agent more than the records.
+pub const RING_WAKEUP_BYTES: u64 = 256 * 1024;
+
+/// How often the agent drains the ring buffer without being woken.
+pub const RING_DRAIN_INTERVAL_MS: u64 = 5;
+
 /// Kinds of record on the ring buffer; the first byte of every record.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::BPF_ANY,
+    bindings::{BPF_ANY, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
@@ -23,8 +23,8 @@ use tracer_abi::{
     CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, ConnOpenEvent,
     DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
     EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, PendingCall,
-    ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
-    TRACED_AS_CHILD,
+    ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey,
+    SocketState, TAIL_BYTES, TRACED_AS_CHILD,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -118,9 +118,19 @@ fn count_lost() {
     }
 }
 
+/// Posts without waking the agent (it drains on a timer) unless a lot is waiting.
+#[inline(always)]
+fn wakeup_flags() -> u64 {
+    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= RING_WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
 #[inline(always)]
 fn emit<T>(record: &T) {
-    if EVENTS.output::<T>(record, 0).is_err() {
+    if EVENTS.output::<T>(record, wakeup_flags()).is_err() {
         count_lost();
     }
 }
@@ -558,7 +568,7 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
 
         let size = core::mem::size_of::<DataEventHeader>() + bounded(copied as usize, CAPTURE_MASK);
         let record = core::slice::from_raw_parts((event as *const DataEvent).cast::<u8>(), size);
-        if EVENTS.output::<[u8]>(record, 0).is_err() {
+        if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {
             count_lost();
         }
     }

@@ -505,6 +505,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     release.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut rescan = tokio::time::interval(DISCOVERY_INTERVAL);
     rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The kernel wakes the agent only when a lot is waiting (RING_WAKEUP_BYTES); otherwise
+    // the ring is drained on a short timer. Waking per record was most of the agent's CPU.
+    let mut drain =
+        tokio::time::interval(Duration::from_millis(tracer_abi::RING_DRAIN_INTERVAL_MS));
+    drain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             readable = ring.readable_mut() => {
@@ -514,6 +519,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     pipeline.handle_record(&record);
                 }
                 guard.clear_ready();
+            }
+            _ = drain.tick() => {
+                let ring = ring.get_mut();
+                while let Some(record) = ring.next() {
+                    pipeline.handle_record(&record);
+                }
             }
             _ = release.tick() => {
                 pipeline.stitcher.release(std::time::Instant::now(), &mut pipeline.released);

@@ -178,12 +178,17 @@ async fn run_span_export(
 async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut ExportTotals) {
     match sink {
         SpanSink::JsonLines => {
-            let mut out = std::io::stdout().lock();
+            // One write for the batch: stdout is line-buffered, a syscall per span otherwise.
+            let mut text = Vec::with_capacity(batch.len() * 1024);
             for span in &batch {
-                let _ = writeln!(out, "{}", span_json(span));
+                let _ = serde_json::to_writer(&mut text, &SpanJson(span));
+                text.push(b'\n');
             }
-            let _ = out.flush();
-            totals.spans_exported += batch.len() as u64;
+            let mut out = std::io::stdout().lock();
+            match out.write_all(&text).and_then(|()| out.flush()) {
+                Ok(()) => totals.spans_exported += batch.len() as u64,
+                Err(_) => totals.spans_failed += batch.len() as u64,
+            }
         }
         // Counted at shutdown, from the printer: a span is exported when its tree is printed.
         SpanSink::Tree(printer) => {
@@ -226,41 +231,54 @@ fn hex(bytes: &[u8]) -> String {
     text
 }
 
-fn attribute_json(value: &AttributeValue) -> Value {
-    match value {
-        AttributeValue::Str(s) => Value::String(s.clone()),
-        AttributeValue::Int(i) => Value::from(*i),
+impl serde::Serialize for AttributeValue {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            AttributeValue::Str(s) => serializer.serialize_str(s),
+            AttributeValue::Int(i) => serializer.serialize_i64(*i),
+        }
     }
 }
 
-fn resource_json(service: &ServiceIdentity) -> Value {
-    let map: Map<String, Value> = service
-        .attributes
-        .iter()
-        .map(|(k, v)| (k.to_string(), attribute_json(v)))
-        .collect();
-    Value::Object(map)
+/// Span attributes as a flat JSON object, without building one.
+struct AttributeMap<'a>(&'a [(&'static str, AttributeValue)]);
+
+impl serde::Serialize for AttributeMap<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
 }
 
-/// The JSON-lines span format fixed in DESIGN.md.
+/// One span in the JSON-lines format fixed in DESIGN.md, serialized straight from the
+/// record: the agent writes one per request, so no intermediate `Value` tree.
+pub struct SpanJson<'a>(pub &'a SpanRecord);
+
+impl serde::Serialize for SpanJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let span = self.0;
+        let mut map = serializer.serialize_map(Some(10))?;
+        map.serialize_entry("name", &span.name)?;
+        map.serialize_entry("kind", span.kind.as_str())?;
+        map.serialize_entry("trace_id", &hex(&span.trace_id.0))?;
+        map.serialize_entry("span_id", &hex(&span.span_id.0))?;
+        map.serialize_entry(
+            "parent_span_id",
+            &span.parent_span_id.map(|p| hex(&p.0)).unwrap_or_default(),
+        )?;
+        map.serialize_entry("start_time_unix_nano", &span.start_unix_ns)?;
+        map.serialize_entry("end_time_unix_nano", &span.end_unix_ns)?;
+        map.serialize_entry("attributes", &AttributeMap(&span.attributes))?;
+        map.serialize_entry("resource", &span.service.attributes)?;
+        map.serialize_entry("status", span.status.as_str())?;
+        map.end()
+    }
+}
+
+/// The JSON-lines span format fixed in DESIGN.md, as a `Value` (tests read it).
+#[cfg(test)]
 pub fn span_json(span: &SpanRecord) -> Value {
-    let attributes: Map<String, Value> = span
-        .attributes
-        .iter()
-        .map(|(k, v)| (k.to_string(), attribute_json(v)))
-        .collect();
-    json!({
-        "name": span.name,
-        "kind": span.kind.as_str(),
-        "trace_id": hex(&span.trace_id.0),
-        "span_id": hex(&span.span_id.0),
-        "parent_span_id": span.parent_span_id.map(|p| hex(&p.0)).unwrap_or_default(),
-        "start_time_unix_nano": span.start_unix_ns,
-        "end_time_unix_nano": span.end_unix_ns,
-        "attributes": attributes,
-        "resource": resource_json(&span.service),
-        "status": span.status.as_str(),
-    })
+    serde_json::to_value(SpanJson(span)).expect("a span always serializes")
 }
 
 fn scope() -> InstrumentationScope {
