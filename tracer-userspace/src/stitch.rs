@@ -272,7 +272,7 @@ impl Stitcher {
             let same: Vec<SpanId> = candidates
                 .iter()
                 .copied()
-                .filter(|id| self.effective_rollout(*id).as_ref() == Some(rollout))
+                .filter(|id| self.effective_rollout(*id) == Some(rollout))
                 .collect();
             match same.as_slice() {
                 [one] => return Some(*one),
@@ -475,7 +475,7 @@ impl Stitcher {
             .attributes
             .iter()
             .any(|(k, _)| *k == "nemo.gym.rollout.id")
-            && let Some(rollout) = self.effective_rollout(id)
+            && let Some(rollout) = self.effective_rollout(id).cloned()
         {
             span.attributes.push((
                 "nemo.gym.rollout.id",
@@ -503,11 +503,11 @@ impl Stitcher {
     }
 
     /// The rollout id a request belongs to: its own, else its caller's (carried down).
-    fn effective_rollout(&self, mut id: SpanId) -> Option<RolloutId> {
+    fn effective_rollout(&self, mut id: SpanId) -> Option<&RolloutId> {
         for _ in 0..MAX_DEPTH {
             let node = self.nodes.get(&id)?;
             if let Some(rollout) = &node.rollout {
-                return Some(rollout.clone());
+                return Some(rollout);
             }
             match node.parent {
                 Parent::Local(parent) => id = parent,
@@ -532,7 +532,7 @@ impl Stitcher {
                 _ => {
                     // A root of this host: its rollout decides, else its own random id.
                     return match self.effective_rollout(start) {
-                        Some(rollout) => rollout_trace_id(&rollout),
+                        Some(rollout) => rollout_trace_id(rollout),
                         None => node.random_trace,
                     };
                 }
@@ -828,7 +828,7 @@ mod tests {
         assert_eq!(stitcher.parent_span_of(model_call.span_id), nested_semantic);
         assert_eq!(stitcher.parent_span_of(tool_call.span_id), nested_semantic);
         assert_eq!(
-            stitcher.effective_rollout(tool_call.span_id),
+            stitcher.effective_rollout(tool_call.span_id).cloned(),
             RolloutId::parse("r")
         );
         // Two unrelated requests are not a chain: no parent.
