@@ -228,6 +228,7 @@ def finish(agent, run, expected, groups=PER_ROLLOUT):
     time.sleep(0.5)  # room for a span too many to show up
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
+    print(agent.stderr().splitlines()[-1])  # the counters, shown if the test fails
     return our_spans(agent, run)
 
 

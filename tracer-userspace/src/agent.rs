@@ -27,7 +27,7 @@ use crate::identity::GymLabels;
 use crate::loader::{LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
 use crate::processes::ProcessTable;
-use crate::spans::{RequestView, SpanKind, SpanRecord, request_spans};
+use crate::spans::{RequestView, SpanId, SpanKind, SpanRecord, request_spans};
 use crate::stats::Stats;
 use crate::stitch::{SpanRole, StartFacts, StitchConfig, Stitcher};
 
@@ -68,6 +68,8 @@ struct Pipeline {
     metrics: Metrics,
     stats: Stats,
     stitcher: Stitcher,
+    /// Requests the agent itself made (route harvests), dropped when they end.
+    own_requests: std::collections::HashSet<SpanId>,
     /// Listening addresses of traced Gym servers → server name, for `peer.service`.
     peer_names: HashMap<SocketAddr, String>,
     exchanges: Vec<HttpExchange>,
@@ -122,7 +124,8 @@ impl Pipeline {
     }
 
     fn start_request(&mut self, start: &RequestStart) {
-        if start.role == Role::Server && self.is_own(start.peer, start.local) {
+        if start.role == Role::Server && self.is_own(start) {
+            self.own_requests.insert(start.span_id);
             return;
         }
         let Some(process) = self.processes.get_mut(start.pid) else {
@@ -155,7 +158,7 @@ impl Pipeline {
     fn handle_exchange(&mut self, exchange: &HttpExchange) {
         self.stats.exchanges += 1;
         let now = std::time::Instant::now();
-        if exchange.role == Role::Server && self.is_own(exchange.peer, exchange.local) {
+        if self.own_requests.remove(&exchange.span_id) {
             self.stats.self_requests_ignored += 1;
             self.stitcher.finish(exchange.span_id, now);
             return;
@@ -208,11 +211,12 @@ impl Pipeline {
         }
     }
 
-    /// The agent's own route harvest arrives at the server like any client's request.
-    fn is_own(&self, peer: Option<SocketAddr>, local: Option<SocketAddr>) -> bool {
-        match (peer, local) {
+    /// The agent's own route harvest arrives at the server like any client's request: its
+    /// connection was marked when the agent opened it (the mark is used up here).
+    fn is_own(&self, start: &RequestStart) -> bool {
+        match (start.peer, start.local) {
             (Some(peer), Some(local)) => {
-                peer.ip() == local.ip() && self.self_ports.contains(peer.port())
+                peer.ip() == local.ip() && self.self_ports.take(peer.port(), local.port())
             }
             _ => false,
         }
@@ -409,6 +413,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             max_pending: args.max_pending_spans,
             max_nodes: args.max_pending_spans.saturating_mul(4),
         }),
+        own_requests: std::collections::HashSet::new(),
         peer_names: HashMap::new(),
         exchanges: Vec::new(),
         actions: Vec::new(),

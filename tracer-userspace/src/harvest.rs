@@ -1,8 +1,8 @@
 //! Harvesting a server's route table from its own `/openapi.json` (FastAPI serves it), once
 //! per server, so spans are named by the server's real route templates.
 //!
-//! The tracer traces the very server it asks, so each harvest connection's local port goes
-//! into [`SelfPorts`], and the SERVER span of that request is dropped.
+//! The tracer traces the very server it asks, so each harvest connection goes into
+//! [`SelfPorts`], and the SERVER span of that request is dropped.
 
 use std::collections::HashMap;
 use std::fs;
@@ -20,17 +20,17 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_RESPONSE_BYTES: usize = 8 << 20;
 const MAX_HEADERS: usize = 64;
 
-/// How long a harvest's local port stays marked. It must outlive the request (5 s at most)
-/// plus the lag of the event pipeline that turns it into a span; it must not live much
-/// longer, because once the harvest connection is gone the kernel may hand the same
-/// ephemeral port to an unrelated client of the server, whose spans must not be dropped.
-/// Expiry also keeps the set bounded however long the tracer runs.
+/// How long a harvest connection stays marked if its request is never seen (the server
+/// closed it first): it must outlive the request (5 s at most) plus the lag of the event
+/// pipeline; expiry keeps the set bounded however long the tracer runs.
 const SELF_PORT_TTL: Duration = Duration::from_secs(120);
 
-/// Local ports of the tracer's own connections to traced servers.
+/// The tracer's own connections to traced servers, as (client port, server port). Each
+/// carries exactly one request, so an entry is taken when that request is seen: the same
+/// port pair may be reused by a real client right after, and its spans must not be dropped.
 #[derive(Clone, Debug)]
 pub struct SelfPorts {
-    ports: Arc<Mutex<HashMap<u16, Instant>>>,
+    ports: Arc<Mutex<HashMap<(u16, u16), Instant>>>,
     ttl: Duration,
 }
 
@@ -52,19 +52,20 @@ impl SelfPorts {
         }
     }
 
-    /// Marks `port`, and forgets the expired ones (harvests are rare: this stays tiny).
-    pub fn insert(&self, port: u16) {
+    /// Marks a connection, and forgets the expired ones (harvests are rare: this stays tiny).
+    pub fn insert(&self, client_port: u16, server_port: u16) {
         let now = Instant::now();
         let mut ports = self.ports.lock().unwrap_or_else(PoisonError::into_inner);
         ports.retain(|_, expires| *expires > now);
-        ports.insert(port, now + self.ttl);
+        ports.insert((client_port, server_port), now + self.ttl);
     }
 
-    pub fn contains(&self, port: u16) -> bool {
-        let ports = self.ports.lock().unwrap_or_else(PoisonError::into_inner);
+    /// Whether the connection is one of the tracer's; the mark is used up.
+    pub fn take(&self, client_port: u16, server_port: u16) -> bool {
+        let mut ports = self.ports.lock().unwrap_or_else(PoisonError::into_inner);
         ports
-            .get(&port)
-            .is_some_and(|expires| *expires > Instant::now())
+            .remove(&(client_port, server_port))
+            .is_some_and(|expires| expires > Instant::now())
     }
 }
 
@@ -121,7 +122,10 @@ async fn fetch(
         .map_err(|_| HarvestError::ConnectTimeout)?
         .map_err(HarvestError::Connect)?;
     // Marked before the request leaves: the server's span starts with its first byte.
-    self_ports.insert(stream.local_addr().map_err(HarvestError::Io)?.port());
+    self_ports.insert(
+        stream.local_addr().map_err(HarvestError::Io)?.port(),
+        addr.port(),
+    );
     timeout(limits.response, exchange(&stream, addr, limits.max_bytes))
         .await
         .map_err(|_| HarvestError::Timeout)?
@@ -501,7 +505,8 @@ mod tests {
             "User-Agent: gym-tracer/{}",
             env!("CARGO_PKG_VERSION")
         )));
-        assert!(self_ports.contains(client_port));
+        assert!(self_ports.take(client_port, addr.port()));
+        assert!(!self_ports.take(client_port, addr.port()), "used up");
     }
 
     #[tokio::test]
@@ -615,18 +620,19 @@ mod tests {
     #[test]
     fn self_ports_expire() {
         let ports = SelfPorts::with_ttl(Duration::ZERO);
-        ports.insert(40000);
-        assert!(!ports.contains(40000));
-        ports.insert(40001);
+        ports.insert(40000, 8000);
+        ports.insert(40001, 8000);
         assert_eq!(
             ports.ports.lock().unwrap().len(),
             1,
             "expired entries are dropped"
         );
+        assert!(!ports.take(40001, 8000), "expired");
         let ports = SelfPorts::new();
         let clone = ports.clone();
-        clone.insert(40002);
-        assert!(ports.contains(40002) && !ports.contains(40003));
+        clone.insert(40002, 8000);
+        assert!(!ports.take(40002, 8001), "another server");
+        assert!(ports.take(40002, 8000));
     }
 
     #[test]
