@@ -134,10 +134,11 @@ impl Pipeline {
         let rollout_id = strip_rollout_prefix(&start.path).rollout_id;
         let facts = match start.role {
             Role::Server => {
-                if let (Some(local), Some(name)) = (start.local, process.identity.server_name()) {
-                    self.peer_names
-                        .entry(local)
-                        .or_insert_with(|| name.to_string());
+                // A server that replaced another on the same address renames it.
+                if let (Some(local), Some(name)) = (start.local, process.identity.server_name())
+                    && self.peer_names.get(&local).map(String::as_str) != Some(name)
+                {
+                    self.peer_names.insert(local, name.to_string());
                 }
                 let semantic = semantic_at_start(process, &start.method, &start.path);
                 StartFacts {
