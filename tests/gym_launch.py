@@ -9,6 +9,7 @@ never reach the tracer's output.
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -167,6 +168,21 @@ def wait_listening(server, log_path, timeout=30):
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{server.name} did not listen within {timeout} s")
+
+
+# Gym's rollout id pattern, and the prefix as the tracer strips it (any non-slash segment,
+# then an optional /training-token-capture).
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+PREFIX = re.compile(r"^/ng-rollout/(?P<id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
+
+
+def split_prefix(path):
+    """-> (path without the query and the /ng-rollout/<id>[/training-token-capture] prefix, valid id or None)."""
+    path = path.split("?", 1)[0]
+    match = PREFIX.match(path)
+    if not match:
+        return path, None
+    return match["rest"], match["id"] if ROLLOUT_ID.match(match["id"]) else None
 
 
 def run_body(task=None, rollout=None, *, rollout_id=None, attempt=None, reward=1.0, fail=False, padding=0,

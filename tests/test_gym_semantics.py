@@ -15,11 +15,9 @@ from dataclasses import dataclass, replace
 import pytest
 from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
-from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, GymRun, drive_rollouts,
-                        rollout_mix, run_body)
+from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, ROLLOUT_ID, SECRET, USER_AGENT, GymRun,
+                        drive_rollouts, rollout_mix, run_body, split_prefix)
 
-ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-PREFIX = re.compile(r"^/ng-rollout/(?P<id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
 DEFAULT_CAPTURE = 4096
 HEAD_ALLOWANCE = 512  # the request line and headers of every request here fit in this
 QUERY_SECRET = "token=QUERY-never-export"
@@ -84,15 +82,6 @@ class Seen:
     status: int
     rollout_id: str | None
     user_agent: str
-
-
-def split_prefix(path):
-    """-> (path without the query and the /ng-rollout/<id>[/training-token-capture] prefix, valid id or None)."""
-    path = path.split("?", 1)[0]
-    match = PREFIX.match(path)
-    if not match:
-        return path, None
-    return match["rest"], match["id"] if ROLLOUT_ID.match(match["id"]) else None
 
 
 def gym_rollout_id(body):

@@ -13,18 +13,16 @@ Needs target/gym-venv (`cargo xtask setup`); skipped only when setup was told to
 import collections
 import hashlib
 import os
-import re
 import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from gym_launch import split_prefix
 from harness import ROOT
 from real_gym.launch import AGENT, API_KEY, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
 
-PREFIX = re.compile(r"^/ng-rollout/(?P<id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
-ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 TASK, ROLLOUT = 3, 1
 RUN_ID = f"{TASK}-{ROLLOUT}"
 SEMANTIC = {  # (server name, SERVER span name) -> the gym.* child it must have
@@ -89,15 +87,6 @@ def gym_venv():
         pytest.fail(f"no real-Gym venv at {venv}: run `cargo xtask setup` (or `cargo xtask test "
                     "--no-gym-venv` to skip this test on purpose)", pytrace=False)
     return venv
-
-
-def split_prefix(path):
-    """-> (route: path without query and /ng-rollout/<id>[/training-token-capture], valid id or None)."""
-    path = path.split("?", 1)[0]
-    match = PREFIX.match(path)
-    if not match:
-        return path, None
-    return match["rest"], match["id"] if ROLLOUT_ID.match(match["id"]) else None
 
 
 def harvest(method, path):

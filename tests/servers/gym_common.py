@@ -39,6 +39,28 @@ ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Gym's current_rollout_id() (nemo_gym/rollout_correlation.py `_ROLLOUT_ID`).
 ROLLOUT_ID = ContextVar("nemo_gym_rollout_id", default=None)
 
+
+class RolloutPrefixMiddleware:
+    """Pure ASGI, as Gym's: strips the `/ng-rollout/<id>` prefix that `PREFIX` matches and
+    publishes the id to the handler through `ROLLOUT_ID`. Subclasses set `PREFIX` (Gym's
+    resources and model servers match the id differently)."""
+
+    PREFIX: re.Pattern
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        match = self.PREFIX.match(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is None:
+            return await self.app(scope, receive, send)
+        path = match.group("rest")
+        token = ROLLOUT_ID.set(match.group("rollout_id"))
+        try:
+            await self.app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
+        finally:
+            ROLLOUT_ID.reset(token)
+
 INPROCESS_OTEL_ENV = "GYM_TEST_INPROCESS_OTEL"
 INPROCESS_OTEL_CLIENT_ENV = "GYM_TEST_INPROCESS_OTEL_CLIENT"
 CLIENT_MODES = ("gym", "aiohttp")

@@ -7,27 +7,15 @@ import re
 
 from fastapi import Request
 
-from servers.gym_common import ROLLOUT_ID, new_app, serve, traced
+from servers.gym_common import RolloutPrefixMiddleware, new_app, serve, traced
 
 ANSWER = "The answer is 42."
 
 
-class RolloutPrefixMiddleware:
+class CapturePrefixMiddleware(RolloutPrefixMiddleware):
+    """Gym's model capture middleware: any non-slash id, and `/training-token-capture`."""
+
     PREFIX = re.compile(r"^/ng-rollout/(?P<rollout_id>[^/]+)(?:/training-token-capture)?(?P<rest>/.*)$")
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        match = self.PREFIX.match(scope.get("path", "")) if scope["type"] == "http" else None
-        if match is None:
-            return await self.app(scope, receive, send)
-        path = match.group("rest")
-        token = ROLLOUT_ID.set(match.group("rollout_id"))  # as Gym's: published to the handler
-        try:
-            await self.app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
-        finally:
-            ROLLOUT_ID.reset(token)
 
 
 app = new_app()
@@ -67,7 +55,7 @@ async def messages(request: Request):
     }
 
 
-app = RolloutPrefixMiddleware(app)
+app = CapturePrefixMiddleware(app)
 
 if __name__ == "__main__":
     serve(app)

@@ -11,25 +11,13 @@ import re
 
 from fastapi import Request
 
-from servers.gym_common import ROLLOUT_ID, ROLLOUT_ID_PATTERN, new_app, serve, traced
+from servers.gym_common import ROLLOUT_ID, ROLLOUT_ID_PATTERN, RolloutPrefixMiddleware, new_app, serve, traced
 
 
-class RolloutContextMiddleware:
+class RolloutContextMiddleware(RolloutPrefixMiddleware):
+    """Gym's resources middleware: the strict id pattern, so a malformed id is not stripped."""
+
     PREFIX = re.compile(rf"^/ng-rollout/(?P<rollout_id>{ROLLOUT_ID_PATTERN.pattern.strip('^$')})(?P<rest>/.*)$")
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        match = self.PREFIX.match(scope.get("path", "")) if scope["type"] == "http" else None
-        if match is None:
-            return await self.app(scope, receive, send)
-        path = match.group("rest")
-        token = ROLLOUT_ID.set(match.group("rollout_id"))
-        try:
-            await self.app({**scope, "path": path, "raw_path": path.encode()}, receive, send)
-        finally:
-            ROLLOUT_ID.reset(token)
 
 
 class VerifierCrashed(RuntimeError):
