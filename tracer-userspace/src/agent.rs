@@ -131,7 +131,8 @@ impl Pipeline {
         let Some(process) = self.processes.get_mut(start.pid) else {
             return;
         };
-        let rollout_id = strip_rollout_prefix(&start.path).rollout_id;
+        let stripped = strip_rollout_prefix(&start.path);
+        let rollout_id = stripped.rollout_id;
         let facts = match start.role {
             Role::Server => {
                 // A server that replaced another on the same address renames it.
@@ -140,7 +141,7 @@ impl Pipeline {
                 {
                     self.peer_names.insert(local, name.to_string());
                 }
-                let semantic = semantic_at_start(process, &start.method, &start.path);
+                let semantic = semantic_at_start(process, &start.method, stripped.route_path);
                 StartFacts {
                     rollout_id,
                     emits_own: self.groups.contains(SpanGroup::Server),

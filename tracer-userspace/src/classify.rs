@@ -41,7 +41,7 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
         Outcome::Response(ref response) if response.status == 404 || response.status == 405
     );
     let semantic = if handled {
-        semantic_of(process, &request.method, &route, stripped.route_path)
+        semantic_at_start(process, &request.method, stripped.route_path)
     } else {
         None
     };
@@ -52,22 +52,12 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
     }
 }
 
-/// The `gym.*` span an inbound request will have, judged from its head alone: its calls
-/// must know what to hang under before it ends.
+/// The `gym.*` span an inbound request will have, judged from its head alone (its calls
+/// must know what to hang under before it ends). Gym's wrapped routes are literal paths, so
+/// the prefix-stripped path decides, with no route matching.
 pub fn semantic_at_start(
-    process: &mut TracedProcess,
-    method: &str,
-    path: &str,
-) -> Option<SemanticSpan> {
-    let stripped = strip_rollout_prefix(path);
-    let route = process.namer.name(stripped.route_path);
-    semantic_of(process, method, &route, stripped.route_path)
-}
-
-fn semantic_of(
     process: &TracedProcess,
     method: &str,
-    route: &RouteName,
     route_path: &str,
 ) -> Option<SemanticSpan> {
     // Only a Gym server (named by its environment or --server-name) gets gym.* spans.
@@ -75,10 +65,7 @@ fn semantic_of(
     if !is_gym_server {
         return None;
     }
-    match route {
-        RouteName::Template(template) => semantic_span(process.server_type, method, template),
-        _ => semantic_span(process.server_type, method, route_path),
-    }
+    semantic_span(process.server_type, method, route_path)
 }
 
 #[cfg(test)]

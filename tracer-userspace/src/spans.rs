@@ -10,6 +10,7 @@ use crate::clock::WallClock;
 use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
+use crate::http::RequestHead;
 use crate::identity::ServiceIdentity;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,16 +210,7 @@ fn client_span(
     clock: WallClock,
 ) -> SpanRecord {
     let request = &exchange.request;
-    let mut attributes: Attributes = vec![
-        (
-            "http.request.method",
-            AttributeValue::Str(request.method.clone()),
-        ),
-        (
-            "network.protocol.version",
-            AttributeValue::Str(format!("1.{}", request.version_minor)),
-        ),
-    ];
+    let mut attributes = request_attributes(request);
     if let Some(peer) = exchange.peer {
         // The query string was never kept: `path` has none.
         attributes.push((
@@ -251,6 +243,20 @@ fn client_span(
         attributes,
         status,
     }
+}
+
+/// What SERVER and CLIENT spans both say about the request.
+fn request_attributes(request: &RequestHead) -> Attributes {
+    vec![
+        (
+            "http.request.method",
+            AttributeValue::Str(request.method.clone()),
+        ),
+        (
+            "network.protocol.version",
+            AttributeValue::Str(format!("1.{}", request.version_minor)),
+        ),
+    ]
 }
 
 /// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
@@ -304,18 +310,9 @@ fn server_span(
     clock: WallClock,
 ) -> SpanRecord {
     let request = &exchange.request;
-    let mut attributes: Attributes = vec![
-        (
-            "http.request.method",
-            AttributeValue::Str(request.method.clone()),
-        ),
-        ("url.path", AttributeValue::Str(request.path.clone())),
-        ("url.scheme", AttributeValue::Str("http".into())),
-        (
-            "network.protocol.version",
-            AttributeValue::Str(format!("1.{}", request.version_minor)),
-        ),
-    ];
+    let mut attributes = request_attributes(request);
+    attributes.push(("url.path", AttributeValue::Str(request.path.clone())));
+    attributes.push(("url.scheme", AttributeValue::Str("http".into())));
     // A guessed template is fine for a name, not for `http.route`, which dashboards group
     // by: that must be the server's own.
     if let Some(route) = meaning.route.http_route() {
