@@ -15,10 +15,11 @@ use tokio::sync::mpsc;
 use crate::classify::{classify, semantic_at_start, wants_run_body};
 use crate::cli::{Discover, Output, RunArgs};
 use crate::clock::WallClock;
+use crate::config::HeaderList;
 use crate::connections::{ConnectionTable, HttpExchange, RequestStart, TableAction};
 use crate::discovery::{GymServer, ProcScanner, gym_server_from_env, read_process_env};
 use crate::events::{KernelEvent, Role, decode};
-use crate::export::{ExportTarget, SpanPipeline};
+use crate::export::{ExportLimits, ExportTarget, OtlpOptions, SpanPipeline};
 use crate::gym::ServerType;
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix, templates_from_openapi};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
@@ -392,10 +393,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .map_err(|error| anyhow::anyhow!("polling the ring buffer: {error}"))?;
 
     let target = match &args.otlp_endpoint {
-        Some(endpoint) if !endpoint.is_empty() => ExportTarget::Otlp {
+        Some(endpoint) if !endpoint.is_empty() => ExportTarget::Otlp(OtlpOptions {
             endpoint: endpoint.clone(),
             protocol: args.otlp_protocol,
-        },
+            headers: args.otlp_headers.clone().unwrap_or(HeaderList(Vec::new())),
+            timeout: Duration::from_millis(args.otlp_timeout),
+            compression: args.otlp_compression,
+            ca_file: args.otlp_ca_file.clone(),
+            client_identity: args
+                .otlp_client_cert
+                .clone()
+                .zip(args.otlp_client_key.clone()),
+        }),
         _ => match args.output {
             Output::Json => ExportTarget::JsonLines,
             Output::Tree => ExportTarget::Tree,
@@ -407,7 +416,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         processes: ProcessTable::new(args.routes.clone(), args.service_name.clone()),
         groups: args.span_groups,
         self_ports: SelfPorts::new(),
-        spans: SpanPipeline::start(&target)?,
+        spans: SpanPipeline::start(
+            &target,
+            ExportLimits {
+                batch_size: args.export_batch_size,
+                queue_size: args.export_queue_size,
+            },
+        )?,
         metrics: Metrics::new(target.clone(), Duration::from_secs(args.metric_interval)),
         stats: Stats::default(),
         stitcher: Stitcher::new(StitchConfig {
@@ -502,7 +517,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         match &target {
             ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
             ExportTarget::Tree => "a tree per trace on stdout".to_string(),
-            ExportTarget::Otlp { endpoint, protocol } => format!("OTLP {protocol:?} {endpoint}"),
+            ExportTarget::Otlp(otlp) => format!("OTLP {:?} {}", otlp.protocol, otlp.endpoint),
         }
     );
 

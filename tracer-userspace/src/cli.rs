@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::config::{HeaderList, HealthListen, KeyValueList};
 use crate::export::OtlpProtocol;
 use crate::gym::ServerType;
 use crate::gym::routes::RouteTemplate;
@@ -14,37 +15,106 @@ use crate::gym::span_groups::SpanGroups;
     name = "gym-tracer",
     version,
     about = "Zero-code eBPF tracer for NeMo Gym's HTTP servers",
-    long_about = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n\
-        Attaches to running uvicorn/FastAPI processes from the kernel (syscall tracepoints) — \
-        found with --discover gym or named with --pid — and rebuilds from their HTTP/1.x \
-        traffic what NeMo Gym's own telemetry would emit: a SERVER span per request named \
-        after its route template, the gym.rollout / gym.verify / gym.agent.* / gym.model.* \
-        spans with server name and rollout id, http.server.request.duration and the gym.* \
-        metrics. Exports them as JSON lines on stdout by default, or over OTLP when an \
-        endpoint is configured. The traced processes are not changed, restarted or slowed by \
-        in-process instrumentation; request bodies, query strings and Gym's config are never \
-        exported.\n\n\
-        Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
-        is one trace with Gym's parent edges: a call hangs under the inbound request that made \
-        it (the in-flight request with the call's rollout id, else the only one in flight, else \
-        the innermost of nested ones; otherwise none, counted), and the \
-        callee's SERVER span under the caller's CLIENT span (the agent sees both ends of the \
-        connection). Across hosts, each agent derives a rollout's trace id from its rollout id \
-        (first 16 bytes of SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its \
-        rollout lands in the same trace; an edge between hosts is drawn only where an inbound \
-        traceparent header proves it.\n\n\
-        Needs root, or CAP_BPF + CAP_PERFMON."
+    long_about = LONG_ABOUT,
+    after_long_help = CONFIG_HELP
 )]
 pub struct Cli {
+    /// A TOML file of options: the long option names as keys (`discover = "gym"`,
+    /// `otlp-endpoint = "http://collector:4317"`, `pid = [1234]`). Command-line flags win
+    /// over environment variables, which win over the file, which wins over the defaults.
+    #[arg(long, global = true, env = "GYM_TRACER_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Format of the agent's own log on stderr: `text` for people, `json` (one object per
+    /// line) for log collectors; `auto` is text on a terminal and JSON otherwise. Levels
+    /// are chosen with RUST_LOG (default `info`).
+    #[arg(
+        long,
+        global = true,
+        env = "GYM_TRACER_LOG_FORMAT",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub log_format: LogFormat,
+
     #[command(subcommand)]
     pub command: Command,
 }
+
+const LONG_ABOUT: &str = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n\
+    Attaches to running uvicorn/FastAPI processes from the kernel (syscall tracepoints) — \
+    found with --discover gym or named with --pid — and rebuilds from their HTTP/1.x \
+    traffic what NeMo Gym's own telemetry would emit: a SERVER span per request named \
+    after its route template, the gym.rollout / gym.verify / gym.agent.* / gym.model.* \
+    spans with server name and rollout id, http.server.request.duration and the gym.* \
+    metrics. Exports them as JSON lines on stdout by default, or over OTLP when an \
+    endpoint is configured. The traced processes are not changed, restarted or slowed by \
+    in-process instrumentation; request bodies, query strings and Gym's config are never \
+    exported.\n\n\
+    Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
+    is one trace with Gym's parent edges: a call hangs under the inbound request that made \
+    it (the in-flight request with the call's rollout id, else the only one in flight, else \
+    the innermost of nested ones; otherwise none, counted), and the \
+    callee's SERVER span under the caller's CLIENT span (the agent sees both ends of the \
+    connection). Across hosts, each agent derives a rollout's trace id from its rollout id \
+    (first 16 bytes of SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its \
+    rollout lands in the same trace; an edge between hosts is drawn only where an inbound \
+    traceparent header proves it.\n\n\
+    Needs root, or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH \
+    (`gym-tracer doctor` checks this kernel and these privileges).";
+
+const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as a flag, as an \
+    environment variable (shown as [env: ...]; the OpenTelemetry variables \
+    OTEL_EXPORTER_OTLP_*, OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are honoured), or \
+    as a key of the --config TOML file. Precedence: flag > environment > file > default. \
+    `gym-tracer check-config` prints the effective configuration and where each value came \
+    from, with secrets masked.";
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Trace processes until SIGINT/SIGTERM (without --discover, also until every traced
     /// process has exited).
     Run(RunArgs),
+    /// Print the effective configuration of `run` (each value and where it came from:
+    /// flag, env, file or default; header values masked), check it, and exit non-zero if
+    /// it is invalid. Loads nothing into the kernel.
+    CheckConfig(RunArgs),
+    /// Report what this kernel and these privileges support (BTF, tracefs, the
+    /// tracepoints, ring buffer, capabilities, cgroup, /proc access) and which features
+    /// will be on or off, and why. Exits non-zero when tracing cannot work.
+    Doctor(DoctorArgs),
+    /// Print the configuration and span/metric reference as Markdown (the README's
+    /// reference sections are generated from it).
+    #[command(hide = true)]
+    Reference,
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Also check that the agent could trace this process (read its environment and
+    /// executable).
+    #[arg(
+        long = "pid",
+        value_name = "PID",
+        env = "GYM_TRACER_PID",
+        value_delimiter = ','
+    )]
+    pub pids: Vec<u32>,
+}
+
+/// How the agent's own log lines are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Auto,
+    Text,
+    Json,
+}
+
+/// Compression of OTLP export requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OtlpCompression {
+    None,
+    Gzip,
 }
 
 /// What is written to stdout when no OTLP endpoint is configured.
@@ -65,30 +135,34 @@ pub enum Discover {
     Gym,
 }
 
-#[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("what").args(["pids", "discover"]).required(true).multiple(true)))]
+#[derive(Clone, Debug, Args)]
 pub struct RunArgs {
     /// Process id to trace; repeat for several processes. Connections that are already
     /// open when the agent attaches are not traced, new ones are. Children the process
     /// forks later (uvicorn --workers, reloaders) are traced with its identity. A Gym server
     /// is recognised from its environment; others can be labelled with --server-name and
     /// --server-type.
-    #[arg(long = "pid", value_name = "PID")]
+    #[arg(
+        long = "pid",
+        value_name = "PID",
+        env = "GYM_TRACER_PID",
+        value_delimiter = ','
+    )]
     pub pids: Vec<u32>,
 
     /// Find the processes to trace: scan /proc every second, attach to each server found
     /// (and its children), drop servers that exit, and keep running until SIGINT/SIGTERM.
-    #[arg(long, value_enum, value_name = "KIND")]
+    #[arg(long, value_enum, value_name = "KIND", env = "GYM_TRACER_DISCOVER")]
     pub discover: Option<Discover>,
 
     /// nemo.gym.server.name for the --pid processes (when their environment does not say).
-    #[arg(long, value_name = "NAME", requires = "pids")]
+    #[arg(long, value_name = "NAME", env = "GYM_TRACER_SERVER_NAME")]
     pub server_name: Option<String>,
 
     /// nemo.gym.server.type for the --pid processes: responses_api_agents,
     /// responses_api_models, resources_servers (or agent, model, resources). Decides which
     /// gym.* span a route gets; without it the type is inferred from the server's routes.
-    #[arg(long, value_name = "TYPE", requires = "pids")]
+    #[arg(long, value_name = "TYPE", env = "GYM_TRACER_SERVER_TYPE")]
     pub server_type: Option<ServerType>,
 
     /// Which spans to emit, as Gym's NEMO_GYM_OTEL_SPAN_GROUPS: a comma list of groups
@@ -111,38 +185,96 @@ pub struct RunArgs {
     /// requests by; repeatable. Checked before the routes harvested from the server's
     /// /openapi.json and Gym's known routes. Paths no template matches are named with
     /// ids, numbers and hashes replaced by {id}, in the span name only (never http.route).
-    #[arg(long = "route", value_name = "TEMPLATE")]
+    #[arg(
+        long = "route",
+        value_name = "TEMPLATE",
+        env = "GYM_TRACER_ROUTE",
+        value_delimiter = ','
+    )]
     pub routes: Vec<RouteTemplate>,
 
     /// Do not ask servers for their route table. By default the agent GETs
     /// /openapi.json once from each server it attaches to (the request is not traced).
-    #[arg(long)]
+    #[arg(long, env = "GYM_TRACER_NO_ROUTE_HARVEST")]
     pub no_route_harvest: bool,
 
     /// Create this file once every probe is attached and the PIDs are in the filter
     /// (scripts and tests wait for it). Removed on exit.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", env = "GYM_TRACER_READY_FILE")]
     pub ready_file: Option<PathBuf>,
 
     /// Bytes captured from the start of each HTTP message (head and first body bytes).
     /// Larger bodies are followed by length only. At most 8192.
-    #[arg(long, value_name = "N", default_value_t = tracer_abi::DEFAULT_CAPTURE_BYTES,
+    #[arg(long, value_name = "N", env = "GYM_TRACER_CAPTURE_BYTES",
+          default_value_t = tracer_abi::DEFAULT_CAPTURE_BYTES,
           value_parser = clap::value_parser!(u32).range(64..=tracer_abi::MAX_CAPTURE_BYTES as i64))]
     pub capture_bytes: u32,
 
     /// Size of the kernel-to-agent ring buffer in bytes (rounded up to a power of two).
     /// Records that do not fit are counted as lost and reported.
-    #[arg(long, value_name = "BYTES", default_value_t = 16 << 20)]
+    #[arg(long, value_name = "BYTES", env = "GYM_TRACER_RING_BUFFER_BYTES", default_value_t = 16 << 20)]
     pub ring_buffer_bytes: u32,
 
     /// OTLP endpoint, e.g. http://collector:4317 (gRPC) or http://collector:4318
     /// (HTTP; /v1/traces and /v1/metrics are appended). Without one, spans and metrics
-    /// are written to stdout as JSON lines. Headers come from OTEL_EXPORTER_OTLP_HEADERS.
+    /// are written to stdout as JSON lines. An https:// endpoint is reached over TLS.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 
+    /// Headers sent with every OTLP export, as `key=value,key2=value2` (values may be
+    /// percent-encoded), e.g. an authorization token. Masked by check-config and in logs.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_HEADERS", value_name = "LIST")]
+    pub otlp_headers: Option<HeaderList>,
+
+    /// Milliseconds an OTLP export may take before it is abandoned (and counted as failed).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TIMEOUT", value_name = "MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub otlp_timeout: u64,
+
+    /// Compression of OTLP export requests.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_COMPRESSION",
+        value_enum,
+        default_value = "none"
+    )]
+    pub otlp_compression: OtlpCompression,
+
+    /// PEM file of the certificate authorities that sign the collector's certificate (for
+    /// an https:// endpoint). Without it, the system's trusted roots are used.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_CERTIFICATE", value_name = "PEM")]
+    pub otlp_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate for mutual TLS with the collector (with --otlp-client-key).
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub otlp_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --otlp-client-cert.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_CLIENT_KEY", value_name = "PEM")]
+    pub otlp_client_key: Option<PathBuf>,
+
+    /// Spans sent to the collector in one export request at most.
+    #[arg(long, env = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", value_name = "N", default_value_t = 512,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65_536))]
+    pub export_batch_size: usize,
+
+    /// Finished spans waiting for export at most; past it spans are dropped and counted
+    /// (spans_dropped_queue_full).
+    #[arg(long, env = "OTEL_BSP_MAX_QUEUE_SIZE", value_name = "N", default_value_t = 65_536,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub export_queue_size: usize,
+
+    /// Extra resource attributes for everything exported, as `key=value,key2=value2`
+    /// (e.g. k8s.node.name=$(NODE_NAME)). The agent's own attributes win on conflict.
+    #[arg(long, env = "OTEL_RESOURCE_ATTRIBUTES", value_name = "LIST")]
+    pub resource_attributes: Option<KeyValueList>,
+
     /// stdout format when no OTLP endpoint is set: `json` lines, or a `tree` per trace.
-    #[arg(long, value_enum, default_value = "json")]
+    #[arg(long, value_enum, env = "GYM_TRACER_OUTPUT", default_value = "json")]
     pub output: Output,
 
     /// OTLP transport.
@@ -161,23 +293,39 @@ pub struct RunArgs {
     pub service_name: Option<String>,
 
     /// Seconds between metric exports (a final export always happens on exit).
-    #[arg(long, value_name = "SECONDS", default_value_t = 60,
+    #[arg(long, value_name = "SECONDS", env = "GYM_TRACER_METRIC_INTERVAL", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub metric_interval: u64,
 
     /// Milliseconds a finished span is held before export, so that a parent/child edge seen
     /// a little late (the two ends of a connection are reported by different CPUs) still
     /// applies. Spans released without their match are counted (spans_flushed_unmatched).
-    #[arg(long, value_name = "MS", default_value_t = 500)]
+    #[arg(
+        long,
+        value_name = "MS",
+        env = "GYM_TRACER_STITCH_DELAY_MS",
+        default_value_t = 500
+    )]
     pub stitch_delay_ms: u64,
 
     /// Finished spans held for stitching at most; past it the oldest are exported early
     /// (counted as spans_released_early).
-    #[arg(long, value_name = "N", default_value_t = 100_000,
+    #[arg(long, value_name = "N", env = "GYM_TRACER_MAX_PENDING_SPANS", default_value_t = 100_000,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_pending_spans: usize,
 
     /// Connections tracked at once; more are counted as dropped, not traced.
-    #[arg(long, value_name = "N", default_value_t = 65_536)]
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GYM_TRACER_MAX_CONNECTIONS",
+        default_value_t = 65_536
+    )]
     pub max_connections: usize,
+
+    /// Serve /healthz (probes attached, exporter reachable) and /metrics (the agent's own
+    /// counters, Prometheus text) on this address; a bare port means 127.0.0.1:PORT. Off
+    /// by default.
+    #[arg(long, env = "GYM_TRACER_HEALTH_LISTEN", value_name = "ADDR")]
+    pub health_listen: Option<HealthListen>,
 }

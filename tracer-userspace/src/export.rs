@@ -8,6 +8,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -23,6 +24,8 @@ use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
+use crate::cli::OtlpCompression;
+use crate::config::HeaderList;
 use crate::identity::ServiceIdentity;
 use crate::spans::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 use crate::tree::{TreeCounters, TreeOptions, TreePrinter};
@@ -42,15 +45,31 @@ pub enum ExportTarget {
     /// Each finished trace as an indented tree on stdout, for a human; metrics are not
     /// exported (stdout is the tree's).
     Tree,
-    Otlp {
-        endpoint: String,
-        protocol: OtlpProtocol,
-    },
+    Otlp(OtlpOptions),
 }
 
-/// Spans the export task holds at most; past this, new spans are dropped and counted.
-pub const SPAN_QUEUE_CAPACITY: usize = 65_536;
-const BATCH_SIZE: usize = 512;
+/// Everything about reaching the collector, from the `--otlp-*` options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OtlpOptions {
+    pub endpoint: String,
+    pub protocol: OtlpProtocol,
+    /// Sent with every export; printing this type masks the values.
+    pub headers: HeaderList,
+    pub timeout: Duration,
+    pub compression: OtlpCompression,
+    /// CA bundle to verify the collector with (else the system roots, for https://).
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate and key for mutual TLS.
+    pub client_identity: Option<(PathBuf, PathBuf)>,
+}
+
+/// How spans are queued and batched on their way out, whatever the sink.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportLimits {
+    pub batch_size: usize,
+    pub queue_size: usize,
+}
+
 const BATCH_DELAY: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -97,19 +116,20 @@ fn otlp_span_exporter(
 
 impl SpanPipeline {
     /// Must be called inside the tokio runtime (the gRPC channel lives on it).
-    pub fn start(target: &ExportTarget) -> Result<Self> {
+    pub fn start(target: &ExportTarget, limits: ExportLimits) -> Result<Self> {
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
             ExportTarget::Tree => SpanSink::Tree(Box::new(TreePrinter::new(
                 TreeOptions::default(),
                 std::io::stdout(),
             ))),
-            ExportTarget::Otlp { endpoint, protocol } => {
-                SpanSink::Otlp(Box::new(otlp_span_exporter(endpoint, *protocol)?))
-            }
+            ExportTarget::Otlp(options) => SpanSink::Otlp(Box::new(otlp_span_exporter(
+                &options.endpoint,
+                options.protocol,
+            )?)),
         };
-        let (sender, receiver) = mpsc::channel(SPAN_QUEUE_CAPACITY);
-        let task = tokio::spawn(run_span_export(sink, receiver));
+        let (sender, receiver) = mpsc::channel(limits.queue_size);
+        let task = tokio::spawn(run_span_export(sink, receiver, limits.batch_size));
         Ok(Self { sender, task })
     }
 
@@ -128,9 +148,10 @@ impl SpanPipeline {
 async fn run_span_export(
     mut sink: SpanSink,
     mut receiver: mpsc::Receiver<SpanRecord>,
+    batch_size: usize,
 ) -> ExportTotals {
     let mut totals = ExportTotals::default();
-    let mut batch = Vec::with_capacity(BATCH_SIZE);
+    let mut batch = Vec::with_capacity(batch_size);
     loop {
         let deadline = tokio::time::sleep(BATCH_DELAY);
         tokio::pin!(deadline);
@@ -139,7 +160,7 @@ async fn run_span_export(
                 received = receiver.recv() => match received {
                     Some(span) => {
                         batch.push(span);
-                        if batch.len() >= BATCH_SIZE {
+                        if batch.len() >= batch_size {
                             break true;
                         }
                     }
@@ -515,7 +536,9 @@ pub fn meter_provider(
                 .build(),
             )
             .build(),
-        ExportTarget::Otlp { endpoint, protocol } => {
+        ExportTarget::Otlp(OtlpOptions {
+            endpoint, protocol, ..
+        }) => {
             let exporter = match protocol {
                 OtlpProtocol::Grpc => opentelemetry_otlp::MetricExporter::builder()
                     .with_tonic()

@@ -5,54 +5,74 @@
 //! programs, PID filter) → ring buffer → `events` (decode) → `connections` (per-connection
 //! state, `http` reassembly) → `classify` (Gym meaning: routes, rollout ids, `gym.*` spans,
 //! from `gym` and the per-process state in `processes`, fed by `harvest`) → `spans` /
-//! `metrics` → `export`. `agent` assembles it; this file only parses the command line.
+//! `metrics` → `export`. `agent` assembles it. Around it: `config` (flags, environment and
+//! the config file), `logging` (the agent's own log), `health` (/healthz, /metrics),
+//! `doctor` (what this host supports) and `reference` (the generated docs).
 
 mod agent;
 mod btf;
 mod classify;
 mod cli;
 mod clock;
+mod config;
 mod connections;
 mod discovery;
+mod doctor;
 mod events;
 mod export;
 mod gym;
 mod harvest;
+mod health;
 mod http;
 mod identity;
 mod loader;
+mod logging;
 mod metrics;
 mod processes;
+mod reference;
 mod spans;
 mod stats;
 mod stitch;
 mod tree;
 
-use clap::Parser;
+use std::process::ExitCode;
 
-fn main() -> std::process::ExitCode {
-    let cli = cli::Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+use cli::Command;
+
+fn main() -> ExitCode {
+    let loaded = match config::load() {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            eprintln!("gym-tracer: error: {error:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    logging::init(loaded.cli.log_format);
+    let result = match &loaded.cli.command {
+        Command::Run(args) => run_agent(args.clone()),
+        Command::CheckConfig(_) => config::check_config(&loaded).map(|()| true),
+        Command::Doctor(args) => doctor::run(args),
+        Command::Reference => {
+            print!("{}", reference::markdown());
+            Ok(true)
+        }
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => {
+            tracing::error!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_agent(args: cli::RunArgs) -> anyhow::Result<bool> {
+    config::validate(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("gym-tracer: error: starting the async runtime: {error}");
-            return std::process::ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        match cli.command {
-            cli::Command::Run(args) => agent::run(args).await,
-        }
-    });
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("gym-tracer: error: {error:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+        .map_err(|error| anyhow::anyhow!("starting the async runtime: {error}"))?;
+    runtime.block_on(agent::run(args)).map(|()| true)
 }

@@ -1,0 +1,825 @@
+//! Configuration layering: command-line flags > environment variables > the `--config` TOML
+//! file > built-in defaults.
+//!
+//! clap already ranks flags over environment variables over defaults, so the file is merged
+//! by turning its values into the defaults of the matching options before parsing. One
+//! parser then decides everything, and `value_source` tells `check-config` where each
+//! effective value came from.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use anyhow::{Context, Result, bail};
+use clap::parser::ValueSource;
+use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches};
+
+use crate::cli::{Cli, Command, RunArgs};
+
+/// `key=value,key2=value2`, as OTEL_EXPORTER_OTLP_HEADERS and OTEL_RESOURCE_ATTRIBUTES
+/// write them (values percent-decoded).
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeyValueList(pub Vec<(String, String)>);
+
+impl FromStr for KeyValueList {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut pairs = Vec::new();
+        for item in text
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+        {
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(format!(
+                    "`{}` is not key=value (the list is key=value,key2=value2)",
+                    item.split_once('=').map_or(item, |(key, _)| key)
+                ));
+            };
+            let key = key.trim();
+            if key.is_empty() {
+                return Err("an entry has an empty key".into());
+            }
+            pairs.push((key.to_owned(), percent_decode(value.trim())?));
+        }
+        Ok(Self(pairs))
+    }
+}
+
+impl fmt::Debug for KeyValueList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for KeyValueList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, (key, value)) in self.0.iter().enumerate() {
+            let separator = if index == 0 { "" } else { "," };
+            write!(f, "{separator}{key}={value}")?;
+        }
+        Ok(())
+    }
+}
+
+fn percent_decode(text: &str) -> Result<String, String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        if bytes[index] == b'%' {
+            let hex = bytes
+                .get(index + 1..index + 3)
+                .and_then(|hex| std::str::from_utf8(hex).ok())
+                .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                .ok_or("a value has a `%` that is not followed by two hex digits")?;
+            out.push(hex);
+            index += 3;
+        } else {
+            out.push(bytes[index]);
+            index += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "a percent-encoded value is not UTF-8".to_owned())
+}
+
+/// OTLP export headers. Their values are credentials more often than not, so every way of
+/// printing this type masks them.
+#[derive(Clone, PartialEq, Eq)]
+pub struct HeaderList(pub Vec<(String, String)>);
+
+impl FromStr for HeaderList {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let KeyValueList(pairs) = text.parse()?;
+        for (key, _) in &pairs {
+            if !key
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            {
+                return Err(format!("`{key}` is not a valid header name"));
+            }
+        }
+        Ok(Self(pairs))
+    }
+}
+
+impl fmt::Display for HeaderList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, (key, _)) in self.0.iter().enumerate() {
+            let separator = if index == 0 { "" } else { "," };
+            write!(f, "{separator}{key}=***")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for HeaderList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Where the health endpoint listens: loopback unless an address says otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthListen(pub SocketAddr);
+
+impl FromStr for HealthListen {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Ok(port) = text.parse::<u16>() {
+            return Ok(Self(SocketAddr::from((Ipv4Addr::LOCALHOST, port))));
+        }
+        text.parse().map(Self).map_err(|_| {
+            format!("`{text}` is not PORT or ADDRESS:PORT (e.g. 127.0.0.1:9464 or [::1]:9464)")
+        })
+    }
+}
+
+impl fmt::Display for HealthListen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The parsed command line with every layer applied.
+pub struct Loaded {
+    pub cli: Cli,
+    /// The file that was read, if any.
+    pub file: Option<PathBuf>,
+    /// Keys the file set (normalised to option ids), to tell file values from defaults.
+    file_keys: Vec<String>,
+    matches: ArgMatches,
+}
+
+/// Parses the process's arguments and environment, merging in the config file. Exits the
+/// process for `--help`, `--version` and usage errors, as clap does.
+pub fn load() -> Result<Loaded> {
+    load_from(std::env::args_os().collect(), |name| std::env::var_os(name))
+}
+
+fn load_from(args: Vec<OsString>, env: impl Fn(&str) -> Option<OsString>) -> Result<Loaded> {
+    let file = config_file_argument(&args).or_else(|| env("GYM_TRACER_CONFIG").map(PathBuf::from));
+    let mut command = Cli::command();
+    let mut file_keys = Vec::new();
+    if let Some(path) = &file {
+        let values = read_config_file(path)?;
+        (command, file_keys) = apply_file_defaults(command, &values, path)?;
+    }
+    let matches = command.get_matches_from(args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+    Ok(Loaded {
+        cli,
+        file,
+        file_keys,
+        matches,
+    })
+}
+
+/// `--config` must be known before clap runs, because the file's values become defaults.
+fn config_file_argument(args: &[OsString]) -> Option<PathBuf> {
+    let mut args = args.iter().skip(1);
+    while let Some(arg) = args.next() {
+        let arg = arg.to_str()?;
+        if arg == "--" {
+            return None;
+        }
+        if arg == "--config" {
+            return args.next().map(PathBuf::from);
+        }
+        if let Some(path) = arg.strip_prefix("--config=") {
+            return Some(PathBuf::from(path));
+        }
+    }
+    None
+}
+
+/// One value of the file, as the strings clap would have been given on the command line.
+type FileValues = BTreeMap<String, Vec<String>>;
+
+fn read_config_file(path: &Path) -> Result<FileValues> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the config file {}", path.display()))?;
+    let table: toml::Table = text.parse().map_err(|error: toml::de::Error| {
+        // The message quotes the offending line, which may hold a header token: give the
+        // position only.
+        let at = error
+            .span()
+            .map(|span| {
+                let line = text[..span.start].matches('\n').count() + 1;
+                format!(" at line {line}")
+            })
+            .unwrap_or_default();
+        anyhow::anyhow!("{} is not valid TOML{at}", path.display())
+    })?;
+    let mut values = FileValues::new();
+    for (key, value) in table {
+        let id = key.replace('-', "_");
+        let strings = match value {
+            toml::Value::Array(items) => items
+                .into_iter()
+                .map(|item| scalar_text(&key, item, path))
+                .collect::<Result<Vec<_>>>()?,
+            other => vec![scalar_text(&key, other, path)?],
+        };
+        values.insert(id, strings);
+    }
+    Ok(values)
+}
+
+fn scalar_text(key: &str, value: toml::Value, path: &Path) -> Result<String> {
+    Ok(match value {
+        toml::Value::String(text) => text,
+        toml::Value::Integer(number) => number.to_string(),
+        toml::Value::Boolean(flag) => flag.to_string(),
+        toml::Value::Float(number) => number.to_string(),
+        _ => bail!(
+            "{}: `{key}` must be a string, number, boolean or a list of them",
+            path.display()
+        ),
+    })
+}
+
+/// Options a file may not set: the file itself, and what only makes sense per invocation.
+const NOT_IN_FILE: &[&str] = &["config", "help", "version"];
+
+/// Makes the file's values the defaults of their options; returns the ids it set.
+fn apply_file_defaults(
+    mut command: clap::Command,
+    values: &FileValues,
+    path: &Path,
+) -> Result<(clap::Command, Vec<String>)> {
+    let run = command
+        .find_subcommand("run")
+        .expect("the run subcommand exists")
+        .clone();
+    // File keys are the long option names (with `-` or `_`); clap knows options by id.
+    let known: Vec<(String, String)> = run
+        .get_arguments()
+        .chain(command.get_arguments())
+        .filter(|arg| !NOT_IN_FILE.contains(&arg.get_id().as_str()))
+        .filter_map(|arg| Some((arg.get_long()?.replace('-', "_"), arg.get_id().to_string())))
+        .collect();
+    let mut resolved = FileValues::new();
+    for (key, strings) in values {
+        let Some((_, id)) = known.iter().find(|(long, _)| long == key) else {
+            bail!(
+                "{}: unknown key `{}`; the keys are the long options of `gym-tracer run`: {}",
+                path.display(),
+                key.replace('_', "-"),
+                known
+                    .iter()
+                    .map(|(long, _)| long.replace('_', "-"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        };
+        resolved.insert(id.clone(), strings.clone());
+    }
+    for (id, strings) in &resolved {
+        let is_global = command
+            .get_arguments()
+            .any(|arg| arg.get_id() == id.as_str());
+        let set_default = |arg: clap::Arg| -> clap::Arg {
+            let multiple = matches!(arg.get_action(), ArgAction::Append);
+            if multiple {
+                arg.default_values(strings.clone())
+            } else {
+                arg.default_value(strings.last().cloned().unwrap_or_default())
+            }
+        };
+        if !matches!(
+            run.get_arguments()
+                .find(|arg| arg.get_id() == id.as_str())
+                .map(|arg| arg.get_action()),
+            Some(ArgAction::Append) | None
+        ) && strings.len() > 1
+        {
+            bail!(
+                "{}: `{}` takes one value, not a list",
+                path.display(),
+                long_name(id)
+            );
+        }
+        if is_global {
+            command = command.mut_arg(id.as_str(), set_default);
+        } else {
+            for name in ["run", "check-config"] {
+                command = command.mut_subcommand(name, |sub| sub.mut_arg(id.as_str(), set_default));
+            }
+        }
+    }
+    Ok((command, resolved.into_keys().collect()))
+}
+
+/// The long option name of an option id (`pids` → `pid`).
+fn long_name(id: &str) -> String {
+    let command = Cli::command();
+    let run = command.find_subcommand("run").expect("run exists");
+    run.get_arguments()
+        .chain(command.get_arguments())
+        .find(|arg| arg.get_id() == id)
+        .and_then(|arg| arg.get_long())
+        .unwrap_or(id)
+        .to_owned()
+}
+
+/// Where an effective value came from, for `check-config`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Flag,
+    Env,
+    File,
+    Default,
+    Unset,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Flag => "flag",
+            Self::Env => "env",
+            Self::File => "file",
+            Self::Default => "default",
+            Self::Unset => "unset",
+        })
+    }
+}
+
+impl Loaded {
+    fn source(&self, id: &str) -> Source {
+        let matches = match self.matches.subcommand() {
+            Some((_, sub)) if sub.try_get_raw(id).is_ok() => sub,
+            _ => &self.matches,
+        };
+        match matches.value_source(id) {
+            Some(ValueSource::CommandLine) => Source::Flag,
+            Some(ValueSource::EnvVariable) => Source::Env,
+            Some(ValueSource::DefaultValue) if self.file_keys.iter().any(|key| key == id) => {
+                Source::File
+            }
+            Some(ValueSource::DefaultValue) => Source::Default,
+            _ => Source::Unset,
+        }
+    }
+
+    /// The effective configuration as TOML a config file could hold, one key a line, each
+    /// annotated with its source. Header values are masked.
+    pub fn effective_config(&self, args: &RunArgs) -> String {
+        let mut out = String::new();
+        if let Some(file) = &self.file {
+            out.push_str(&format!("# config file: {}\n", file.display()));
+        }
+        for (id, value) in effective_values(&self.cli, args) {
+            let source = self.source(id);
+            let key = long_name(id);
+            match value {
+                Some(value) => out.push_str(&format!("{key} = {value}  # {source}\n")),
+                None => out.push_str(&format!("# {key} (not set)\n")),
+            }
+        }
+        out
+    }
+}
+
+fn toml_string(text: &str) -> String {
+    toml::Value::String(text.to_owned()).to_string()
+}
+
+fn toml_list<T: fmt::Display>(items: &[T]) -> Option<String> {
+    (!items.is_empty()).then(|| {
+        let items: Vec<String> = items
+            .iter()
+            .map(|item| toml_string(&item.to_string()))
+            .collect();
+        format!("[{}]", items.join(", "))
+    })
+}
+
+fn value_name<T: clap::ValueEnum>(value: &T) -> String {
+    let name = value.to_possible_value().expect("no skipped variants");
+    toml_string(name.get_name())
+}
+
+/// Every `run` option with its effective value as TOML (None when unset). Secrets are masked
+/// by their types' Display.
+fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<String>)> {
+    let path =
+        |path: &Option<PathBuf>| path.as_ref().map(|p| toml_string(&p.display().to_string()));
+    let shown = |value: &Option<String>| value.as_deref().map(toml_string);
+    vec![
+        ("pids", toml_list(&args.pids).or_else(|| Some("[]".into()))),
+        ("discover", args.discover.as_ref().map(value_name)),
+        ("server_name", shown(&args.server_name)),
+        (
+            "server_type",
+            args.server_type.map(|t| toml_string(&t.to_string())),
+        ),
+        (
+            "span_groups",
+            Some(toml_string(&args.span_groups.to_string())),
+        ),
+        (
+            "routes",
+            toml_list(&args.routes).or_else(|| Some("[]".into())),
+        ),
+        ("no_route_harvest", Some(args.no_route_harvest.to_string())),
+        ("ready_file", path(&args.ready_file)),
+        ("capture_bytes", Some(args.capture_bytes.to_string())),
+        (
+            "ring_buffer_bytes",
+            Some(args.ring_buffer_bytes.to_string()),
+        ),
+        ("otlp_endpoint", shown(&args.otlp_endpoint)),
+        ("otlp_protocol", Some(value_name(&args.otlp_protocol))),
+        (
+            "otlp_headers",
+            args.otlp_headers
+                .as_ref()
+                .map(|h| toml_string(&h.to_string())),
+        ),
+        ("otlp_timeout", Some(args.otlp_timeout.to_string())),
+        ("otlp_compression", Some(value_name(&args.otlp_compression))),
+        ("otlp_ca_file", path(&args.otlp_ca_file)),
+        ("otlp_client_cert", path(&args.otlp_client_cert)),
+        ("otlp_client_key", path(&args.otlp_client_key)),
+        (
+            "export_batch_size",
+            Some(args.export_batch_size.to_string()),
+        ),
+        (
+            "export_queue_size",
+            Some(args.export_queue_size.to_string()),
+        ),
+        (
+            "resource_attributes",
+            args.resource_attributes
+                .as_ref()
+                .map(|r| toml_string(&r.to_string())),
+        ),
+        ("output", Some(value_name(&args.output))),
+        ("service_name", shown(&args.service_name)),
+        ("metric_interval", Some(args.metric_interval.to_string())),
+        ("stitch_delay_ms", Some(args.stitch_delay_ms.to_string())),
+        (
+            "max_pending_spans",
+            Some(args.max_pending_spans.to_string()),
+        ),
+        ("max_connections", Some(args.max_connections.to_string())),
+        (
+            "health_listen",
+            args.health_listen.map(|h| toml_string(&h.to_string())),
+        ),
+        ("log_format", Some(value_name(&cli.log_format))),
+    ]
+}
+
+/// Checks what clap cannot: combinations, and files that must exist. Run by both `run` and
+/// `check-config`, so a bad configuration fails before anything is loaded into the kernel.
+pub fn validate(args: &RunArgs) -> Result<()> {
+    if args.pids.is_empty() && args.discover.is_none() {
+        bail!(
+            "nothing to trace: give --pid PID or --discover gym (or `pid = [...]` / \
+             `discover = \"gym\"` in the --config file, or GYM_TRACER_PID / GYM_TRACER_DISCOVER)"
+        );
+    }
+    if args.pids.is_empty() && (args.server_name.is_some() || args.server_type.is_some()) {
+        bail!("--server-name and --server-type label --pid processes; give --pid too");
+    }
+    if let Some(endpoint) = &args.otlp_endpoint {
+        let scheme = endpoint.split_once("://").map(|(scheme, _)| scheme);
+        match scheme {
+            Some("http") | Some("https") => {}
+            _ => bail!(
+                "--otlp-endpoint `{endpoint}` must start with http:// or https:// \
+                 (e.g. http://collector:4317 for gRPC, http://collector:4318 for HTTP)"
+            ),
+        }
+        let tls_files = args.otlp_ca_file.is_some() || args.otlp_client_cert.is_some();
+        if tls_files && scheme == Some("http") {
+            bail!(
+                "TLS files are set (--otlp-ca-file / --otlp-client-cert) but the endpoint \
+                 `{endpoint}` is plain http://; use https:// to reach the collector over TLS"
+            );
+        }
+    }
+    match (&args.otlp_client_cert, &args.otlp_client_key) {
+        (Some(_), None) => bail!("--otlp-client-cert needs --otlp-client-key"),
+        (None, Some(_)) => bail!("--otlp-client-key needs --otlp-client-cert"),
+        _ => {}
+    }
+    for (flag, file) in [
+        ("--otlp-ca-file", &args.otlp_ca_file),
+        ("--otlp-client-cert", &args.otlp_client_cert),
+        ("--otlp-client-key", &args.otlp_client_key),
+    ] {
+        if let Some(file) = file {
+            std::fs::File::open(file)
+                .with_context(|| format!("{flag} {}: cannot be read", file.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// `gym-tracer check-config`.
+pub fn check_config(loaded: &Loaded) -> Result<()> {
+    let Command::CheckConfig(args) = &loaded.cli.command else {
+        unreachable!("check_config is called for the check-config subcommand");
+    };
+    print!("{}", loaded.effective_config(args));
+    validate(args)?;
+    println!("# configuration is valid");
+    Ok(())
+}
+
+/// Markdown table of every `run` option: flag, environment variable, file key, default.
+pub fn options_reference() -> String {
+    let command = Cli::command();
+    let run = command.find_subcommand("run").expect("run exists");
+    let mut out = String::from(
+        "| flag | environment | file key | default | meaning |\n|---|---|---|---|---|\n",
+    );
+    for arg in run.get_arguments().chain(command.get_arguments()) {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "help" | "version") {
+            continue;
+        }
+        let env = arg
+            .get_env()
+            .map(|env| format!("`{}`", env.to_string_lossy()))
+            .unwrap_or_default();
+        let key = if NOT_IN_FILE.contains(&arg.get_id().as_str()) {
+            String::new()
+        } else {
+            format!("`{long}`")
+        };
+        let default: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|value| value.to_string_lossy().into_owned())
+            .collect();
+        let default = if default.is_empty() {
+            String::new()
+        } else {
+            format!("`{}`", default.join(","))
+        };
+        let help = arg
+            .get_help()
+            .map(|help| help.to_string())
+            .unwrap_or_default()
+            .replace('|', "\\|")
+            .replace('\n', " ");
+        out.push_str(&format!(
+            "| `--{long}` | {env} | {key} | {default} | {help} |\n"
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_with(args: &[&str], env: &[(&str, &str)], file: Option<&str>) -> Result<Loaded> {
+        let dir = std::env::temp_dir().join(format!(
+            "gym-tracer-config-test-{}-{}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.toml");
+        let mut argv: Vec<OsString> = vec!["gym-tracer".into()];
+        if let Some(text) = file {
+            std::fs::write(&path, text).unwrap();
+            argv.push("--config".into());
+            argv.push(path.clone().into());
+        }
+        argv.extend(args.iter().map(OsString::from));
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        // clap reads env vars from the process; these tests only use names no other test
+        // sets, and read them back through clap.
+        for (key, value) in &env {
+            // SAFETY: test-only; the config tests use variables nothing else reads.
+            unsafe { std::env::set_var(key, value) };
+        }
+        let loaded = load_from(argv, |name| std::env::var_os(name));
+        for (key, _) in &env {
+            // SAFETY: as above.
+            unsafe { std::env::remove_var(key) };
+        }
+        loaded
+    }
+
+    fn run_args(loaded: &Loaded) -> &RunArgs {
+        match &loaded.cli.command {
+            Command::Run(args) | Command::CheckConfig(args) => args,
+            _ => panic!("not run"),
+        }
+    }
+
+    #[test]
+    fn file_values_are_used_when_nothing_else_sets_them() {
+        let loaded = load_with(
+            &["run"],
+            &[],
+            Some("discover = \"gym\"\nstitch-delay-ms = 250\nroute = [\"/a/{x}\", \"/b\"]\nno_route_harvest = true\n"),
+        )
+        .unwrap();
+        let args = run_args(&loaded);
+        assert!(args.discover.is_some());
+        assert_eq!(args.stitch_delay_ms, 250);
+        assert_eq!(args.routes.len(), 2);
+        assert!(args.no_route_harvest);
+        assert_eq!(loaded.source("stitch_delay_ms"), Source::File);
+        assert_eq!(loaded.source("max_connections"), Source::Default);
+    }
+
+    #[test]
+    fn flag_beats_env_beats_file() {
+        let file = Some(
+            "discover = \"gym\"\nmax-pending-spans = 10\nmax-connections = 20\nmetric-interval = 30\n",
+        );
+        let loaded = load_with(
+            &["run", "--max-pending-spans", "11"],
+            &[
+                ("GYM_TRACER_MAX_PENDING_SPANS", "12"),
+                ("GYM_TRACER_MAX_CONNECTIONS", "21"),
+            ],
+            file,
+        )
+        .unwrap();
+        let args = run_args(&loaded);
+        assert_eq!(args.max_pending_spans, 11, "flag wins over env and file");
+        assert_eq!(args.max_connections, 21, "env wins over file");
+        assert_eq!(args.metric_interval, 30, "file wins over default");
+        assert_eq!(loaded.source("max_pending_spans"), Source::Flag);
+        assert_eq!(loaded.source("max_connections"), Source::Env);
+        assert_eq!(loaded.source("metric_interval"), Source::File);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_toml_are_errors_that_name_the_problem() {
+        let error = load_with(&["run"], &[], Some("discovr = \"gym\"\n"))
+            .err()
+            .unwrap();
+        assert!(
+            error.to_string().contains("unknown key `discovr`"),
+            "{error}"
+        );
+        assert!(
+            error.to_string().contains("discover"),
+            "lists the valid keys: {error}"
+        );
+        let error = load_with(
+            &["run"],
+            &[],
+            Some("otlp-headers = \"authorization=Bearer sk-123\nx"),
+        )
+        .err()
+        .unwrap();
+        assert!(error.to_string().contains("line 1"), "{error}");
+        assert!(
+            !format!("{error:#}").contains("sk-123"),
+            "no secret in the error: {error:#}"
+        );
+        let error = load_with(&["run"], &[], Some("stitch-delay-ms = [1, 2]\n"))
+            .err()
+            .unwrap();
+        assert!(error.to_string().contains("takes one value"), "{error}");
+    }
+
+    #[test]
+    fn check_config_masks_header_values_and_names_sources() {
+        let loaded = load_with(
+            &["check-config", "--pid", "1"],
+            &[(
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "authorization=Bearer%20sk-secret,x-tenant=a",
+            )],
+            None,
+        )
+        .unwrap();
+        let args = run_args(&loaded);
+        let headers = args.otlp_headers.as_ref().unwrap();
+        assert_eq!(headers.0[0].1, "Bearer sk-secret", "percent-decoded");
+        let text = loaded.effective_config(args);
+        assert!(
+            text.contains("otlp-headers = \"authorization=***,x-tenant=***\"  # env"),
+            "{text}"
+        );
+        assert!(!text.contains("sk-secret"), "{text}");
+        assert!(text.contains("pid = [\"1\"]  # flag"), "{text}");
+        assert!(!format!("{args:?}").contains("sk-secret"));
+    }
+
+    #[test]
+    fn validation_names_what_to_do() {
+        let loaded = load_with(&["run"], &[], None).unwrap();
+        let error = validate(run_args(&loaded)).unwrap_err().to_string();
+        assert!(error.contains("--discover gym"), "{error}");
+        let loaded = load_with(
+            &[
+                "run",
+                "--discover",
+                "gym",
+                "--otlp-endpoint",
+                "http://c:4317",
+                "--otlp-ca-file",
+                "/etc/hostname",
+            ],
+            &[],
+            None,
+        )
+        .unwrap();
+        let error = validate(run_args(&loaded)).unwrap_err().to_string();
+        assert!(error.contains("use https://"), "{error}");
+        let loaded = load_with(
+            &[
+                "run",
+                "--discover",
+                "gym",
+                "--otlp-endpoint",
+                "collector:4317",
+            ],
+            &[],
+            None,
+        )
+        .unwrap();
+        assert!(validate(run_args(&loaded)).is_err());
+        let loaded = load_with(
+            &[
+                "run",
+                "--discover",
+                "gym",
+                "--otlp-endpoint",
+                "https://c:4317",
+                "--otlp-ca-file",
+                "/nonexistent/ca.pem",
+            ],
+            &[],
+            None,
+        )
+        .unwrap();
+        let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
+        assert!(error.contains("/nonexistent/ca.pem"), "{error}");
+    }
+
+    #[test]
+    fn list_values_parse() {
+        let list: KeyValueList = "k8s.node.name=n1, team=rl%2Cgym".parse().unwrap();
+        assert_eq!(
+            list.0,
+            vec![
+                ("k8s.node.name".into(), "n1".into()),
+                ("team".into(), "rl,gym".into())
+            ]
+        );
+        assert!("novalue".parse::<KeyValueList>().is_err());
+        assert!("a=%zz".parse::<KeyValueList>().is_err());
+        assert_eq!(
+            "9464".parse::<HealthListen>().unwrap().to_string(),
+            "127.0.0.1:9464"
+        );
+        assert_eq!(
+            "0.0.0.0:9464".parse::<HealthListen>().unwrap().to_string(),
+            "0.0.0.0:9464"
+        );
+        assert!("localhost".parse::<HealthListen>().is_err());
+    }
+
+    #[test]
+    fn every_run_option_is_in_the_reference_and_check_config() {
+        let reference = options_reference();
+        let command = Cli::command();
+        let run = command.find_subcommand("run").unwrap();
+        let loaded = load_with(&["check-config", "--discover", "gym"], &[], None).unwrap();
+        let effective = effective_values(&loaded.cli, run_args(&loaded));
+        for arg in run.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if long == "help" {
+                continue;
+            }
+            assert!(
+                reference.contains(&format!("`--{long}`")),
+                "{long} missing from the reference"
+            );
+            assert!(
+                arg.get_env().is_some(),
+                "--{long} has no environment variable"
+            );
+            assert!(
+                effective.iter().any(|(id, _)| *id == arg.get_id().as_str()),
+                "--{long} missing from check-config"
+            );
+        }
+    }
+}

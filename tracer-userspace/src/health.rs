@@ -1,0 +1,1 @@
+//! Optional local HTTP endpoint: /healthz and /metrics (Prometheus text).

@@ -1,0 +1,32 @@
+//! The agent's own log on stderr: `tracing` events, as text for people or one JSON object
+//! per line for log collectors, filtered by RUST_LOG.
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::LogFormat;
+
+/// Installs the global subscriber. `auto` picks text on a terminal and JSON otherwise (a
+/// pipe, a file, journald, a container log).
+pub fn init(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init();
+    } else {
+        builder.with_ansi(std::io::stderr().is_terminal()).init();
+    }
+}
