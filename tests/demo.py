@@ -46,7 +46,7 @@ def main():
     print("\ndemo: what gym-tracer printed (--output tree):\n")
     print(output)
     print("demo: agent's closing line:")
-    print("  " + agent.stderr().strip().splitlines()[-1])
+    print("  " + agent.log_messages()[-1])
     wanted = ["POST /run", "gym.rollout", "HTTP POST", "POST /v1/responses", "gym.model.responses",
               "POST /verify", "gym.verify", "metric gym.verify.calls"]
     return 0 if all(text in output for text in wanted) else 1

@@ -122,18 +122,31 @@ class Agent:
     def stderr(self):
         return self.stderr_path.read_text(errors="replace")
 
+    def log(self):
+        """The agent's log records: stderr is JSON lines (not a TTY), one object per record."""
+        records = []
+        for line in self.stderr().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                records.append({"level": "RAW", "message": line})  # e.g. a panic message
+        return records
+
+    def log_messages(self):
+        return [record.get("message", "") for record in self.log()]
+
     def wait_for_routes(self, pid, timeout=15):
         """Waits until the agent has harvested `pid`'s route table: requests served before
         that are named from Gym's known routes only."""
-        return self.wait_for_stderr(f"gym-tracer: pid {pid}: ", timeout)
+        return self.wait_for_stderr(f"pid {pid}: ", timeout)
 
     def wait_for_stderr(self, text, timeout=15):
-        """Waits until `text` appears in the agent's stderr; returns the first line holding it."""
+        """Waits until `text` appears in a message of the agent's log; returns that message."""
         deadline = time.monotonic() + timeout
         while True:
-            for line in self.stderr().splitlines():
-                if text in line:
-                    return line
+            for message in self.log_messages():
+                if text in message:
+                    return message
             if time.monotonic() > deadline or self.process.poll() is not None:
                 raise AssertionError(f"{text!r} not in gym-tracer's stderr within {timeout} s:\n{self.stderr()}")
             time.sleep(0.05)
@@ -151,9 +164,9 @@ class Agent:
         return [line for line in self.lines() if line.get("metric") == name]
 
     def summary(self):
-        """The counters from the agent's last stderr line, as a dict."""
-        for line in reversed(self.stderr().splitlines()):
-            if "stopped." in line:
+        """The counters from the agent's last log message, as a dict."""
+        for line in reversed(self.log_messages()):
+            if line.startswith("stopped."):
                 fields = line.split("stopped.", 1)[1].replace("(", " ").replace(")", " ").split()
                 return {k: int(v) for k, v in (f.split("=", 1) for f in fields if "=" in f)}
         return {}

@@ -1,8 +1,15 @@
 """A real OTLP receiver for the tests: gRPC (TraceService, MetricsService) and HTTP/protobuf
-(/v1/traces, /v1/metrics) on loopback. Received data is flattened into plain dicts."""
+(/v1/traces, /v1/metrics) on loopback. Received data is flattened into plain dicts.
 
+Optionally over TLS (`Tls`), with client certificates required (mutual TLS); the headers (gRPC
+metadata) of every export request are recorded, and gzip-compressed requests are accepted."""
+
+import gzip
+import ssl
+import sys
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
@@ -22,12 +29,35 @@ def _attributes(key_values):
     return {kv.key: _value(kv.value) for kv in key_values}
 
 
+@dataclass
+class Tls:
+    """PEM files: the receiver's certificate and key, and the CA that client certificates must
+    chain to (set: mutual TLS, a client without a valid certificate is refused)."""
+
+    cert: str
+    key: str
+    client_ca: str = None
+
+
 class Received:
     def __init__(self):
         self.lock = threading.Lock()
         self.spans = []
         self.histogram_points = []
         self.requests = 0
+        # One entry per export request: {"transport", "path", "headers"} (header names lower-case).
+        self.request_headers = []
+
+    def add_headers(self, transport, path, headers):
+        with self.lock:
+            self.request_headers.append(
+                {"transport": transport, "path": path, "headers": {k.lower(): v for k, v in headers}}
+            )
+
+    def header_values(self, name):
+        """The values of header `name` over every export request."""
+        with self.lock:
+            return [r["headers"][name] for r in self.request_headers if name in r["headers"]]
 
     def add_traces(self, request):
         with self.lock:
@@ -90,6 +120,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self.received = received
 
     def Export(self, request, context):
+        self.received.add_headers("grpc", "TraceService/Export", context.invocation_metadata())
         self.received.add_traces(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -99,26 +130,82 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
         self.received = received
 
     def Export(self, request, context):
+        self.received.add_headers("grpc", "MetricsService/Export", context.invocation_metadata())
         self.received.add_metrics(request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
-class OtlpReceiver:
-    """Listens on 127.0.0.1 for gRPC (`grpc_endpoint`) and HTTP (`http_endpoint`)."""
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
 
-    def __init__(self):
+
+class _HttpServer(ThreadingHTTPServer):
+    """With `ssl_context`, TLS is negotiated in each connection's thread, so a client that fails
+    the handshake does not hold up the others; failed handshakes are counted."""
+
+    ssl_context = None
+
+    def get_request(self):
+        sock, address = super().get_request()
+        if self.ssl_context is not None:
+            sock = self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # not a refused handshake or a hang-up
+            super().handle_error(request, client_address)
+
+
+class OtlpReceiver:
+    """Listens on 127.0.0.1 for gRPC (`grpc_endpoint`) and HTTP (`http_endpoint`); with `tls`,
+    over TLS (the endpoints are then https://).
+
+    gRPC hides `grpc-encoding` from the handler, so a test sees that a client compresses by
+    `grpc_gzip=False`: the gRPC server then refuses gzip-compressed requests (UNIMPLEMENTED)."""
+
+    def __init__(self, tls=None, grpc_gzip=True):
         self.received = Received()
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # Bits: identity 1, deflate 2, gzip 4.
+        algorithms = 7 if grpc_gzip else 3
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4),
+            options=[("grpc.compression_enabled_algorithms_bitset", algorithms)],
+        )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self.received), self.grpc_server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self.received), self.grpc_server)
-        grpc_port = self.grpc_server.add_insecure_port("127.0.0.1:0")
-        self.grpc_endpoint = f"http://127.0.0.1:{grpc_port}"
+        scheme = "https" if tls else "http"
+        if tls:
+            credentials = grpc.ssl_server_credentials(
+                [(_read(tls.key), _read(tls.cert))],
+                root_certificates=_read(tls.client_ca) if tls.client_ca else None,
+                require_client_auth=tls.client_ca is not None,
+            )
+            grpc_port = self.grpc_server.add_secure_port("127.0.0.1:0", credentials)
+        else:
+            grpc_port = self.grpc_server.add_insecure_port("127.0.0.1:0")
+        self.grpc_endpoint = f"{scheme}://127.0.0.1:{grpc_port}"
+        self.tls_handshakes_failed = 0
 
         received = self.received
+        receiver = self
 
         class Handler(BaseHTTPRequestHandler):
+            def setup(self):
+                if isinstance(self.request, ssl.SSLSocket):
+                    try:
+                        self.request.do_handshake()
+                    except (ssl.SSLError, OSError):
+                        with received.lock:
+                            receiver.tls_handshakes_failed += 1
+                        raise
+                super().setup()
+
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                if self.headers.get("content-encoding", "").lower() == "gzip":
+                    body = gzip.decompress(body)
+                received.add_headers("http", self.path, self.headers.items())
                 if self.path == "/v1/traces":
                     request = trace_service_pb2.ExportTraceServiceRequest()
                     request.ParseFromString(body)
@@ -142,8 +229,15 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.http_server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http_endpoint = f"http://127.0.0.1:{self.http_server.server_port}"
+        self.http_server = _HttpServer(("127.0.0.1", 0), Handler)
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls.cert, tls.key)
+            if tls.client_ca:
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(tls.client_ca)
+            self.http_server.ssl_context = context
+        self.http_endpoint = f"{scheme}://127.0.0.1:{self.http_server.server_port}"
         self._http_thread = threading.Thread(target=self.http_server.serve_forever, daemon=True)
 
     def start(self):

@@ -346,6 +346,7 @@ def test_clear_errors(server_factory):
     )
     assert unprivileged.returncode != 0
     assert "CAP_BPF" in unprivileged.stderr and "root" in unprivileged.stderr
+    assert "lacks CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE" in unprivileged.stderr
 
     bad_flag = subprocess.run([binary, "run", "--pid", str(server.pid), "--capture-bytes", "999999"],
                               capture_output=True, text=True, timeout=30)

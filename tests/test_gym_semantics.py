@@ -217,7 +217,7 @@ def finish(agent, run, expected, groups=PER_ROLLOUT):
     time.sleep(0.5)  # room for a span too many to show up
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
-    print(agent.stderr().splitlines()[-1])  # the counters, shown if the test fails
+    print(agent.log_messages()[-1])  # the counters, shown if the test fails
     return our_spans(agent, run)
 
 
@@ -291,7 +291,7 @@ def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
 def assert_attached(agent, run, *names, routes=True):
     """Each server attached, and (unless --no-route-harvest) its route table harvested."""
     for server in [run[n] for n in names] if names else run.servers.values():
-        agent.wait_for_stderr(f"gym-tracer: attached pid {server.pid} as {server.name} ({server.type})")
+        agent.wait_for_stderr(f"attached pid {server.pid} as {server.name} ({server.type})")
         if routes:
             agent.wait_for_routes(server.pid)
 
@@ -407,7 +407,7 @@ def test_discovers_servers_that_start_later_and_outlives_those_that_exit(gym, tr
     sent = drive_rollouts(run, rollout_mix(4))
 
     run.stop("example_verifier")
-    agent.wait_for_stderr(f"gym-tracer: pid {run['example_verifier'].pid} exited")
+    agent.wait_for_stderr(f"pid {run['example_verifier'].pid} exited")
     assert agent.process.poll() is None, "the agent keeps running when a server exits"
     run.start("late_verifier")
     assert_attached(agent, run, "late_verifier")
@@ -418,7 +418,7 @@ def test_discovers_servers_that_start_later_and_outlives_those_that_exit(gym, tr
 
     run.stop()
     for server in (run.agent, run.model, run["late_verifier"]):
-        agent.wait_for_stderr(f"gym-tracer: pid {server.pid} exited")
+        agent.wait_for_stderr(f"pid {server.pid} exited")
     time.sleep(2)
     assert agent.process.poll() is None, "with --discover the agent runs on when every server has exited"
     spans = finish(agent, run, expected)

@@ -144,7 +144,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
     by_pid = {pid: name for name, pid in pids.items()}
     agent = tracer()
     for name, pid in pids.items():
-        agent.wait_for_stderr(f"gym-tracer: attached pid {pid} as {name} ({SERVER_TYPES[name]})")
+        agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
         agent.wait_for_routes(pid)
 
     before = {name: len(entries) for name, entries in run.access_log_paths().items()}
@@ -275,8 +275,8 @@ def test_one_real_rollout(real_gym, tracer, observability):
     # and the model and tool calls beneath it included — with its id derived from the rollout id.
     traced = [s for s in spans if not harvest(s["attributes"].get("http.request.method"),
                                               s["attributes"].get("url.path"))]
-    assert {s["trace_id"] for s in traced} == {rollout_trace_id(RUN_ID)}, agent.stderr().splitlines()[-1]
-    assert tree_shape(traced, by_pid) == [canonical(EXPECTED_TREE)], agent.stderr().splitlines()[-1]
+    assert {s["trace_id"] for s in traced} == {rollout_trace_id(RUN_ID)}, agent.log_messages()[-1]
+    assert tree_shape(traced, by_pid) == [canonical(EXPECTED_TREE)], agent.log_messages()[-1]
 
     prompt = run.rollout_body(TASK, ROLLOUT)["responses_create_params"]["input"][-1]["content"]
     for text in [*NEVER_EXPORTED, prompt]:

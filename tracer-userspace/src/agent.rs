@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -24,7 +25,8 @@ use crate::gym::ServerType;
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix, templates_from_openapi};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::harvest::{SelfPorts, connect_address, fetch_openapi, listening_ports};
-use crate::identity::GymLabels;
+use crate::health::{Gauges, Health};
+use crate::identity::{AgentResource, GymLabels};
 use crate::loader::{LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
 use crate::processes::ProcessTable;
@@ -42,6 +44,8 @@ const HARVEST_ATTEMPTS: u32 = 60;
 
 /// How often held spans are checked for release.
 const RELEASE_TICK: Duration = Duration::from_millis(100);
+/// How often the counters behind --health-listen's /metrics are refreshed.
+const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What the kernel said about traced processes, handled between ring-buffer batches.
 #[derive(Debug)]
@@ -80,6 +84,8 @@ struct Pipeline {
     lifecycle: Vec<Lifecycle>,
     span_batch: Vec<SpanRecord>,
     released: Vec<SpanRecord>,
+    /// Read by the --health-listen endpoint.
+    health: Arc<Health>,
 }
 
 impl Pipeline {
@@ -234,8 +240,10 @@ impl Pipeline {
         match self.processes.adopt_child(parent, child) {
             Some(process) => {
                 self.stats.forks_followed += 1;
-                eprintln!(
-                    "gym-tracer: attached pid {child} as {} (child of pid {parent})",
+                tracing::info!(
+                    pid = child,
+                    parent,
+                    "attached pid {child} as {} (child of pid {parent})",
                     describe(&process.identity.labels)
                 );
             }
@@ -271,7 +279,7 @@ fn forget(pipeline: &mut Pipeline, probes: &mut LoadedProbes, pid: u32) {
     if pipeline.processes.remove(pid).is_some() {
         pipeline.metrics.remove_service(pid);
         pipeline.stats.processes_exited += 1;
-        eprintln!("gym-tracer: pid {pid} exited");
+        tracing::info!(pid, "pid {pid} exited");
     }
 }
 
@@ -304,7 +312,7 @@ fn labels_of_named(pid: u32, args: &RunArgs) -> (GymLabels, Option<GymServer>) {
         .and_then(|env| match gym_server_from_env(&env) {
             Ok(server) => server,
             Err(error) => {
-                eprintln!("gym-tracer: pid {pid}: {error}");
+                tracing::warn!(pid, "pid {pid}: {error}");
                 Some(error.into_server())
             }
         });
@@ -377,15 +385,19 @@ fn spawn_harvest(
 
 pub async fn run(args: RunArgs) -> Result<()> {
     check_pids(&args.pids)?;
+    let health = Arc::new(Health::default());
+    if let Some(listen) = args.health_listen {
+        // Up before the probes, so a readiness probe sees 503 until they are attached.
+        let bound = crate::health::serve(listen.0, health.clone()).await?;
+        tracing::info!("serving /healthz and /metrics on http://{bound}");
+    }
     preflight()?;
     let mut probes = LoadedProbes::load(&LoadOptions {
         capture_bytes: args.capture_bytes,
         ring_buffer_bytes: args.ring_buffer_bytes,
     })?;
     if let Err(why) = &probes.features.socket_addresses {
-        eprintln!(
-            "gym-tracer: warning: connection addresses are off ({why}); spans will lack client.address"
-        );
+        tracing::warn!("connection addresses are off ({why}); spans will lack client.address");
     }
     // SAFETY: the ring buffer owns its map fd and keeps it open until it is dropped, which
     // happens only when the AsyncFd is.
@@ -413,7 +425,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut pipeline = Pipeline {
         clock: WallClock::measure(),
         table: ConnectionTable::new(args.max_connections).reading_run_bodies(wants_run_body),
-        processes: ProcessTable::new(args.routes.clone(), args.service_name.clone()),
+        processes: ProcessTable::new(
+            args.routes.clone(),
+            AgentResource::new(
+                args.service_name.clone(),
+                args.resource_attributes
+                    .clone()
+                    .map(|list| list.0)
+                    .unwrap_or_default(),
+            ),
+        ),
         groups: args.span_groups,
         self_ports: SelfPorts::new(),
         spans: SpanPipeline::start(
@@ -422,6 +443,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 batch_size: args.export_batch_size,
                 queue_size: args.export_queue_size,
             },
+            health.export.clone(),
         )?,
         metrics: Metrics::new(target.clone(), Duration::from_secs(args.metric_interval)),
         stats: Stats::default(),
@@ -438,6 +460,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         lifecycle: Vec::new(),
         span_batch: Vec::new(),
         released: Vec::new(),
+        health,
     };
     let (harvest_tx, mut harvest_rx) = mpsc::unbounded_channel();
     let harvest = !args.no_route_harvest;
@@ -451,8 +474,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         probes.trace_pid(pid)?;
         let process = pipeline.processes.attach(pid, labels);
         pipeline.stats.processes_attached += 1;
-        eprintln!(
-            "gym-tracer: attached pid {pid} as {}",
+        tracing::info!(
+            pid,
+            "attached pid {pid} as {}",
             describe(&process.identity.labels)
         );
         // Callers name this server as `peer.service` by the address they connect to.
@@ -490,7 +514,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             forget(pipeline, probes, pid);
         }
         for (pid, error) in &found.config_errors {
-            eprintln!("gym-tracer: pid {pid}: {error}");
+            tracing::warn!(pid, "pid {pid}: {error}");
         }
         for (pid, server) in found.started {
             if !pipeline.processes.contains(pid) {
@@ -506,8 +530,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         std::fs::write(path, format!("{}\n", std::process::id()))
             .with_context(|| format!("writing the ready file {}", path.display()))?;
     }
-    eprintln!(
-        "gym-tracer: {} → {}",
+    tracing::info!(
+        "{} → {}",
         match (&args.discover, args.pids.len()) {
             (Some(Discover::Gym), 0) => "watching for Gym servers".to_string(),
             (Some(Discover::Gym), n) =>
@@ -521,6 +545,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
     );
 
+    pipeline.health.set_probes_attached(true);
+    let mut publish = tokio::time::interval(HEALTH_PUBLISH_INTERVAL);
+    publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
     let mut release = tokio::time::interval(RELEASE_TICK);
@@ -552,6 +579,17 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 pipeline.stitcher.release(std::time::Instant::now(), &mut pipeline.released);
                 pipeline.offer_released();
             }
+            _ = publish.tick(), if args.health_listen.is_some() => {
+                pipeline.stats.stitch = pipeline.stitcher.stats;
+                pipeline.stats.events_lost_in_kernel = probes.lost_events();
+                pipeline.stats.environ_unreadable =
+                    scanner.as_ref().map_or(0, ProcScanner::unreadable);
+                pipeline.health.publish(&pipeline.stats, Gauges {
+                    processes_traced: pipeline.processes.len() as u64,
+                    connections_tracked: pipeline.table.open_connections() as u64,
+                    spans_pending: pipeline.stitcher.held() as u64,
+                });
+            }
             _ = rescan.tick(), if scanner.is_some() => {
                 if let Some(scanner) = scanner.as_mut() {
                     discover(&mut pipeline, &mut probes, scanner)?;
@@ -562,14 +600,15 @@ pub async fn run(args: RunArgs) -> Result<()> {
                     pipeline.stats.route_tables_harvested += 1;
                     pipeline.processes.set_harvested_routes(root, &templates);
                     // Requests served before this line are named from Gym's known routes only.
-                    eprintln!(
-                        "gym-tracer: pid {root}: {} route templates from its /openapi.json",
+                    tracing::info!(
+                        pid = root,
+                        "pid {root}: {} route templates from its /openapi.json",
                         templates.len()
                     );
                 }
                 Err(message) => {
                     pipeline.stats.route_harvests_failed += 1;
-                    eprintln!("gym-tracer: {message}; naming routes from Gym's known routes");
+                    tracing::warn!("{message}; naming routes from Gym's known routes");
                 }
             },
             _ = interrupt.recv() => break,
@@ -587,7 +626,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
         }
         if scanner.is_none() && pipeline.processes.is_empty() {
-            eprintln!("gym-tracer: every traced process has exited");
+            tracing::info!("every traced process has exited");
             break;
         }
     }
@@ -618,9 +657,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         let _ = std::fs::remove_file(path);
     }
     let tree_summary = totals.tree.map(|t| format!(" {t}")).unwrap_or_default();
-    eprintln!(
-        "gym-tracer: stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}{tree_summary}",
-        totals.spans_exported, totals.spans_failed
+    tracing::info!(
+        "stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}{tree_summary}",
+        totals.spans_exported,
+        totals.spans_failed
     );
     Ok(())
 }

@@ -116,7 +116,7 @@ mod tests {
         server_type: Option<ServerType>,
         key: Option<&str>,
     ) -> ProcessTable {
-        let mut table = ProcessTable::new(Vec::new(), None);
+        let mut table = ProcessTable::new(Vec::new(), crate::identity::AgentResource::default());
         table.attach(
             PID,
             GymLabels {

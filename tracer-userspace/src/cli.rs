@@ -70,6 +70,9 @@ const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as 
     `gym-tracer check-config` prints the effective configuration and where each value came \
     from, with secrets masked.";
 
+/// `--ring-buffer-bytes` when not set (doctor's trial load allocates the same).
+pub const DEFAULT_RING_BUFFER_BYTES: u32 = 16 << 20;
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Trace processes until SIGINT/SIGTERM (without --discover, also until every traced
@@ -86,7 +89,15 @@ pub enum Command {
     /// Print the configuration and span/metric reference as Markdown (the README's
     /// reference sections are generated from it).
     #[command(hide = true)]
-    Reference,
+    Reference(ReferenceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReferenceArgs {
+    /// Replace the marked reference section of this Markdown file (README.md) in place,
+    /// instead of printing.
+    #[arg(long, value_name = "FILE")]
+    pub update: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -212,7 +223,8 @@ pub struct RunArgs {
 
     /// Size of the kernel-to-agent ring buffer in bytes (rounded up to a power of two).
     /// Records that do not fit are counted as lost and reported.
-    #[arg(long, value_name = "BYTES", env = "GYM_TRACER_RING_BUFFER_BYTES", default_value_t = 16 << 20)]
+    #[arg(long, value_name = "BYTES", env = "GYM_TRACER_RING_BUFFER_BYTES",
+          default_value_t = DEFAULT_RING_BUFFER_BYTES)]
     pub ring_buffer_bytes: u32,
 
     /// OTLP endpoint, e.g. http://collector:4317 (gRPC) or http://collector:4318
@@ -269,7 +281,9 @@ pub struct RunArgs {
     pub export_queue_size: usize,
 
     /// Extra resource attributes for everything exported, as `key=value,key2=value2`
-    /// (e.g. k8s.node.name=$(NODE_NAME)). The agent's own attributes win on conflict.
+    /// (e.g. k8s.node.name=$(NODE_NAME),host.name=$(NODE_NAME)). They may override host.name
+    /// (in a pod the agent sees the pod's hostname), never service.name, nemo.gym.* or
+    /// process.*.
     #[arg(long, env = "OTEL_RESOURCE_ATTRIBUTES", value_name = "LIST")]
     pub resource_attributes: Option<KeyValueList>,
 

@@ -216,7 +216,12 @@ fn read_config_file(path: &Path) -> Result<FileValues> {
                 format!(" at line {line}")
             })
             .unwrap_or_default();
-        anyhow::anyhow!("{} is not valid TOML{at}", path.display())
+        // The bare message names the problem without quoting the text.
+        anyhow::anyhow!(
+            "{} is not valid TOML{at}: {}",
+            path.display(),
+            error.message().trim()
+        )
     })?;
     let mut values = FileValues::new();
     for (key, value) in table {
@@ -686,7 +691,7 @@ mod tests {
         )
         .err()
         .unwrap();
-        assert!(error.to_string().contains("line 1"), "{error}");
+        assert!(error.to_string().contains("at line 2"), "{error}");
         assert!(
             !format!("{error:#}").contains("sk-123"),
             "no secret in the error: {error:#}"

@@ -1,10 +1,959 @@
 //! `gym-tracer doctor`: what this kernel and these privileges support, and which features
 //! will be on or off.
+//!
+//! Every check reads what `run` would read, and the program check loads the real eBPF
+//! object and attaches it, then detaches at once: with the PID filter empty nothing is
+//! traced. Only a problem that stops tracing altogether is a failure (exit 1); a feature
+//! that is off is a warning.
+
+use std::fmt::Write as _;
+use std::io;
+use std::path::Path;
 
 use anyhow::Result;
+use aya::{maps::MapType, programs::ProgramType};
 
 use crate::cli::DoctorArgs;
+use crate::discovery::{executable_path, gym_server_from_env, read_process_env};
+use crate::loader::{
+    self, Attachment, BTF_PATH, Capability, CapabilitySet, LoadOptions, REQUIRED_CAPABILITIES,
+    TRACEFS, Tracefs,
+};
 
-pub fn run(_args: &DoctorArgs) -> Result<bool> {
-    anyhow::bail!("doctor is not implemented yet")
+/// The first kernel with the BPF ring buffer (and `CAP_BPF`/`CAP_PERFMON`).
+const MIN_KERNEL: (u32, u32) = (5, 8);
+/// From 5.11 BPF memory is charged to the memory cgroup instead of `RLIMIT_MEMLOCK`.
+const MEMCG_ACCOUNTING_KERNEL: (u32, u32) = (5, 11);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Ok,
+    Info,
+    Warn,
+    /// Tracing cannot work: `doctor` exits 1.
+    Fail,
+    /// Feature states.
+    On,
+    Off,
+}
+
+impl Status {
+    fn label(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Info => "info",
+            Status::Warn => "warn",
+            Status::Fail => "FAIL",
+            Status::On => "on",
+            Status::Off => "off",
+        }
+    }
+}
+
+/// One line of the report: what was checked, the verdict, why, and what to do about it.
+#[derive(Debug)]
+struct Row {
+    name: String,
+    status: Status,
+    detail: String,
+    fix: Option<String>,
+}
+
+fn row(name: impl Into<String>, status: Status, detail: impl Into<String>) -> Row {
+    Row {
+        name: name.into(),
+        status,
+        detail: detail.into(),
+        fix: None,
+    }
+}
+
+impl Row {
+    fn fix(mut self, fix: impl Into<String>) -> Self {
+        self.fix = Some(fix.into());
+        self
+    }
+}
+
+struct Section {
+    title: &'static str,
+    rows: Vec<Row>,
+}
+
+/// The report as an aligned table, one section after another; a fix goes on its own line
+/// under the detail it belongs to.
+fn render(sections: &[Section]) -> String {
+    let name_width = sections
+        .iter()
+        .flat_map(|s| &s.rows)
+        .map(|r| r.name.chars().count())
+        .max()
+        .unwrap_or(0);
+    let status_width = "info".len();
+    let mut out = String::new();
+    for (i, section) in sections.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        let _ = writeln!(out, "{}", section.title);
+        for row in &section.rows {
+            let _ = writeln!(
+                out,
+                "  {:name_width$}  {:status_width$}  {}",
+                row.name,
+                row.status.label(),
+                row.detail
+            );
+            if let Some(fix) = &row.fix {
+                let indent = 2 + name_width + 2 + status_width + 2;
+                let _ = writeln!(out, "{:indent$}→ {fix}", "");
+            }
+        }
+    }
+    out
+}
+
+/// `(major, minor)` of a release string like `6.18.44-fc-v595`.
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+/// Mount points of a filesystem type in a `/proc/self/mountinfo` text.
+fn mounts_of_type<'a>(mountinfo: &'a str, fs_type: &str) -> Vec<&'a str> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let separator = fields.iter().position(|&f| f == "-")?;
+            (fields.get(separator + 1) == Some(&fs_type))
+                .then(|| fields.get(4).copied())
+                .flatten()
+        })
+        .collect()
+}
+
+/// Signs that this process runs in a container, from files and the cgroup path.
+fn container_markers(
+    files_present: &[&str],
+    init_cgroup: &str,
+    kubernetes_env: bool,
+) -> Vec<String> {
+    let mut markers: Vec<String> = files_present.iter().map(|f| f.to_string()).collect();
+    if kubernetes_env {
+        markers.push("KUBERNETES_SERVICE_HOST".to_string());
+    }
+    for runtime in ["kubepods", "docker", "containerd", "libpod", "lxc"] {
+        if init_cgroup.contains(runtime) {
+            markers.push(format!("/proc/1/cgroup mentions {runtime}"));
+            break;
+        }
+    }
+    markers
+}
+
+/// The capabilities in a set by name; a nearly full set (root's) by what it lacks.
+fn capability_names(caps: CapabilitySet) -> String {
+    let held: Vec<String> = caps.iter().map(Capability::name).collect();
+    let lacked: Vec<String> = CapabilitySet::known()
+        .iter()
+        .filter(|&c| !caps.contains(c))
+        .map(Capability::name)
+        .collect();
+    if held.is_empty() {
+        "none".to_string()
+    } else if lacked.is_empty() {
+        format!("all {} capabilities", held.len())
+    } else if lacked.len() < held.len() {
+        format!("all but {}", lacked.join(", "))
+    } else {
+        held.join(", ")
+    }
+}
+
+/// An error and its sources, `outer: inner: innermost`, without the repeats of errors
+/// that already print their source.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    join_causes(std::iter::successors(Some(error), |e| e.source()).map(ToString::to_string))
+}
+
+fn join_causes(causes: impl Iterator<Item = String>) -> String {
+    let mut text = String::new();
+    let mut previous = String::new();
+    for cause in causes {
+        if !previous.contains(&cause) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&cause);
+        }
+        previous = cause;
+    }
+    text
+}
+
+fn io_reason(error: &io::Error) -> String {
+    match error.kind() {
+        io::ErrorKind::PermissionDenied => "permission denied".to_string(),
+        io::ErrorKind::NotFound => "not found".to_string(),
+        _ => error.to_string(),
+    }
+}
+
+/// What the checks found that the feature verdicts depend on.
+struct Findings {
+    tracing: Result<(), String>,
+    fork_tracepoint: bool,
+    host_pid_namespace: bool,
+    socket_addresses: Result<(), String>,
+}
+
+pub fn run(args: &DoctorArgs) -> Result<bool> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let caps = CapabilitySet::from_status(&status, "CapEff")?;
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1))
+        .unwrap_or("?")
+        .to_string();
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+
+    let mut kernel = Vec::new();
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|r| r.trim().to_string())
+        .unwrap_or_default();
+    let version = kernel_version(&release);
+    kernel.push(match version {
+        Some(v) if v >= MEMCG_ACCOUNTING_KERNEL => row(
+            "kernel",
+            Status::Ok,
+            format!("{release}: ring buffer, CAP_BPF/CAP_PERFMON, BPF memory charged to the memory cgroup"),
+        ),
+        Some(v) if v >= MIN_KERNEL => row(
+            "kernel",
+            Status::Warn,
+            format!("{release}: BPF memory counts against RLIMIT_MEMLOCK (before 5.11)"),
+        )
+        .fix("run with LimitMEMLOCK=infinity (systemd) or CAP_SYS_RESOURCE"),
+        _ => row(
+            "kernel",
+            Status::Fail,
+            format!("{release:?}: gym-tracer needs Linux 5.8 or later (BPF ring buffer)"),
+        )
+        .fix("upgrade the kernel"),
+    });
+
+    let socket_addresses = loader::socket_offsets().map(|_| ());
+    kernel.push(match &socket_addresses {
+        Ok(()) => row(
+            "BTF",
+            Status::Ok,
+            format!("{BTF_PATH}: socket struct offsets found"),
+        ),
+        Err(why) => row("BTF", Status::Warn, why.clone()).fix(
+            "use a kernel with CONFIG_DEBUG_INFO_BTF=y; without it spans lack connection addresses",
+        ),
+    });
+
+    let tracefs = loader::locate_tracefs();
+    let tracefs_known = std::fs::read_to_string("/proc/filesystems")
+        .map(|f| {
+            f.lines()
+                .any(|l| l.split_whitespace().last() == Some("tracefs"))
+        })
+        .unwrap_or(false);
+    let tracefs_path = match &tracefs {
+        Tracefs::Readable(path) => {
+            kernel.push(row(
+                "tracefs",
+                Status::Ok,
+                format!("mounted at {}", path.display()),
+            ));
+            Some(path.clone())
+        }
+        Tracefs::Unreadable { path, error } => {
+            kernel.push(
+                row(
+                    "tracefs",
+                    Status::Fail,
+                    format!(
+                        "mounted at {} but unreadable ({}): tracepoint ids cannot be read",
+                        path.display(),
+                        io_reason(error)
+                    ),
+                )
+                .fix("grant CAP_DAC_READ_SEARCH (or run as uid 0)"),
+            );
+            None
+        }
+        Tracefs::NotMounted if !tracefs_known => {
+            kernel.push(
+                row("tracefs", Status::Fail, "this kernel has no tracefs")
+                    .fix("use a kernel with CONFIG_FTRACE (tracefs) and CONFIG_FTRACE_SYSCALLS"),
+            );
+            None
+        }
+        Tracefs::NotMounted if caps.contains(Capability::SYS_ADMIN) => {
+            kernel.push(
+                row(
+                    "tracefs",
+                    Status::Warn,
+                    format!("not mounted; `run` will mount it at {TRACEFS} (CAP_SYS_ADMIN)"),
+                )
+                .fix(format!(
+                    "or mount it yourself: mount -t tracefs nodev {TRACEFS}"
+                )),
+            );
+            None
+        }
+        Tracefs::NotMounted => {
+            kernel.push(
+                row(
+                    "tracefs",
+                    Status::Fail,
+                    "not mounted, and mounting it needs CAP_SYS_ADMIN",
+                )
+                .fix(format!(
+                    "mount -t tracefs nodev {TRACEFS} (in a container: mount the host's {TRACEFS})"
+                )),
+            );
+            None
+        }
+    };
+
+    let attachments = loader::attachments();
+    let mut fork_tracepoint = false;
+    match &tracefs_path {
+        Some(path) => {
+            let events = path.join("events");
+            let absent: Vec<String> = attachments
+                .iter()
+                .map(Attachment::tracepoint)
+                .filter(|tp| !events.join(tp).join("id").exists())
+                .collect();
+            fork_tracepoint = events.join("sched/sched_process_fork/id").exists();
+            kernel.push(if absent.is_empty() {
+                row(
+                    "tracepoints",
+                    Status::Ok,
+                    format!(
+                        "all {} present: {}",
+                        attachments.len(),
+                        tracepoint_summary(&attachments)
+                    ),
+                )
+            } else {
+                row(
+                    "tracepoints",
+                    Status::Fail,
+                    format!("missing: {}", absent.join(", ")),
+                )
+                .fix("use a kernel built with CONFIG_FTRACE_SYSCALLS=y")
+            });
+        }
+        None => kernel.push(row(
+            "tracepoints",
+            Status::Warn,
+            format!(
+                "not checked ({} needed): tracefs is not readable",
+                attachments.len()
+            ),
+        )),
+    }
+
+    let host_pid_namespace = loader::in_initial_pid_namespace();
+    kernel.push(match host_pid_namespace {
+        Some(true) => row("PID namespace", Status::Ok, "the host's: PIDs match what the kernel programs see"),
+        Some(false) => row(
+            "PID namespace",
+            Status::Fail,
+            "a namespace of its own: the kernel programs report host PIDs, so --pid and discovery cannot match them",
+        )
+        .fix("run in the host's PID namespace (Kubernetes hostPID: true, docker --pid=host)"),
+        None => row("PID namespace", Status::Warn, "/proc/self/ns/pid unreadable"),
+    });
+
+    let bpf_probe_denied =
+        |e: &dyn std::error::Error| format!("could not probe ({})", error_chain(e));
+    kernel.push(match aya::sys::is_map_supported(MapType::RingBuf) {
+        Ok(true) => row("ring buffer", Status::Ok, "BPF_MAP_TYPE_RINGBUF supported"),
+        Ok(false) => row(
+            "ring buffer",
+            Status::Fail,
+            "BPF_MAP_TYPE_RINGBUF not supported",
+        )
+        .fix("use Linux 5.8 or later"),
+        Err(e) => {
+            let by_version = if version.is_some_and(|v| v >= MIN_KERNEL) {
+                "; the kernel version has it"
+            } else {
+                ""
+            };
+            row(
+                "ring buffer",
+                Status::Warn,
+                format!("{}{by_version}", bpf_probe_denied(&e)),
+            )
+            .fix("probing needs CAP_BPF")
+        }
+    });
+
+    let trial = loader::trial_load(&LoadOptions {
+        capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
+        // What `run` allocates by default (the memory cgroup is charged for it).
+        ring_buffer_bytes: crate::cli::DEFAULT_RING_BUFFER_BYTES,
+    });
+    let tracing: Result<(), String> = match &trial {
+        Ok((_, Ok(attached))) => {
+            kernel.push(row(
+                "eBPF programs",
+                Status::Ok,
+                format!(
+                    "the real object loaded (maps, verifier) and attached to {attached} tracepoints, then detached; nothing was traced"
+                ),
+            ));
+            Ok(())
+        }
+        Ok((_, Err(error))) => {
+            let error = join_causes(error.chain().map(ToString::to_string));
+            kernel.push(
+                row(
+                    "eBPF programs",
+                    Status::Fail,
+                    format!("loaded, but attaching failed: {error}"),
+                )
+                .fix(attach_fix(caps, &tracefs)),
+            );
+            Err(format!("attaching failed: {error}"))
+        }
+        Err(error) => {
+            let error = join_causes(error.chain().map(ToString::to_string));
+            kernel.push(
+                row(
+                    "eBPF programs",
+                    Status::Fail,
+                    format!("loading failed: {error}"),
+                )
+                .fix(load_fix(caps)),
+            );
+            Err(format!("loading failed: {error}"))
+        }
+    };
+
+    let kprobe_pmu = Path::new("/sys/bus/event_source/devices/kprobe/type").exists();
+    kernel.push(row(
+        "kprobes",
+        Status::Info,
+        format!(
+            "{}; not used: gym-tracer attaches only to stable tracepoints",
+            if kprobe_pmu {
+                "available"
+            } else {
+                "not available"
+            }
+        ),
+    ));
+    let fentry = match aya::sys::is_program_supported(ProgramType::Tracing) {
+        Ok(true) => "available".to_string(),
+        Ok(false) => "not available".to_string(),
+        Err(e)
+            if loader::requirement(Capability::BPF).met_by(caps)
+                && loader::requirement(Capability::PERFMON).met_by(caps) =>
+        {
+            format!(
+                "not available (its probe program was refused: {})",
+                error_chain(&e)
+            )
+        }
+        Err(e) => bpf_probe_denied(&e),
+    };
+    kernel.push(row(
+        "fentry/fexit",
+        Status::Info,
+        format!("{fentry}; not used"),
+    ));
+
+    let mut privileges = vec![row(
+        "in effect",
+        Status::Info,
+        format!("uid {uid}, CapEff {}", capability_names(caps)),
+    )];
+    let mut missing_capabilities = Vec::new();
+    for requirement in &REQUIRED_CAPABILITIES {
+        let name = requirement.capability.name();
+        privileges.push(if requirement.met_by(caps) {
+            row(&name, Status::Ok, format!("to {}", requirement.needed_for))
+        } else {
+            missing_capabilities.push(name.clone());
+            row(
+                &name,
+                Status::Fail,
+                format!("missing: {}", requirement.without_it),
+            )
+            .fix(format!(
+                "grant {name}: `gym-tracer run` refuses to start without it"
+            ))
+        });
+    }
+    let mount_needed = matches!(tracefs, Tracefs::NotMounted);
+    privileges.push(row(
+        Capability::SYS_ADMIN.name(),
+        Status::Info,
+        format!(
+            "only to mount tracefs when the host has not{}",
+            if mount_needed {
+                ": needed here"
+            } else {
+                "; not needed here"
+            }
+        ),
+    ));
+    privileges.push(row(
+        Capability::SYS_RESOURCE.name(),
+        Status::Info,
+        "only before Linux 5.11, to lift RLIMIT_MEMLOCK for BPF memory",
+    ));
+    privileges.push(cgroup_row(&mountinfo));
+    privileges.push(container_row());
+
+    let mut processes = vec![match std::fs::read("/proc/1/environ") {
+        Ok(_) => row(
+            "/proc/1/environ",
+            Status::Ok,
+            "readable: other processes' environment can be read",
+        ),
+        // Seen in a microVM whose init refuses even root with every capability.
+        Err(e) if caps.contains(Capability::SYS_PTRACE) => row(
+            "/proc/1/environ",
+            Status::Info,
+            format!(
+                "unreadable ({}) even with CAP_SYS_PTRACE: process 1 refuses it (some sandboxes' init does); other processes are not affected",
+                io_reason(&e)
+            ),
+        ),
+        Err(e) => row(
+            "/proc/1/environ",
+            Status::Warn,
+            format!("unreadable ({})", io_reason(&e)),
+        )
+        .fix("grant CAP_SYS_PTRACE to read other users' processes"),
+    }];
+    for &pid in &args.pids {
+        processes.push(pid_row(pid));
+    }
+
+    let tracing = match tracing {
+        Ok(()) if !missing_capabilities.is_empty() => Err(format!(
+            "the kernel allows it, but `gym-tracer run` first requires {}",
+            missing_capabilities.join(", ")
+        )),
+        other => other,
+    };
+    let findings = Findings {
+        tracing,
+        fork_tracepoint,
+        host_pid_namespace: host_pid_namespace.unwrap_or(true),
+        socket_addresses,
+    };
+    let features = feature_rows(&findings);
+
+    let sections = [
+        Section {
+            title: "Kernel",
+            rows: kernel,
+        },
+        Section {
+            title: "Privileges",
+            rows: privileges,
+        },
+        Section {
+            title: "Processes",
+            rows: processes,
+        },
+        Section {
+            title: "Features",
+            rows: features,
+        },
+    ];
+    print!("{}", render(&sections));
+    let failed = sections
+        .iter()
+        .flat_map(|s| &s.rows)
+        .any(|r| r.status == Status::Fail);
+    println!(
+        "\n{}",
+        if failed {
+            "gym-tracer cannot trace on this host as it runs now: see FAIL above."
+        } else {
+            "gym-tracer can trace on this host."
+        }
+    );
+    Ok(!failed)
+}
+
+/// `syscalls/sys_{enter,exit}_{read,...}, ...`: the tracepoints without 25 lines of them.
+fn tracepoint_summary(attachments: &[Attachment]) -> String {
+    let mut paired: Vec<&str> = attachments
+        .iter()
+        .filter_map(|a| a.name.strip_prefix("sys_exit_"))
+        .collect();
+    paired.dedup();
+    let others: Vec<String> = attachments
+        .iter()
+        .filter(|a| {
+            let syscall = a
+                .name
+                .strip_prefix("sys_enter_")
+                .or(a.name.strip_prefix("sys_exit_"));
+            !syscall.is_some_and(|s| paired.contains(&s))
+        })
+        .map(Attachment::tracepoint)
+        .collect();
+    format!(
+        "syscalls/sys_{{enter,exit}}_{{{}}}, {}",
+        paired.join(","),
+        others.join(", ")
+    )
+}
+
+fn load_fix(caps: CapabilitySet) -> String {
+    let missing: Vec<String> = REQUIRED_CAPABILITIES
+        .iter()
+        .filter(|r| {
+            matches!(r.capability, Capability::BPF | Capability::PERFMON) && !r.met_by(caps)
+        })
+        .map(|r| r.capability.name())
+        .collect();
+    if missing.is_empty() {
+        "the verifier or the kernel refused the programs: report this with the error above"
+            .to_string()
+    } else {
+        format!("grant {} (or run as root)", missing.join(" and "))
+    }
+}
+
+fn attach_fix(caps: CapabilitySet, tracefs: &Tracefs) -> String {
+    match tracefs {
+        Tracefs::Readable(_) if !loader::requirement(Capability::PERFMON).met_by(caps) => {
+            "grant CAP_PERFMON (perf_event_open of system-wide tracepoints)".to_string()
+        }
+        Tracefs::Readable(_) => "see the error above".to_string(),
+        Tracefs::Unreadable { .. } => "grant CAP_DAC_READ_SEARCH (or run as uid 0)".to_string(),
+        Tracefs::NotMounted => format!("mount tracefs: mount -t tracefs nodev {TRACEFS}"),
+    }
+}
+
+fn cgroup_row(mountinfo: &str) -> Row {
+    let v2 = mounts_of_type(mountinfo, "cgroup2");
+    let v1 = mounts_of_type(mountinfo, "cgroup");
+    let layout = match (v2.first(), v1.is_empty()) {
+        (Some(v2), true) => format!("v2 at {v2}"),
+        (Some(v2), false) => format!("hybrid: v1 controllers and v2 at {v2}"),
+        (None, false) => "v1 only".to_string(),
+        (None, true) => "none mounted".to_string(),
+    };
+    row(
+        "cgroup",
+        Status::Info,
+        format!("{layout}; BPF maps (the ring buffer) are charged to the agent's memory cgroup"),
+    )
+}
+
+fn container_row() -> Row {
+    let files: Vec<&str> = ["/.dockerenv", "/run/.containerenv"]
+        .into_iter()
+        .filter(|f| Path::new(f).exists())
+        .collect();
+    let init_cgroup = std::fs::read_to_string("/proc/1/cgroup").unwrap_or_default();
+    let markers = container_markers(
+        &files,
+        &init_cgroup,
+        std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+    );
+    if markers.is_empty() {
+        row("container", Status::Info, "no container markers")
+    } else {
+        row(
+            "container",
+            Status::Info,
+            format!(
+                "probably ({}): it needs the host's PID namespace and tracefs, and to reach the servers' ports for the route harvest",
+                markers.join(", ")
+            ),
+        )
+    }
+}
+
+/// What the agent could read about one `--pid` process.
+fn pid_row(pid: u32) -> Row {
+    let name = format!("pid {pid}");
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        return row(
+            &name,
+            Status::Fail,
+            "no such process (in this PID namespace)",
+        )
+        .fix("check the PID; in a container, run in the host's PID namespace");
+    }
+    let environ = read_process_env(Path::new("/proc"), pid);
+    let exe = executable_path(pid);
+    // Listing the fds is not enough: the route harvest reads where they link.
+    let fd = std::fs::read_dir(format!("/proc/{pid}/fd")).and_then(|entries| {
+        match entries.flatten().next() {
+            Some(entry) => std::fs::read_link(entry.path()).map(|_| ()),
+            None => Ok(()),
+        }
+    });
+    let what = match &environ {
+        Ok(env) => match gym_server_from_env(env) {
+            Ok(Some(server)) => format!(
+                "Gym server {:?} ({})",
+                server.name,
+                server.server_type.as_deref().unwrap_or("type unknown")
+            ),
+            Ok(None) => "not a Gym server".to_string(),
+            Err(error) => format!("Gym server {:?} (config unreadable)", error.server().name),
+        },
+        Err(_) => "unknown".to_string(),
+    };
+    let mut unreadable = Vec::new();
+    if let Err(e) = &environ {
+        unreadable.push(format!("environ ({})", io_reason(e)));
+    }
+    if exe.is_none() {
+        unreadable.push("exe".to_string());
+    }
+    if let Err(e) = &fd {
+        unreadable.push(format!("fd ({})", io_reason(e)));
+    }
+    if unreadable.is_empty() {
+        row(
+            &name,
+            Status::Ok,
+            format!("environ, exe and fd readable: {what}"),
+        )
+    } else {
+        row(
+            &name,
+            Status::Warn,
+            format!(
+                "traceable, but {} unreadable: its Gym labels, executable path or listening port are unknown",
+                unreadable.join(", ")
+            ),
+        )
+        .fix("grant CAP_SYS_PTRACE")
+    }
+}
+
+/// Every feature needs tracing; `run` starts only with the full capability set, so beyond
+/// that each depends on the kernel alone.
+fn feature_rows(f: &Findings) -> Vec<Row> {
+    let others = [
+        "fork following",
+        "discovery",
+        "route harvest",
+        "connection addresses",
+    ];
+    if let Err(why) = &f.tracing {
+        let mut rows = vec![row("tracing", Status::Off, why.clone())];
+        rows.extend(
+            others
+                .into_iter()
+                .map(|name| row(name, Status::Off, "tracing is off")),
+        );
+        return rows;
+    }
+    vec![
+        row(
+            "tracing",
+            Status::On,
+            "syscall tracepoints attach; the kernel filters by PID",
+        ),
+        if f.fork_tracepoint {
+            row(
+                "fork following",
+                Status::On,
+                "sched_process_fork puts children of traced processes in the PID filter",
+            )
+        } else {
+            row(
+                "fork following",
+                Status::Off,
+                "sched/sched_process_fork tracepoint missing",
+            )
+        },
+        if f.host_pid_namespace {
+            row(
+                "discovery",
+                Status::On,
+                "--discover gym reads every process's environment (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH)",
+            )
+        } else {
+            row("discovery", Status::Off, "not in the host's PID namespace")
+        },
+        row(
+            "route harvest",
+            Status::On,
+            "GET /openapi.json at the configured port, else the one found via /proc/<pid>/fd; the servers' addresses must be reachable from the agent's network namespace",
+        ),
+        match &f.socket_addresses {
+            Ok(()) => row(
+                "connection addresses",
+                Status::On,
+                "client.address, server.address and ports from the socket (struct offsets from BTF)",
+            ),
+            Err(why) => row("connection addresses", Status::Off, why.clone()),
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_sets_are_named_by_what_they_hold_or_lack() {
+        let set =
+            |hex: &str| CapabilitySet::from_status(&format!("CapEff:\t{hex}\n"), "CapEff").unwrap();
+        assert_eq!(capability_names(set("0000000000000000")), "none");
+        assert_eq!(
+            capability_names(set("000001ffffffffff")),
+            "all 41 capabilities"
+        );
+        assert_eq!(
+            capability_names(set("000001fffeffffff")),
+            "all but CAP_SYS_RESOURCE"
+        );
+        assert_eq!(
+            capability_names(set("000000c000080004")),
+            "CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF"
+        );
+    }
+
+    #[test]
+    fn error_chains_drop_causes_their_parent_already_printed() {
+        let causes = [
+            "loading the eBPF programs into the kernel",
+            "map error: failed to create map `EVENTS`: Operation not permitted",
+            "failed to create map `EVENTS`: Operation not permitted",
+            "Operation not permitted",
+        ];
+        assert_eq!(
+            join_causes(causes.iter().map(|c| c.to_string())),
+            "loading the eBPF programs into the kernel: map error: failed to create map `EVENTS`: Operation not permitted"
+        );
+    }
+
+    #[test]
+    fn kernel_versions_parse_with_any_suffix() {
+        assert_eq!(kernel_version("6.18.44-fc-v595"), Some((6, 18)));
+        assert_eq!(kernel_version("5.8.0"), Some((5, 8)));
+        assert_eq!(kernel_version("5.15-rc1"), Some((5, 15)));
+        assert_eq!(kernel_version("garbage"), None);
+        assert!(kernel_version("5.10.0").unwrap() < MEMCG_ACCOUNTING_KERNEL);
+        assert!(kernel_version("5.11.0").unwrap() >= MEMCG_ACCOUNTING_KERNEL);
+    }
+
+    #[test]
+    fn render_aligns_columns_and_puts_fixes_under_the_detail() {
+        let sections = [
+            Section {
+                title: "Kernel",
+                rows: vec![
+                    row("BTF", Status::Ok, "present"),
+                    row("tracepoints", Status::Fail, "missing: x").fix("rebuild"),
+                ],
+            },
+            Section {
+                title: "Features",
+                rows: vec![row(
+                    "discovery",
+                    Status::Off,
+                    "not in the host's PID namespace",
+                )],
+            },
+        ];
+        let text = render(&sections);
+        assert_eq!(
+            text,
+            "Kernel\n\
+             \x20 BTF          ok    present\n\
+             \x20 tracepoints  FAIL  missing: x\n\
+             \x20                    → rebuild\n\
+             \n\
+             Features\n\
+             \x20 discovery    off   not in the host's PID namespace\n"
+        );
+    }
+
+    #[test]
+    fn mountinfo_mounts_are_found_by_type_after_optional_fields() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+41 30 0:35 / /sys/fs/cgroup/unified rw,relatime shared:9 - cgroup2 cgroup2 rw
+42 30 0:36 / /sys/fs/cgroup/cpu rw,relatime shared:10 master:3 - cgroup cgroup rw,cpu
+50 25 0:12 / /sys/kernel/tracing rw,relatime - tracefs nodev rw";
+        assert_eq!(
+            mounts_of_type(mountinfo, "cgroup2"),
+            ["/sys/fs/cgroup/unified"]
+        );
+        assert_eq!(mounts_of_type(mountinfo, "cgroup"), ["/sys/fs/cgroup/cpu"]);
+        assert_eq!(
+            mounts_of_type(mountinfo, "tracefs"),
+            ["/sys/kernel/tracing"]
+        );
+        assert!(cgroup_row(mountinfo).detail.starts_with("hybrid"));
+    }
+
+    #[test]
+    fn container_markers_come_from_files_env_and_cgroup() {
+        assert!(container_markers(&[], "0::/init.scope\n", false).is_empty());
+        let markers =
+            container_markers(&["/.dockerenv"], "0::/kubepods/besteffort/pod1/abc\n", true);
+        assert_eq!(
+            markers,
+            [
+                "/.dockerenv",
+                "KUBERNETES_SERVICE_HOST",
+                "/proc/1/cgroup mentions kubepods"
+            ]
+        );
+    }
+
+    #[test]
+    fn tracepoints_are_summarised_without_losing_any() {
+        let summary = tracepoint_summary(&loader::attachments());
+        assert!(summary.starts_with("syscalls/sys_{enter,exit}_{read,recvfrom,"));
+        for name in [
+            "accept4",
+            "connect",
+            "syscalls/sys_enter_close",
+            "sched/sched_process_exit",
+            "sched/sched_process_fork",
+        ] {
+            assert!(summary.contains(name), "{name} not in {summary}");
+        }
+    }
+
+    #[test]
+    fn features_follow_the_findings() {
+        let findings = |tracing: Result<(), String>, socket_addresses| Findings {
+            tracing,
+            fork_tracepoint: true,
+            host_pid_namespace: true,
+            socket_addresses,
+        };
+        let rows = feature_rows(&findings(Ok(()), Ok(())));
+        assert_eq!(rows.len(), 5);
+        assert!(rows.iter().all(|r| r.status == Status::On), "{rows:?}");
+        let rows = feature_rows(&findings(Ok(()), Err("no BTF".into())));
+        assert_eq!(rows[4].status, Status::Off);
+        assert_eq!(rows[4].detail, "no BTF");
+        let rows = feature_rows(&findings(Err("loading failed: EPERM".into()), Ok(())));
+        assert!(rows.iter().all(|r| r.status == Status::Off), "{rows:?}");
+        assert_eq!(rows[0].detail, "loading failed: EPERM");
+    }
 }

@@ -7,15 +7,18 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::future::Future;
 use std::io::Write;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
 use opentelemetry::{InstrumentationScope, KeyValue};
-use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
 use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
@@ -26,6 +29,7 @@ use tokio::sync::mpsc;
 
 use crate::cli::OtlpCompression;
 use crate::config::HeaderList;
+use crate::health::ExportStatus;
 use crate::identity::ServiceIdentity;
 use crate::spans::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 use crate::tree::{TreeCounters, TreeOptions, TreePrinter};
@@ -88,48 +92,507 @@ pub struct SpanPipeline {
 enum SpanSink {
     JsonLines,
     Tree(Box<TreePrinter<std::io::Stdout>>),
-    Otlp(Box<opentelemetry_otlp::SpanExporter>),
+    Otlp(Box<opentelemetry_otlp::SpanExporter>, FailureStreak),
 }
 
-fn http_signal_endpoint(endpoint: &str, signal: &str) -> String {
-    format!("{}/v1/{signal}", endpoint.trim_end_matches('/'))
+/// Failed span exports since the last one that succeeded. A collector that is down is
+/// reported when the exports start failing and when they work again, not for every batch
+/// (that would be twice a second for as long as it is down).
+#[derive(Debug, Default)]
+struct FailureStreak {
+    spans_failed: u64,
 }
 
-fn otlp_span_exporter(
-    endpoint: &str,
-    protocol: OtlpProtocol,
-) -> Result<opentelemetry_otlp::SpanExporter> {
-    let exporter = match protocol {
-        OtlpProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(endpoint)
+impl FailureStreak {
+    /// The message to log, for the first failure of a streak.
+    fn failed(&mut self, spans: u64, error: &dyn std::fmt::Display) -> Option<String> {
+        let first = self.spans_failed == 0;
+        self.spans_failed += spans;
+        first.then(|| {
+            let error = error.to_string();
+            format!(
+                "exporting {spans} spans failed: {error}{}; later batches are tried as they \
+                 come (failures are counted in spans_export_failed)",
+                failure_hint(&error)
+            )
+        })
+    }
+
+    /// The message to log, when this success ends a streak.
+    fn succeeded(&mut self) -> Option<String> {
+        let failed = std::mem::take(&mut self.spans_failed);
+        (failed > 0).then(|| format!("exporting spans works again ({failed} spans were lost)"))
+    }
+}
+
+/// What is exported; the OTLP/HTTP path and the SDK's per-signal environment variables
+/// follow from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Signal {
+    Traces,
+    Metrics,
+}
+
+impl Signal {
+    const ALL: [Signal; 2] = [Signal::Traces, Signal::Metrics];
+
+    fn name(self) -> &'static str {
+        match self {
+            Signal::Traces => "traces",
+            Signal::Metrics => "metrics",
+        }
+    }
+
+    fn headers_var(self) -> &'static str {
+        match self {
+            Signal::Traces => opentelemetry_otlp::OTEL_EXPORTER_OTLP_TRACES_HEADERS,
+            Signal::Metrics => opentelemetry_otlp::OTEL_EXPORTER_OTLP_METRICS_HEADERS,
+        }
+    }
+
+    fn compression_var(self) -> &'static str {
+        match self {
+            Signal::Traces => opentelemetry_otlp::OTEL_EXPORTER_OTLP_TRACES_COMPRESSION,
+            Signal::Metrics => opentelemetry_otlp::OTEL_EXPORTER_OTLP_METRICS_COMPRESSION,
+        }
+    }
+}
+
+fn http_signal_endpoint(endpoint: &str, signal: Signal) -> String {
+    format!("{}/v1/{}", endpoint.trim_end_matches('/'), signal.name())
+}
+
+/// The `--otlp-*` options made ready for the SDK's exporter builders: headers validated, the
+/// certificate files read and checked. The span and the metric exporter are both configured
+/// by [`OtlpTransport::grpc`] or [`OtlpTransport::http`], so the two cannot drift.
+struct OtlpTransport {
+    endpoint: String,
+    timeout: Duration,
+    compression: Option<opentelemetry_otlp::Compression>,
+    headers: http::HeaderMap,
+    /// PEM bundle of the CAs that replace the system roots.
+    ca_pem: Option<Vec<u8>>,
+    /// PEM client certificate and key.
+    identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl OtlpTransport {
+    fn load(options: &OtlpOptions) -> Result<Self> {
+        install_crypto_provider();
+        let headers = header_map(&options.headers)?;
+        check_sdk_environment(&headers, options.compression, |name| {
+            std::env::var(name).ok()
+        })?;
+        let ca_pem = options
+            .ca_file
+            .as_deref()
+            .map(|path| read_pem("--otlp-ca-file", path, PemContent::Certificates))
+            .transpose()?;
+        let identity_pem = options
+            .client_identity
+            .as_ref()
+            .map(|(cert, key)| {
+                Ok::<_, anyhow::Error>((
+                    read_pem("--otlp-client-cert", cert, PemContent::Certificates)?,
+                    read_pem("--otlp-client-key", key, PemContent::PrivateKey)?,
+                ))
+            })
+            .transpose()?;
+        Ok(Self {
+            endpoint: options.endpoint.clone(),
+            timeout: options.timeout,
+            compression: match options.compression {
+                OtlpCompression::None => None,
+                OtlpCompression::Gzip => Some(opentelemetry_otlp::Compression::Gzip),
+            },
+            headers,
+            ca_pem,
+            identity_pem,
+        })
+    }
+
+    fn is_https(&self) -> bool {
+        self.endpoint.starts_with("https://")
+    }
+
+    fn grpc<B: WithExportConfig + WithTonicConfig>(&self, builder: B) -> B {
+        use opentelemetry_otlp::tonic_types::metadata::MetadataMap;
+        use opentelemetry_otlp::tonic_types::transport::{Certificate, ClientTlsConfig, Identity};
+        let mut builder = builder
+            .with_endpoint(&self.endpoint)
             .with_protocol(Protocol::Grpc)
-            .build(),
-        OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_endpoint(http_signal_endpoint(endpoint, "traces"))
+            .with_timeout(self.timeout)
+            .with_metadata(MetadataMap::from_headers(self.headers.clone()));
+        if let Some(compression) = self.compression {
+            builder = builder.with_compression(compression);
+        }
+        if self.is_https() {
+            // tonic trusts no roots unless told to.
+            let tls = match &self.ca_pem {
+                Some(pem) => ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)),
+                None => ClientTlsConfig::new().with_native_roots(),
+            };
+            builder = builder.with_tls_config(match &self.identity_pem {
+                Some((cert, key)) => tls.identity(Identity::from_pem(cert, key)),
+                None => tls,
+            });
+        }
+        builder
+    }
+
+    fn http<B: WithExportConfig + WithHttpConfig>(&self, builder: B, signal: Signal) -> Result<B> {
+        let mut client = reqwest::Client::builder().timeout(self.timeout);
+        if let Some(pem) = &self.ca_pem {
+            let roots = reqwest::Certificate::from_pem_bundle(pem)
+                .context("--otlp-ca-file: the certificates do not parse")?;
+            client = client.tls_certs_only(roots);
+        }
+        if let Some((cert, key)) = &self.identity_pem {
+            let identity = reqwest::Identity::from_pem(&[cert.as_slice(), b"\n", key].concat())
+                .context("--otlp-client-cert / --otlp-client-key do not parse as a PEM identity")?;
+            client = client.identity(identity);
+        }
+        let client = client.build().context("building the HTTP client")?;
+        let mut builder = builder
+            .with_endpoint(http_signal_endpoint(&self.endpoint, signal))
             .with_protocol(Protocol::HttpBinary)
-            .build(),
-    };
-    exporter.with_context(|| format!("creating the OTLP span exporter for {endpoint}"))
+            .with_timeout(self.timeout)
+            .with_headers(http_builder_headers(&self.headers))
+            .with_http_client(ExplainedHttpClient {
+                client,
+                failing: AtomicBool::new(false),
+            });
+        if let Some(compression) = self.compression {
+            builder = builder.with_compression(compression);
+        }
+        Ok(builder)
+    }
+}
+
+/// The reqwest client for the collector, logging why a request failed: the SDK reports every
+/// transport failure as "network error" (the cause goes to its debug log), which hides, say,
+/// a collector certificate that is not trusted. Logged once per run of failures.
+#[derive(Debug)]
+struct ExplainedHttpClient {
+    client: reqwest::Client,
+    failing: AtomicBool,
+}
+
+impl opentelemetry_http::HttpClient for ExplainedHttpClient {
+    fn send_bytes<'life0, 'async_trait>(
+        &'life0 self,
+        request: http::Request<opentelemetry_http::Bytes>,
+    ) -> Pin<Box<dyn Future<Output = HttpResult> + Send + 'async_trait>>
+    where
+        'life0: 'async_trait,
+        Self: 'async_trait,
+    {
+        Box::pin(async move {
+            let result = self.client.send_bytes(request).await;
+            match &result {
+                Ok(_) => self.failing.store(false, Ordering::Relaxed),
+                Err(error) if !self.failing.swap(true, Ordering::Relaxed) => {
+                    let cause = error_chain(error.as_ref());
+                    tracing::warn!("OTLP/HTTP export: {cause}{}", failure_hint(&cause));
+                }
+                Err(_) => {}
+            }
+            result
+        })
+    }
+}
+
+type HttpResult = Result<http::Response<opentelemetry_http::Bytes>, opentelemetry_http::HttpError>;
+
+/// `error` and its sources, as `a: b: c` (a source that repeats its parent is left out).
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.ends_with(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// What to check, for the failures a misconfigured export runs into.
+fn failure_hint(error: &str) -> &'static str {
+    const HINTS: [(&str, &str); 10] = [
+        (
+            "without sending TLS close_notify",
+            "; the collector hung up during TLS: does it want a client certificate \
+             (--otlp-client-cert and --otlp-client-key)?",
+        ),
+        (
+            "KeyMismatch",
+            "; is --otlp-client-key the key of --otlp-client-cert?",
+        ),
+        (
+            "no native certs",
+            "; this system has no trusted CAs: give the collector's CA with --otlp-ca-file",
+        ),
+        (
+            "UnknownIssuer",
+            "; the collector's certificate is not signed by a trusted CA: give its CA with \
+             --otlp-ca-file",
+        ),
+        (
+            "NotValidForName",
+            "; the collector's certificate is not for the host in --otlp-endpoint",
+        ),
+        (
+            "CertificateRequired",
+            "; the collector wants a client certificate: --otlp-client-cert and \
+             --otlp-client-key",
+        ),
+        (
+            "Connection refused",
+            "; is the collector listening at --otlp-endpoint?",
+        ),
+        (
+            "Unauthenticated",
+            "; the collector refused the credentials: check --otlp-headers",
+        ),
+        (
+            "Status Code: 401",
+            "; the collector refused the credentials: check --otlp-headers",
+        ),
+        (
+            "Status Code: 403",
+            "; the collector refused the credentials: check --otlp-headers",
+        ),
+    ];
+    HINTS
+        .iter()
+        .find(|(symptom, _)| error.contains(symptom))
+        .map_or("", |(_, hint)| hint)
+}
+
+/// reqwest is built with `rustls-no-provider` (aws-lc-rs is slow to build and needs cmake), so
+/// rustls needs a process-wide provider before the first client is built; tonic uses it too.
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Err only when another thread installed one first, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// Headers for the HTTP builder, which percent-decodes every value it is given (the gRPC one
+/// does not): `%` is escaped so that the decoded values arrive as they are.
+fn http_builder_headers(headers: &http::HeaderMap) -> HashMap<String, String> {
+    headers
+        .iter()
+        .filter_map(|(name, value)| {
+            Some((name.to_string(), value.to_str().ok()?.replace('%', "%25")))
+        })
+        .collect()
+}
+
+/// `--otlp-headers` as HTTP headers; a later duplicate replaces an earlier one. Errors name
+/// the header, never its value (it is usually a credential).
+fn header_map(headers: &HeaderList) -> Result<http::HeaderMap> {
+    let mut map = http::HeaderMap::new();
+    for (key, value) in &headers.0 {
+        let name = http::HeaderName::from_bytes(key.as_bytes()).map_err(|_| {
+            anyhow::anyhow!("--otlp-headers: `{key}` is not a valid HTTP header name")
+        })?;
+        // The HTTP builder passes on only values that are printable ASCII.
+        let value = http::HeaderValue::from_str(value)
+            .ok()
+            .filter(|value| value.to_str().is_ok())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--otlp-headers: the value of `{key}` must be printable ASCII (a header \
+                     cannot carry anything else); fix the value"
+                )
+            })?;
+        map.insert(name, value);
+    }
+    Ok(map)
+}
+
+/// The SDK's builders also read `OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]HEADERS` and
+/// `..._COMPRESSION` themselves, and let them win over what they are given: headers key by
+/// key, compression when none is given. Where that would send something the options do not
+/// say, refuse. (Endpoint, protocol and timeout are given explicitly, which the SDK lets win;
+/// `..._INSECURE` only applies to an endpoint without a scheme, which `config::validate`
+/// refuses.)
+fn check_sdk_environment(
+    headers: &http::HeaderMap,
+    compression: OtlpCompression,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    for signal in Signal::ALL {
+        // As the SDK: the signal's variable if set (even empty), else the generic one.
+        let variable = [
+            signal.headers_var(),
+            opentelemetry_otlp::OTEL_EXPORTER_OTLP_HEADERS,
+        ]
+        .into_iter()
+        .find_map(|name| env(name).map(|value| (name, value)));
+        if let Some((name, value)) = variable {
+            for (key, value) in sdk_header_pairs(&value) {
+                if headers.get(key.as_str()).and_then(|v| v.to_str().ok()) != Some(value.as_str()) {
+                    anyhow::bail!(
+                        "{name} is set and the OTLP exporter would send its `{key}` header, which \
+                         --otlp-headers does not say; unset {name}, or give the same headers \
+                         with --otlp-headers"
+                    );
+                }
+            }
+        }
+        if compression == OtlpCompression::None {
+            for name in [
+                signal.compression_var(),
+                opentelemetry_otlp::OTEL_EXPORTER_OTLP_COMPRESSION,
+            ] {
+                let Some(value) = env(name).filter(|value| !value.is_empty()) else {
+                    continue;
+                };
+                if value.eq_ignore_ascii_case("none") {
+                    break;
+                }
+                if value.eq_ignore_ascii_case("gzip") {
+                    anyhow::bail!(
+                        "{name}={value} would make the OTLP exporter compress {} although \
+                         --otlp-compression is none; unset {name}, or pass --otlp-compression gzip",
+                        signal.name()
+                    );
+                }
+                // The SDK ignores what it cannot use (zstd is not built in) and reads on.
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A headers variable as the SDK reads it: `key=value` pairs, percent-decoded where that
+/// works, pairs with an empty key or value or an invalid name or value skipped.
+fn sdk_header_pairs(text: &str) -> Vec<(String, String)> {
+    text.split_terminator(',')
+        .filter_map(|item| {
+            let (key, raw) = item.trim().split_once('=')?;
+            let key = key.trim();
+            let raw = raw.trim();
+            let value = match format!("k={raw}").parse::<crate::config::KeyValueList>() {
+                Ok(pairs) => pairs
+                    .0
+                    .into_iter()
+                    .next()
+                    .map_or_else(String::new, |(_, v)| v),
+                Err(_) => raw.to_owned(),
+            };
+            let valid = http::HeaderName::from_bytes(key.as_bytes()).is_ok()
+                && http::HeaderValue::from_str(&value).is_ok();
+            (valid && !value.is_empty()).then(|| (key.to_ascii_lowercase(), value))
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PemContent {
+    Certificates,
+    PrivateKey,
+}
+
+/// Reads `path` (given as `flag`) and checks it holds `content`: the TLS libraries skip PEM
+/// sections they cannot use, which would turn a wrong file into a failed handshake later.
+fn read_pem(flag: &str, path: &std::path::Path, content: PemContent) -> Result<Vec<u8>> {
+    let pem = std::fs::read(path)
+        .with_context(|| format!("{flag} {}: cannot be read", path.display()))?;
+    check_pem(&pem, content).map_err(|why| anyhow::anyhow!("{flag} {}: {why}", path.display()))?;
+    Ok(pem)
+}
+
+fn check_pem(pem: &[u8], content: PemContent) -> Result<(), String> {
+    use rustls_pki_types::pem::{Error, PemObject};
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let found = match content {
+        PemContent::Certificates => CertificateDer::pem_slice_iter(pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map(|certs| !certs.is_empty()),
+        PemContent::PrivateKey => match PrivateKeyDer::from_pem_slice(pem) {
+            Ok(_) => Ok(true),
+            Err(Error::NoItemsFound) => Ok(false),
+            Err(error) => Err(error),
+        },
+    }
+    .map_err(|error| format!("not valid PEM ({error}); is the file truncated?"))?;
+    match (found, content) {
+        (true, _) => Ok(()),
+        (false, PemContent::Certificates) => Err("no PEM certificate in it: it must hold \
+             `-----BEGIN CERTIFICATE-----` blocks (convert a DER file with \
+             `openssl x509 -inform der -in FILE -out FILE.pem`)"
+            .into()),
+        (false, PemContent::PrivateKey) => Err("no unencrypted PEM private key in it: it must \
+             hold a `-----BEGIN PRIVATE KEY-----` (or RSA / EC PRIVATE KEY) block; decrypt an \
+             encrypted key with `openssl pkey -in KEY -out KEY.pem`"
+            .into()),
+    }
+}
+
+/// The SDK's span and metric exporter builders are different types with the same methods
+/// (and no trait for `with_tonic`, `with_http`, `build`): this builds either one from an
+/// [`OtlpTransport`], over the protocol `options` name.
+macro_rules! build_otlp_exporter {
+    ($exporter:ident, $signal:expr, $options:expr) => {{
+        use opentelemetry_otlp::$exporter;
+        let options: &OtlpOptions = $options;
+        let transport = OtlpTransport::load(options)?;
+        let exporter = match options.protocol {
+            OtlpProtocol::Grpc => transport.grpc($exporter::builder().with_tonic()).build(),
+            OtlpProtocol::HttpProtobuf => transport
+                .http($exporter::builder().with_http(), $signal)
+                .map_err(|error| build_error(&error, $signal, &options.endpoint))?
+                .build(),
+        };
+        exporter.map_err(|error| build_error(&error.into(), $signal, &options.endpoint))
+    }};
+}
+
+fn otlp_span_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::SpanExporter> {
+    build_otlp_exporter!(SpanExporter, Signal::Traces, options)
+}
+
+fn otlp_metric_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::MetricExporter> {
+    build_otlp_exporter!(MetricExporter, Signal::Metrics, options)
+}
+
+/// An exporter that could not be built, with what to check.
+fn build_error(error: &anyhow::Error, signal: Signal, endpoint: &str) -> anyhow::Error {
+    let text = format!("{error:#}");
+    anyhow::anyhow!(
+        "creating the OTLP {} exporter for {endpoint}: {text}{}",
+        signal.name(),
+        failure_hint(&text)
+    )
 }
 
 impl SpanPipeline {
     /// Must be called inside the tokio runtime (the gRPC channel lives on it).
-    pub fn start(target: &ExportTarget, limits: ExportLimits) -> Result<Self> {
+    /// `status` is told the outcome of every batch (for `/healthz` and `/metrics`).
+    pub fn start(
+        target: &ExportTarget,
+        limits: ExportLimits,
+        status: Arc<ExportStatus>,
+    ) -> Result<Self> {
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
             ExportTarget::Tree => SpanSink::Tree(Box::new(TreePrinter::new(
                 TreeOptions::default(),
                 std::io::stdout(),
             ))),
-            ExportTarget::Otlp(options) => SpanSink::Otlp(Box::new(otlp_span_exporter(
-                &options.endpoint,
-                options.protocol,
-            )?)),
+            ExportTarget::Otlp(options) => SpanSink::Otlp(
+                Box::new(otlp_span_exporter(options)?),
+                FailureStreak::default(),
+            ),
         };
         let (sender, receiver) = mpsc::channel(limits.queue_size);
-        let task = tokio::spawn(run_span_export(sink, receiver, limits.batch_size));
+        let task = tokio::spawn(run_span_export(sink, receiver, limits.batch_size, status));
         Ok(Self { sender, task })
     }
 
@@ -149,6 +612,7 @@ async fn run_span_export(
     mut sink: SpanSink,
     mut receiver: mpsc::Receiver<SpanRecord>,
     batch_size: usize,
+    status: Arc<ExportStatus>,
 ) -> ExportTotals {
     let mut totals = ExportTotals::default();
     let mut batch = Vec::with_capacity(batch_size);
@@ -170,7 +634,7 @@ async fn run_span_export(
             }
         };
         if !batch.is_empty() {
-            export_batch(&mut sink, std::mem::take(&mut batch), &mut totals).await;
+            export_batch(&mut sink, std::mem::take(&mut batch), &mut totals, &status).await;
         }
         // Trees are printed on this tick (at least every BATCH_DELAY), not only when spans
         // arrive: a trace is printed when it has been quiet.
@@ -179,7 +643,7 @@ async fn run_span_export(
         }
         if !open {
             match &mut sink {
-                SpanSink::Otlp(exporter) => {
+                SpanSink::Otlp(exporter, _) => {
                     let _ = exporter.shutdown();
                 }
                 SpanSink::Tree(printer) => {
@@ -196,7 +660,12 @@ async fn run_span_export(
     }
 }
 
-async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut ExportTotals) {
+async fn export_batch(
+    sink: &mut SpanSink,
+    batch: Vec<SpanRecord>,
+    totals: &mut ExportTotals,
+    status: &ExportStatus,
+) {
     match sink {
         SpanSink::JsonLines => {
             // One write for the batch: stdout is line-buffered, a syscall per span otherwise.
@@ -206,9 +675,16 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
                 text.push(b'\n');
             }
             let mut out = std::io::stdout().lock();
+            let count = batch.len() as u64;
             match out.write_all(&text).and_then(|()| out.flush()) {
-                Ok(()) => totals.spans_exported += batch.len() as u64,
-                Err(_) => totals.spans_failed += batch.len() as u64,
+                Ok(()) => {
+                    totals.spans_exported += count;
+                    status.record_success(count);
+                }
+                Err(error) => {
+                    totals.spans_failed += count;
+                    status.record_failure(count, format!("writing to stdout: {error}"));
+                }
             }
         }
         // Counted at shutdown, from the printer: a span is exported when its tree is printed.
@@ -218,7 +694,7 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
                 printer.add(span, now);
             }
         }
-        SpanSink::Otlp(exporter) => {
+        SpanSink::Otlp(exporter, streak) => {
             let mut by_service: HashMap<u32, (Arc<ServiceIdentity>, Vec<SpanData>)> =
                 HashMap::new();
             for span in batch {
@@ -231,10 +707,19 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, totals: &mut 
                 let count = spans.len() as u64;
                 exporter.set_resource(&service.resource);
                 match exporter.export(spans).await {
-                    Ok(()) => totals.spans_exported += count,
+                    Ok(()) => {
+                        totals.spans_exported += count;
+                        status.record_success(count);
+                        if let Some(message) = streak.succeeded() {
+                            tracing::info!("{message}");
+                        }
+                    }
                     Err(error) => {
                         totals.spans_failed += count;
-                        eprintln!("gym-tracer: exporting {count} spans failed: {error}");
+                        status.record_failure(count, error.to_string());
+                        if let Some(message) = streak.failed(count, &error) {
+                            tracing::warn!(spans = count, "{message}");
+                        }
                     }
                 }
             }
@@ -536,22 +1021,8 @@ pub fn meter_provider(
                 .build(),
             )
             .build(),
-        ExportTarget::Otlp(OtlpOptions {
-            endpoint, protocol, ..
-        }) => {
-            let exporter = match protocol {
-                OtlpProtocol::Grpc => opentelemetry_otlp::MetricExporter::builder()
-                    .with_tonic()
-                    .with_endpoint(endpoint)
-                    .with_protocol(Protocol::Grpc)
-                    .build(),
-                OtlpProtocol::HttpProtobuf => opentelemetry_otlp::MetricExporter::builder()
-                    .with_http()
-                    .with_endpoint(http_signal_endpoint(endpoint, "metrics"))
-                    .with_protocol(Protocol::HttpBinary)
-                    .build(),
-            }
-            .with_context(|| format!("creating the OTLP metric exporter for {endpoint}"))?;
+        ExportTarget::Otlp(options) => {
+            let exporter = otlp_metric_exporter(options)?;
             builder
                 .with_reader(
                     PeriodicReader::builder(exporter, Tokio)
@@ -598,12 +1069,232 @@ mod tests {
     #[test]
     fn http_endpoints_get_signal_paths() {
         assert_eq!(
-            http_signal_endpoint("http://c:4318/", "traces"),
+            http_signal_endpoint("http://c:4318/", Signal::Traces),
             "http://c:4318/v1/traces"
         );
         assert_eq!(
-            http_signal_endpoint("http://c:4318", "metrics"),
+            http_signal_endpoint("http://c:4318", Signal::Metrics),
             "http://c:4318/v1/metrics"
         );
+    }
+    const CERT_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+    const KEY_PEM: &str = "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n";
+
+    fn headers(list: &str) -> http::HeaderMap {
+        header_map(&list.parse::<HeaderList>().unwrap()).unwrap()
+    }
+
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| vars.get(name).cloned()
+    }
+
+    fn otlp_options(endpoint: &str, protocol: OtlpProtocol) -> OtlpOptions {
+        OtlpOptions {
+            endpoint: endpoint.into(),
+            protocol,
+            headers: "authorization=Bearer%20x".parse().unwrap(),
+            timeout: Duration::from_secs(2),
+            compression: OtlpCompression::Gzip,
+            ca_file: None,
+            client_identity: None,
+        }
+    }
+
+    #[test]
+    fn pem_files_are_checked_for_what_they_must_hold() {
+        assert_eq!(
+            check_pem(CERT_PEM.as_bytes(), PemContent::Certificates),
+            Ok(())
+        );
+        assert_eq!(
+            check_pem(KEY_PEM.as_bytes(), PemContent::PrivateKey),
+            Ok(())
+        );
+        let no_cert = check_pem(KEY_PEM.as_bytes(), PemContent::Certificates).unwrap_err();
+        assert!(no_cert.starts_with("no PEM certificate in it"), "{no_cert}");
+        let not_pem = check_pem(b"hello\n", PemContent::Certificates).unwrap_err();
+        assert!(not_pem.starts_with("no PEM certificate in it"), "{not_pem}");
+        let encrypted =
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n";
+        let no_key = check_pem(encrypted.as_bytes(), PemContent::PrivateKey).unwrap_err();
+        assert!(no_key.contains("openssl pkey"), "{no_key}");
+        let truncated = "-----BEGIN CERTIFICATE-----\nMIIB\n";
+        let broken = check_pem(truncated.as_bytes(), PemContent::Certificates).unwrap_err();
+        assert!(broken.starts_with("not valid PEM"), "{broken}");
+    }
+
+    #[test]
+    fn read_pem_names_the_flag_and_the_file() {
+        let path = std::env::temp_dir().join(format!("gym-tracer-test-{}.pem", std::process::id()));
+        std::fs::write(&path, KEY_PEM).unwrap();
+        let error = read_pem("--otlp-ca-file", &path, PemContent::Certificates).unwrap_err();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            error.to_string().split(": no PEM").next().unwrap(),
+            format!("--otlp-ca-file {}", path.display())
+        );
+    }
+
+    #[test]
+    fn header_errors_name_the_header_never_the_value() {
+        let list = HeaderList(vec![("authorization".into(), "Bearer \u{e9}secret".into())]);
+        let error = header_map(&list).unwrap_err().to_string();
+        assert!(error.contains("`authorization`"), "{error}");
+        assert!(!error.contains("secret"), "{error}");
+        let map = headers("Authorization=a,x-tenant=t,x-tenant=u");
+        assert_eq!(map.get("authorization").unwrap(), "a");
+        assert_eq!(map.get_all("x-tenant").iter().collect::<Vec<_>>(), ["u"]);
+    }
+
+    #[test]
+    fn http_builder_headers_survive_its_percent_decoding() {
+        let map = headers("authorization=Bearer%20x,discount=50%2525");
+        let given = http_builder_headers(&map);
+        assert_eq!(given["authorization"], "Bearer x");
+        // The builder decodes %25 back to %, so it sends `50%25` as given.
+        assert_eq!(given["discount"], "50%2525");
+    }
+
+    #[test]
+    fn sdk_header_variables_are_read_as_the_sdk_reads_them() {
+        assert_eq!(
+            sdk_header_pairs(" Authorization = Bearer%20x ,empty=,=v,bad key=1,raw=%zz,"),
+            [
+                ("authorization".to_string(), "Bearer x".to_string()),
+                ("raw".to_string(), "%zz".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn sdk_environment_that_agrees_with_the_options_is_accepted() {
+        let ours = headers("authorization=Bearer%20x");
+        let env = env_of(&[
+            ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20x"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "none"),
+            ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "zstd"),
+        ]);
+        assert!(check_sdk_environment(&ours, OtlpCompression::None, &env).is_ok());
+        // Given compression wins in the SDK.
+        let gzip_env = env_of(&[("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")]);
+        assert!(check_sdk_environment(&ours, OtlpCompression::Gzip, gzip_env).is_ok());
+        // A signal variable set empty hides the generic one, in the SDK too.
+        let masked = env_of(&[
+            ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", ""),
+            ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", ""),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=old"),
+        ]);
+        assert!(check_sdk_environment(&ours, OtlpCompression::None, masked).is_ok());
+    }
+
+    #[test]
+    fn sdk_environment_that_would_override_the_options_is_refused() {
+        let ours = headers("authorization=Bearer%20new");
+        let refusal = |vars: &[(&str, &str)]| {
+            check_sdk_environment(&ours, OtlpCompression::None, env_of(vars))
+                .unwrap_err()
+                .to_string()
+        };
+        let stale = refusal(&[("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20old")]);
+        assert!(
+            stale.starts_with("OTEL_EXPORTER_OTLP_HEADERS is set"),
+            "{stale}"
+        );
+        assert!(
+            stale.contains("`authorization`") && !stale.contains("old"),
+            "{stale}"
+        );
+
+        let extra = refusal(&[("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "x-tenant=a")]);
+        assert!(
+            extra.starts_with("OTEL_EXPORTER_OTLP_METRICS_HEADERS"),
+            "{extra}"
+        );
+
+        let gzip = refusal(&[
+            ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "GZIP"),
+        ]);
+        assert!(
+            gzip.starts_with("OTEL_EXPORTER_OTLP_COMPRESSION=GZIP"),
+            "{gzip}"
+        );
+        assert!(gzip.contains("--otlp-compression gzip"), "{gzip}");
+    }
+
+    #[test]
+    fn a_failing_collector_is_reported_once_per_outage() {
+        let mut streak = FailureStreak::default();
+        assert_eq!(streak.succeeded(), None);
+        let first = streak.failed(3, &"transport error").unwrap();
+        assert!(
+            first.starts_with("exporting 3 spans failed: transport error"),
+            "{first}"
+        );
+        assert_eq!(streak.failed(4, &"transport error"), None);
+        assert_eq!(
+            streak.succeeded().as_deref(),
+            Some("exporting spans works again (7 spans were lost)")
+        );
+        assert_eq!(streak.succeeded(), None);
+        assert!(streak.failed(1, &"again").is_some());
+    }
+
+    /// Gzip, headers and TLS need cargo features of opentelemetry-otlp; a missing one only
+    /// shows when the exporter is built.
+    #[tokio::test]
+    async fn exporters_build_for_every_protocol_with_gzip_headers_and_tls() {
+        for endpoint in ["http://127.0.0.1:1", "https://127.0.0.1:1"] {
+            for protocol in [OtlpProtocol::Grpc, OtlpProtocol::HttpProtobuf] {
+                let options = otlp_options(endpoint, protocol);
+                otlp_span_exporter(&options).unwrap();
+                otlp_metric_exporter(&options).unwrap();
+            }
+        }
+    }
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|layer| layer as _)
+        }
+    }
+
+    #[test]
+    fn transport_errors_keep_their_cause_and_say_what_to_check() {
+        let cause = Layer("invalid peer certificate: UnknownIssuer", None);
+        let error = Layer(
+            "error sending request",
+            Some(Box::new(Layer(
+                "client error (Connect)",
+                Some(Box::new(cause)),
+            ))),
+        );
+        let text = error_chain(&error);
+        assert_eq!(
+            text,
+            "error sending request: client error (Connect): invalid peer certificate: UnknownIssuer"
+        );
+        assert!(failure_hint(&text).contains("--otlp-ca-file"));
+        assert!(
+            failure_hint("received fatal alert: CertificateRequired")
+                .contains("--otlp-client-cert")
+        );
+        assert!(failure_hint("Status Code: 401, Response: no").contains("--otlp-headers"));
+        assert_eq!(failure_hint("HTTP export failed: network error"), "");
+        // A source that repeats its parent is said once.
+        let repeated = Layer("timed out", Some(Box::new(Layer("timed out", None))));
+        assert_eq!(error_chain(&repeated), "timed out");
     }
 }

@@ -27,6 +27,36 @@ pub struct GymLabels {
     pub service_group: Option<String>,
 }
 
+/// What the agent's configuration adds to every traced process's resource.
+#[derive(Clone, Debug, Default)]
+pub struct AgentResource {
+    /// The agent's own `OTEL_SERVICE_NAME`/`--service-name`: the group of Gym servers that
+    /// do not set one, the name of processes that are not Gym servers.
+    pub service_name: Option<String>,
+    /// `--resource-attributes` / OTEL_RESOURCE_ATTRIBUTES: added to every resource, and
+    /// override `host.name` & co., never `service.name`, `nemo.gym.*` or `process.*`. Keys are leaked once at start
+    /// (a handful, for the agent's lifetime) so resources keep `&'static str` keys.
+    pub extra: Vec<(&'static str, String)>,
+}
+
+impl AgentResource {
+    pub fn new(service_name: Option<String>, extra: Vec<(String, String)>) -> Self {
+        let extra = extra
+            .into_iter()
+            .map(|(key, value)| (&*Box::leak(key.into_boxed_str()), value))
+            .collect();
+        Self {
+            service_name,
+            extra,
+        }
+    }
+
+    #[cfg(test)]
+    pub fn named(service_name: &str) -> Self {
+        Self::new(Some(service_name.to_owned()), Vec::new())
+    }
+}
+
 /// The resource of one traced process, in both the JSON-lines and the OTLP shape.
 #[derive(Debug)]
 pub struct ServiceIdentity {
@@ -49,15 +79,14 @@ fn host_name() -> String {
 }
 
 impl ServiceIdentity {
-    /// `agent_service_name` is the agent's own `OTEL_SERVICE_NAME`/`--service-name`: the
-    /// group of Gym servers that do not set one, the name of processes that are not Gym
-    /// servers. `parent` is set for a forked child that inherits its parent's identity.
+    /// `parent` is set for a forked child that inherits its parent's identity.
     pub fn of_process(
         pid: u32,
         labels: GymLabels,
-        agent_service_name: Option<&str>,
+        agent: &AgentResource,
         parent: Option<u32>,
     ) -> Self {
+        let agent_service_name = agent.service_name.as_deref();
         let executable =
             read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
         let text = |s: &str| AttributeValue::Str(s.to_string());
@@ -100,6 +129,18 @@ impl ServiceIdentity {
         attributes.insert("host.name", text(&host_name()));
         attributes.insert("telemetry.distro.name", text("gym-tracer"));
         attributes.insert("telemetry.distro.version", text(env!("CARGO_PKG_VERSION")));
+        for (key, value) in &agent.extra {
+            // What identifies the traced process is the agent's to say; the rest (host.name
+            // in a pod, which sees the pod's hostname) the operator may correct.
+            let per_process = *key == "service.name"
+                || key.starts_with("nemo.gym.")
+                || key.starts_with("process.");
+            if per_process {
+                attributes.entry(*key).or_insert_with(|| text(value));
+            } else {
+                attributes.insert(*key, text(value));
+            }
+        }
         Self::from_attributes(pid, labels, attributes)
     }
 
@@ -154,7 +195,8 @@ mod tests {
             server_type: Some(ServerType::Resources),
             ..GymLabels::default()
         };
-        let identity = ServiceIdentity::of_process(me, labels.clone(), None, None);
+        let identity =
+            ServiceIdentity::of_process(me, labels.clone(), &AgentResource::default(), None);
         assert_eq!(text(&identity, "service.name").unwrap(), "nemo/math_verify");
         assert_eq!(text(&identity, "nemo.gym.service_group").unwrap(), "nemo");
         assert_eq!(
@@ -165,9 +207,11 @@ mod tests {
             service_group: Some("exp7".into()),
             ..labels.clone()
         };
-        let identity = ServiceIdentity::of_process(me, with_group, Some("agent"), None);
+        let identity =
+            ServiceIdentity::of_process(me, with_group, &AgentResource::named("agent"), None);
         assert_eq!(text(&identity, "service.name").unwrap(), "exp7/math_verify");
-        let identity = ServiceIdentity::of_process(me, labels, Some("agent"), Some(1));
+        let identity =
+            ServiceIdentity::of_process(me, labels, &AgentResource::named("agent"), Some(1));
         assert_eq!(
             text(&identity, "service.name").unwrap(),
             "agent/math_verify"
@@ -180,10 +224,36 @@ mod tests {
 
     #[test]
     fn other_processes_keep_their_executable_name() {
-        let identity =
-            ServiceIdentity::of_process(std::process::id(), GymLabels::default(), None, None);
+        let identity = ServiceIdentity::of_process(
+            std::process::id(),
+            GymLabels::default(),
+            &AgentResource::default(),
+            None,
+        );
         let comm = read_trimmed(format!("/proc/{}/comm", std::process::id())).unwrap();
         assert_eq!(text(&identity, "service.name").unwrap(), comm);
         assert!(!identity.attributes.contains_key("nemo.gym.server.name"));
+    }
+
+    #[test]
+    fn configured_attributes_may_correct_the_host_but_not_the_process() {
+        let agent = AgentResource::new(
+            None,
+            vec![
+                ("k8s.node.name".into(), "node-1".into()),
+                ("host.name".into(), "node-1".into()),
+                ("service.name".into(), "spoofed".into()),
+                ("process.pid".into(), "1".into()),
+            ],
+        );
+        let me = std::process::id();
+        let identity = ServiceIdentity::of_process(me, GymLabels::default(), &agent, None);
+        assert_eq!(text(&identity, "k8s.node.name").as_deref(), Some("node-1"));
+        assert_eq!(text(&identity, "host.name").as_deref(), Some("node-1"));
+        assert_ne!(text(&identity, "service.name").as_deref(), Some("spoofed"));
+        assert_eq!(
+            identity.attributes["process.pid"],
+            AttributeValue::Int(me as i64)
+        );
     }
 }

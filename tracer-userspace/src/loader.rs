@@ -5,7 +5,8 @@
 //! capability or kernel feature is reported by name with what to do about it, instead of as
 //! an errno from deep inside the loader.
 
-use std::path::Path;
+use std::io;
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use aya::{
@@ -20,8 +21,13 @@ use crate::btf::Btf;
 /// The eBPF object built by `build.rs` from `tracer-ebpf`.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer-ebpf"));
 
-const TRACEFS: &str = "/sys/kernel/tracing";
-const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
+/// Where the agent mounts tracefs when the host has not; aya also looks under debugfs.
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+const TRACEFS_PLACES: [&str; 2] = [TRACEFS, "/sys/kernel/debug/tracing"];
+pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
+
+/// `PROC_PID_INIT_INO` (include/linux/proc_ns.h): the inode of the initial PID namespace.
+const INIT_PID_NAMESPACE_INODE: u64 = 0xEFFF_FFFC;
 
 /// (program, syscalls whose tracepoints it serves). Each program is attached to the
 /// `sys_enter_*` tracepoint of every syscall listed; `exit_call` to all their `sys_exit_*`.
@@ -35,11 +41,6 @@ const ENTER_PROGRAMS: &[(&str, &[&str])] = &[
     ("enter_accept", &["accept", "accept4"]),
     ("enter_connect", &["connect"]),
 ];
-
-/// Linux capability numbers (linux/capability.h).
-const CAP_SYS_ADMIN: u32 = 21;
-const CAP_PERFMON: u32 = 38;
-const CAP_BPF: u32 = 39;
 
 pub struct LoadOptions {
     pub capture_bytes: u32,
@@ -56,52 +57,339 @@ pub struct LoadedProbes {
     pub features: FeatureReport,
 }
 
-fn effective_capabilities() -> Result<u64> {
-    let status =
-        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .context("no CapEff line in /proc/self/status")?;
-    u64::from_str_radix(line.trim(), 16).context("parsing CapEff")
+/// One tracepoint and the program attached to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub program: &'static str,
+    pub category: &'static str,
+    pub name: String,
 }
 
-/// Fails with a message that names what is missing.
+impl Attachment {
+    /// `category/name`, the tracepoint's directory under `<tracefs>/events`.
+    pub fn tracepoint(&self) -> String {
+        format!("{}/{}", self.category, self.name)
+    }
+}
+
+/// Every tracepoint the agent attaches to, in attach order.
+pub fn attachments() -> Vec<Attachment> {
+    let syscall = |program, name: String| Attachment {
+        program,
+        category: "syscalls",
+        name,
+    };
+    let mut all = Vec::new();
+    for (program, syscalls) in ENTER_PROGRAMS {
+        for name in *syscalls {
+            all.push(syscall(program, format!("sys_enter_{name}")));
+        }
+    }
+    for (_, syscalls) in ENTER_PROGRAMS {
+        for name in *syscalls {
+            all.push(syscall("exit_call", format!("sys_exit_{name}")));
+        }
+    }
+    all.push(syscall("enter_close", "sys_enter_close".into()));
+    for (program, name) in [
+        ("process_exit", "sched_process_exit"),
+        ("process_fork", "sched_process_fork"),
+    ] {
+        all.push(Attachment {
+            program,
+            category: "sched",
+            name: name.into(),
+        });
+    }
+    all
+}
+
+/// A Linux capability, by its number in linux/capability.h.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Capability(u32);
+
+/// Names of capabilities 0..=40, as linux/capability.h spells them.
+const CAPABILITY_NAMES: [&str; 41] = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+impl Capability {
+    pub const DAC_OVERRIDE: Self = Self(1);
+    pub const DAC_READ_SEARCH: Self = Self(2);
+    pub const SYS_PTRACE: Self = Self(19);
+    pub const SYS_ADMIN: Self = Self(21);
+    pub const SYS_RESOURCE: Self = Self(24);
+    pub const PERFMON: Self = Self(38);
+    pub const BPF: Self = Self(39);
+
+    /// `CAP_BPF`; a number the table does not know yet as `CAP_<number>`.
+    pub fn name(self) -> String {
+        CAPABILITY_NAMES
+            .get(self.0 as usize)
+            .map_or_else(|| format!("CAP_{}", self.0), |name| name.to_string())
+    }
+
+    /// `BPF`, as Kubernetes' `securityContext.capabilities` spells it.
+    pub fn short_name(self) -> String {
+        let name = self.name();
+        name.strip_prefix("CAP_").unwrap_or(&name).to_string()
+    }
+}
+
+/// A capability set as `/proc/<pid>/status` shows it (`CapEff:` etc., 64 bits in hex).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CapabilitySet(u64);
+
+impl CapabilitySet {
+    /// The set in the `field` line (`CapEff`, `CapBnd`, ...) of a `/proc/<pid>/status` text.
+    pub fn from_status(status: &str, field: &str) -> Result<Self> {
+        let value = status
+            .lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .with_context(|| format!("no {field} line in /proc/self/status"))?;
+        u64::from_str_radix(value.trim(), 16)
+            .map(Self)
+            .with_context(|| format!("{field} is not a hex number: {:?}", value.trim()))
+    }
+
+    /// This process's effective capabilities: what the kernel checks.
+    pub fn effective() -> Result<Self> {
+        let status =
+            std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+        Self::from_status(&status, "CapEff")
+    }
+
+    pub fn contains(self, capability: Capability) -> bool {
+        capability.0 < 64 && self.0 & (1u64 << capability.0) != 0
+    }
+
+    /// Every capability this build knows a name for (root's usual set).
+    pub fn known() -> Self {
+        Self((1u64 << CAPABILITY_NAMES.len()) - 1)
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = Capability> {
+        (0..64)
+            .map(Capability)
+            .filter(move |&cap| self.contains(cap))
+    }
+}
+
+/// A capability the agent needs, what for, and what breaks without it.
+#[derive(Debug)]
+pub struct Requirement {
+    pub capability: Capability,
+    /// Capabilities the kernel accepts in its place (it checks `CAP_BPF || CAP_SYS_ADMIN`,
+    /// `CAP_PERFMON || CAP_SYS_ADMIN`, and DAC_OVERRIDE covers DAC_READ_SEARCH).
+    pub alternatives: &'static [Capability],
+    pub needed_for: &'static str,
+    pub without_it: &'static str,
+}
+
+impl Requirement {
+    pub fn met_by(&self, caps: CapabilitySet) -> bool {
+        caps.contains(self.capability) || self.alternatives.iter().any(|&c| caps.contains(c))
+    }
+}
+
+/// The capabilities `gym-tracer run` needs, checked by `preflight` and shown by `doctor`.
+/// Measured on 6.18 against uvicorn servers of uid 0 and of another uid, with the agent as
+/// uid 65534 holding only these (ambient) and as uid 0 with only these in its bounding set.
+pub const REQUIRED_CAPABILITIES: [Requirement; 4] = [
+    Requirement {
+        capability: Capability::BPF,
+        alternatives: &[Capability::SYS_ADMIN],
+        needed_for: "create the eBPF maps (ring buffer, PID filter) and load BTF and programs",
+        without_it: "bpf(BPF_MAP_CREATE) fails with EPERM: nothing can be traced",
+    },
+    Requirement {
+        capability: Capability::PERFMON,
+        alternatives: &[Capability::SYS_ADMIN],
+        needed_for: "load tracepoint programs (they read kernel and user memory) and attach \
+                     them to system-wide tracepoints",
+        without_it: "bpf(BPF_PROG_LOAD) fails with EPERM: nothing can be traced",
+    },
+    Requirement {
+        capability: Capability::DAC_READ_SEARCH,
+        alternatives: &[Capability::DAC_OVERRIDE],
+        needed_for: "read tracefs (mode 0700, root's) unless running as uid 0, and the \
+                     /proc/<pid>/environ (0400) and /proc/<pid>/fd (0500) of other users' processes",
+        without_it: "as a non-root uid tracefs is unreadable and no tracepoint can be attached; \
+                     as uid 0 other users' Gym servers lose their labels and discovery",
+    },
+    Requirement {
+        capability: Capability::SYS_PTRACE,
+        alternatives: &[],
+        needed_for: "pass the kernel's ptrace-read check on /proc/<pid>/environ, exe and fd/* \
+                     of processes of other users or with capabilities the agent lacks (every \
+                     root-owned server)",
+        without_it: "Gym servers of other users (and root's, unless the agent is fully \
+                     privileged) lose their labels and gym.* spans, --discover gym misses them, \
+                     process.executable.path is absent, and servers without a configured port \
+                     get no route harvest",
+    },
+];
+
+pub fn requirement(capability: Capability) -> &'static Requirement {
+    REQUIRED_CAPABILITIES
+        .iter()
+        .find(|r| r.capability == capability)
+        .expect("every capability asked for is in REQUIRED_CAPABILITIES")
+}
+
+/// "A", "A and B", "A, B and C".
+fn and_list(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+/// The error for missing capabilities: which, what each is for, and how to grant the set.
+pub fn missing_capabilities_message(missing: &[&Requirement]) -> String {
+    let names: Vec<String> = missing.iter().map(|r| r.capability.name()).collect();
+    let reasons: Vec<String> = missing
+        .iter()
+        .map(|r| format!("{} to {}", r.capability.name(), r.needed_for))
+        .collect();
+    let all: Vec<Capability> = REQUIRED_CAPABILITIES.iter().map(|r| r.capability).collect();
+    let names_of = |f: fn(Capability) -> String, sep: &str| {
+        all.iter().map(|&c| f(c)).collect::<Vec<_>>().join(sep)
+    };
+    format!(
+        "gym-tracer lacks {} (it needs {}). Run it as root (sudo gym-tracer ...), or grant it \
+         exactly {}: systemd `AmbientCapabilities={}`, Kubernetes \
+         `securityContext.capabilities.add: [{}]`, or `setcap {}+ep gym-tracer`. \
+         `gym-tracer doctor` shows what each one enables",
+        and_list(&names),
+        reasons.join("; "),
+        names_of(Capability::name, ", "),
+        names_of(Capability::name, " "),
+        names_of(Capability::short_name, ", "),
+        names_of(|c| c.name().to_lowercase(), ","),
+    )
+}
+
+/// Where tracefs is, as far as this process can tell.
+#[derive(Debug)]
+pub enum Tracefs {
+    /// Mounted and its `events` directory readable.
+    Readable(PathBuf),
+    /// Mounted (per /proc/self/mountinfo) but not readable by this process.
+    Unreadable {
+        path: PathBuf,
+        error: io::Error,
+    },
+    NotMounted,
+}
+
+/// Finds tracefs where aya looks for it (`/sys/kernel/tracing`, then under debugfs).
+pub fn locate_tracefs() -> Tracefs {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut unreadable = None;
+    for place in TRACEFS_PLACES {
+        let path = PathBuf::from(place);
+        match std::fs::read_dir(path.join("events")) {
+            Ok(_) => return Tracefs::Readable(path),
+            Err(error) if is_tracefs_mount(&mountinfo, place) && unreadable.is_none() => {
+                unreadable = Some(Tracefs::Unreadable { path, error });
+            }
+            Err(_) => {}
+        }
+    }
+    unreadable.unwrap_or(Tracefs::NotMounted)
+}
+
+/// Whether `/proc/self/mountinfo` lists a tracefs mount at `place`.
+fn is_tracefs_mount(mountinfo: &str, place: &str) -> bool {
+    mountinfo.lines().any(|line| {
+        let fields: Vec<&str> = line.split(' ').collect();
+        // mount id, parent, dev, root, mount point, options, optional fields..., "-", type
+        let fs_type = fields
+            .iter()
+            .position(|&f| f == "-")
+            .and_then(|i| fields.get(i + 1));
+        fields.get(4) == Some(&place) && fs_type == Some(&"tracefs")
+    })
+}
+
+/// Fails with a message that names what is missing (capabilities, tracefs, tracepoints, the
+/// host's PID namespace) and what to do about it.
 pub fn preflight() -> Result<()> {
-    let caps = effective_capabilities()?;
-    let has = |cap: u32| caps & (1u64 << cap) != 0;
-    let mut missing = Vec::new();
-    if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
-        missing.push("CAP_BPF");
-    }
-    if !has(CAP_PERFMON) && !has(CAP_SYS_ADMIN) {
-        missing.push("CAP_PERFMON");
-    }
+    let caps = CapabilitySet::effective()?;
+    let missing: Vec<&Requirement> = REQUIRED_CAPABILITIES
+        .iter()
+        .filter(|r| !r.met_by(caps))
+        .collect();
     if !missing.is_empty() {
+        bail!("{}", missing_capabilities_message(&missing));
+    }
+    let mut tracefs = locate_tracefs();
+    if matches!(tracefs, Tracefs::NotMounted) {
+        mount_tracefs(caps)?;
+        tracefs = locate_tracefs();
+    }
+    let tracefs = match tracefs {
+        Tracefs::Readable(path) => path,
+        Tracefs::Unreadable { path, error } => bail!(
+            "tracefs at {} cannot be read ({error}); if a security module (SELinux, AppArmor) \
+             denies it, allow gym-tracer to read tracefs",
+            path.display()
+        ),
+        Tracefs::NotMounted => bail!("tracefs is not mounted: mount it at {TRACEFS}"),
+    };
+    if !in_initial_pid_namespace().unwrap_or(true) {
         bail!(
-            "gym-tracer needs {} to load and attach its eBPF programs. Run it as root \
-             (sudo gym-tracer ...) or grant the capabilities, e.g. \
-             `setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep $(which gym-tracer)`",
-            missing.join(" and ")
+            "gym-tracer runs in a PID namespace of its own, but its kernel programs see host PIDs: \
+             run it in the host's PID namespace (Kubernetes `hostPID: true`, docker `--pid=host`)"
         );
     }
-    ensure_tracefs()?;
-    let events = Path::new(TRACEFS).join("events");
-    let mut required = vec![
-        "syscalls/sys_enter_close".to_string(),
-        "sched/sched_process_exit".to_string(),
-        "sched/sched_process_fork".to_string(),
-    ];
-    for syscall in ENTER_PROGRAMS
+    let events = tracefs.join("events");
+    let absent: Vec<String> = attachments()
         .iter()
-        .flat_map(|(_, syscalls)| syscalls.iter())
-    {
-        required.push(format!("syscalls/sys_enter_{syscall}"));
-        required.push(format!("syscalls/sys_exit_{syscall}"));
-    }
-    let absent: Vec<String> = required
-        .into_iter()
-        .filter(|name| !events.join(name).exists())
+        .map(Attachment::tracepoint)
+        .filter(|name| !events.join(name).join("id").exists())
         .collect();
     if !absent.is_empty() {
         bail!(
@@ -113,13 +401,21 @@ pub fn preflight() -> Result<()> {
     Ok(())
 }
 
+/// Whether this process sees the host's PIDs (`bpf_get_current_pid_tgid` reports those);
+/// `None` when `/proc/self/ns/pid` cannot be read.
+pub fn in_initial_pid_namespace() -> Option<bool> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let inode = link
+        .to_str()?
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse::<u64>()
+        .ok()?;
+    Some(inode == INIT_PID_NAMESPACE_INODE)
+}
+
 /// aya finds tracepoint ids under tracefs; mount it if the host has not.
-fn ensure_tracefs() -> Result<()> {
-    if Path::new(TRACEFS).join("events").exists()
-        || Path::new("/sys/kernel/debug/tracing/events").exists()
-    {
-        return Ok(());
-    }
+fn mount_tracefs(caps: CapabilitySet) -> Result<()> {
     let source = c"tracefs";
     let target = c"/sys/kernel/tracing";
     // SAFETY: constant NUL-terminated strings; mount(2) does not keep the pointers.
@@ -133,17 +429,24 @@ fn ensure_tracefs() -> Result<()> {
         )
     };
     if rc != 0 {
+        let error = io::Error::last_os_error();
+        let grant = if caps.contains(Capability::SYS_ADMIN) {
+            ""
+        } else {
+            " or grant gym-tracer CAP_SYS_ADMIN so that it can mount it itself"
+        };
         bail!(
-            "tracefs is not mounted and mounting it at {TRACEFS} failed ({}). Mount it with \
-             `mount -t tracefs nodev {TRACEFS}` (in a container: mount the host's {TRACEFS})",
-            std::io::Error::last_os_error()
+            "tracefs is not mounted and mounting it at {TRACEFS} failed ({error}). Mount it \
+             with `mount -t tracefs nodev {TRACEFS}` (in a container: mount the host's \
+             {TRACEFS}){grant}"
         );
     }
-    eprintln!("gym-tracer: mounted tracefs at {TRACEFS}");
+    tracing::info!("mounted tracefs at {TRACEFS}");
     Ok(())
 }
 
-fn socket_offsets() -> Result<KernelOffsets, String> {
+/// Kernel struct offsets for connection addresses, or why they are unavailable.
+pub fn socket_offsets() -> Result<KernelOffsets, String> {
     let data = std::fs::read(BTF_PATH).map_err(|e| {
         format!("{BTF_PATH} unreadable ({e}): the kernel has no BTF (CONFIG_DEBUG_INFO_BTF)")
     })?;
@@ -152,61 +455,69 @@ fn socket_offsets() -> Result<KernelOffsets, String> {
         .map_err(|e| format!("{e:#}"))
 }
 
+/// Loads the object and every program (maps created, verifier passed), attaching nothing.
+fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
+    // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; later ones to the memory
+    // cgroup, so failing to raise it (no CAP_SYS_RESOURCE) does not matter there.
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: valid rlimit pointer.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
+
+    let (offsets, socket_addresses) = match socket_offsets() {
+        Ok(offsets) => (offsets, Ok(())),
+        Err(why) => (KernelOffsets::default(), Err(why)),
+    };
+    let ring_bytes = options.ring_buffer_bytes.next_power_of_two().max(4096);
+    let mut ebpf = EbpfLoader::new()
+        .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
+        .override_global("KERNEL_OFFSETS", &offsets, true)
+        .map_max_entries("EVENTS", ring_bytes)
+        .load(EBPF_OBJECT)
+        .context("loading the eBPF programs into the kernel")?;
+    let mut programs: Vec<&str> = attachments().iter().map(|a| a.program).collect();
+    programs.dedup();
+    for name in programs {
+        tracepoint(&mut ebpf, name)?
+            .load()
+            .with_context(|| format!("the kernel verifier rejected {name}"))?;
+    }
+    Ok((ebpf, FeatureReport { socket_addresses }))
+}
+
+fn attach_programs(ebpf: &mut Ebpf) -> Result<usize> {
+    let all = attachments();
+    for attachment in &all {
+        let Attachment {
+            program,
+            category,
+            name,
+        } = attachment;
+        tracepoint(ebpf, program)?
+            .attach(category, name)
+            .with_context(|| format!("attaching {program} to {category}/{name}"))?;
+    }
+    Ok(all.len())
+}
+
+/// Loads the real programs and attaches them, then detaches and unloads at once: proof that
+/// `run` would work, for `doctor`. Nothing is traced: the PID filter stays empty, so every
+/// program returns at its first lookup. `Err` when loading failed; the inner result is the
+/// attach (the number of tracepoints attached).
+pub fn trial_load(options: &LoadOptions) -> Result<(FeatureReport, Result<usize>)> {
+    let (mut ebpf, features) = load_programs(options)?;
+    let attached = attach_programs(&mut ebpf);
+    drop(ebpf);
+    Ok((features, attached))
+}
+
 impl LoadedProbes {
     pub fn load(options: &LoadOptions) -> Result<Self> {
-        // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
-        let unlimited = libc::rlimit {
-            rlim_cur: libc::RLIM_INFINITY,
-            rlim_max: libc::RLIM_INFINITY,
-        };
-        // SAFETY: valid rlimit pointer.
-        unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
-
-        let (offsets, socket_addresses) = match socket_offsets() {
-            Ok(offsets) => (offsets, Ok(())),
-            Err(why) => (KernelOffsets::default(), Err(why)),
-        };
-        let ring_bytes = options.ring_buffer_bytes.next_power_of_two().max(4096);
-        let mut ebpf = EbpfLoader::new()
-            .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
-            .override_global("KERNEL_OFFSETS", &offsets, true)
-            .map_max_entries("EVENTS", ring_bytes)
-            .load(EBPF_OBJECT)
-            .context("loading the eBPF programs into the kernel")?;
-
-        for (program, syscalls) in ENTER_PROGRAMS {
-            let tracepoint = tracepoint(&mut ebpf, program)?;
-            for syscall in *syscalls {
-                tracepoint
-                    .attach("syscalls", &format!("sys_enter_{syscall}"))
-                    .with_context(|| {
-                        format!("attaching {program} to syscalls/sys_enter_{syscall}")
-                    })?;
-            }
-        }
-        let exit = tracepoint(&mut ebpf, "exit_call")?;
-        for (_, syscalls) in ENTER_PROGRAMS {
-            for syscall in *syscalls {
-                exit.attach("syscalls", &format!("sys_exit_{syscall}"))
-                    .with_context(|| {
-                        format!("attaching exit_call to syscalls/sys_exit_{syscall}")
-                    })?;
-            }
-        }
-        tracepoint(&mut ebpf, "enter_close")?
-            .attach("syscalls", "sys_enter_close")
-            .context("attaching enter_close")?;
-        tracepoint(&mut ebpf, "process_exit")?
-            .attach("sched", "sched_process_exit")
-            .context("attaching process_exit")?;
-        tracepoint(&mut ebpf, "process_fork")?
-            .attach("sched", "sched_process_fork")
-            .context("attaching process_fork")?;
-
-        Ok(Self {
-            ebpf,
-            features: FeatureReport { socket_addresses },
-        })
+        let (mut ebpf, features) = load_programs(options)?;
+        attach_programs(&mut ebpf)?;
+        Ok(Self { ebpf, features })
     }
 
     pub fn take_ring_buffer(&mut self) -> Result<RingBuf<MapData>> {
@@ -270,13 +581,98 @@ impl LoadedProbes {
 }
 
 fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint> {
-    let program: &mut TracePoint = ebpf
-        .program_mut(name)
+    ebpf.program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?
         .try_into()
-        .with_context(|| format!("program {name} is not a tracepoint"))?;
-    program
-        .load()
-        .with_context(|| format!("the kernel verifier rejected {name}"))?;
-    Ok(program)
+        .with_context(|| format!("program {name} is not a tracepoint"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROOT_STATUS: &str = "Name:\tgym-tracer\nCapInh:\t0000000000000000\n\
+                               CapPrm:\t000001ffffffffff\nCapEff:\t000001ffffffffff\n\
+                               CapBnd:\t000001ffffffffff\n";
+
+    #[test]
+    fn capability_sets_decode_from_proc_status() {
+        let root = CapabilitySet::from_status(ROOT_STATUS, "CapEff").unwrap();
+        assert_eq!(root.iter().count(), 41);
+        assert_eq!(root, CapabilitySet::known());
+        assert!(REQUIRED_CAPABILITIES.iter().all(|r| r.met_by(root)));
+        // CAP_DAC_READ_SEARCH | CAP_SYS_PTRACE | CAP_PERFMON | CAP_BPF
+        let agent = CapabilitySet::from_status("CapEff:\t000000c000080004\n", "CapEff").unwrap();
+        let names: Vec<String> = agent.iter().map(Capability::name).collect();
+        assert_eq!(
+            names,
+            [
+                "CAP_DAC_READ_SEARCH",
+                "CAP_SYS_PTRACE",
+                "CAP_PERFMON",
+                "CAP_BPF"
+            ]
+        );
+        assert!(REQUIRED_CAPABILITIES.iter().all(|r| r.met_by(agent)));
+        let none = CapabilitySet::from_status("CapEff:\t0000000000000000\n", "CapEff").unwrap();
+        assert!(REQUIRED_CAPABILITIES.iter().all(|r| !r.met_by(none)));
+        assert!(CapabilitySet::from_status("CapEff:\tzz\n", "CapEff").is_err());
+        assert!(CapabilitySet::from_status(ROOT_STATUS, "CapAmb").is_err());
+    }
+
+    #[test]
+    fn cap_sys_admin_stands_in_for_bpf_and_perfmon_only() {
+        let admin = CapabilitySet(1 << Capability::SYS_ADMIN.0);
+        assert!(requirement(Capability::BPF).met_by(admin));
+        assert!(requirement(Capability::PERFMON).met_by(admin));
+        assert!(!requirement(Capability::SYS_PTRACE).met_by(admin));
+        assert!(!requirement(Capability::DAC_READ_SEARCH).met_by(admin));
+        let dac_override = CapabilitySet(1 << Capability::DAC_OVERRIDE.0);
+        assert!(requirement(Capability::DAC_READ_SEARCH).met_by(dac_override));
+    }
+
+    #[test]
+    fn capability_names_cover_new_and_unknown_numbers() {
+        assert_eq!(Capability::BPF.name(), "CAP_BPF");
+        assert_eq!(Capability::BPF.short_name(), "BPF");
+        assert_eq!(Capability(40).name(), "CAP_CHECKPOINT_RESTORE");
+        assert_eq!(Capability(41).name(), "CAP_41");
+    }
+
+    #[test]
+    fn the_missing_capability_message_names_them_and_how_to_grant_the_set() {
+        let message = missing_capabilities_message(&[
+            requirement(Capability::PERFMON),
+            requirement(Capability::SYS_PTRACE),
+        ]);
+        assert!(message.starts_with("gym-tracer lacks CAP_PERFMON and CAP_SYS_PTRACE (it needs"));
+        assert!(message.contains("root"));
+        assert!(message.contains(
+            "AmbientCapabilities=CAP_BPF CAP_PERFMON CAP_DAC_READ_SEARCH CAP_SYS_PTRACE"
+        ));
+        assert!(message.contains("add: [BPF, PERFMON, DAC_READ_SEARCH, SYS_PTRACE]"));
+        assert!(
+            message.contains("setcap cap_bpf,cap_perfmon,cap_dac_read_search,cap_sys_ptrace+ep")
+        );
+    }
+
+    #[test]
+    fn tracefs_mounts_are_recognised_in_mountinfo() {
+        let mountinfo = "50 25 0:12 / /sys/kernel/tracing rw,relatime shared:4 - tracefs nodev rw\n\
+                         51 25 0:13 / /sys/kernel/debug rw - debugfs debugfs rw";
+        assert!(is_tracefs_mount(mountinfo, "/sys/kernel/tracing"));
+        assert!(!is_tracefs_mount(mountinfo, "/sys/kernel/debug"));
+        assert!(!is_tracefs_mount(mountinfo, "/sys/kernel/debug/tracing"));
+    }
+
+    #[test]
+    fn every_program_is_attached_and_tracepoints_are_unique() {
+        let all = attachments();
+        assert_eq!(all.len(), 25);
+        let mut names: Vec<String> = all.iter().map(Attachment::tracepoint).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        assert!(names.contains(&"sched/sched_process_fork".to_string()));
+    }
 }

@@ -10,7 +10,11 @@ use crate::cli::LogFormat;
 /// Installs the global subscriber. `auto` picks text on a terminal and JSON otherwise (a
 /// pipe, a file, journald, a container log).
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Without RUST_LOG: the SDK's own warnings repeat what the agent already reports once
+    // per streak of failed exports ("exporting spans failed …"), so only its errors show.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new("info,opentelemetry=error,opentelemetry_sdk=error,opentelemetry_otlp=error")
+    });
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,

@@ -52,10 +52,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run_agent(args.clone()),
         Command::CheckConfig(_) => config::check_config(&loaded).map(|()| true),
         Command::Doctor(args) => doctor::run(args),
-        Command::Reference => {
-            print!("{}", reference::markdown());
-            Ok(true)
-        }
+        Command::Reference(args) => reference::run(args).map(|()| true),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -35,6 +35,60 @@ fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
     }
 }
 
+/// One instrument as exported: the reference in the README is generated from these.
+pub struct Instrument {
+    pub name: &'static str,
+    pub kind: &'static str,
+    pub unit: &'static str,
+    pub description: &'static str,
+}
+
+const SERVER_DURATION: Instrument = Instrument {
+    name: "http.server.request.duration",
+    kind: "histogram",
+    unit: "s",
+    description: "Duration of HTTP server requests.",
+};
+const CLIENT_DURATION: Instrument = Instrument {
+    name: "http.client.request.duration",
+    kind: "histogram",
+    unit: "s",
+    description: "Duration of HTTP client requests.",
+};
+const ROLLOUT_DURATION: Instrument = Instrument {
+    name: "gym.rollout.duration_ms",
+    kind: "histogram",
+    unit: "ms",
+    description: "Wall-clock duration of one rollout (agent /run).",
+};
+const VERIFY_DURATION: Instrument = Instrument {
+    name: "gym.verify.duration_ms",
+    kind: "histogram",
+    unit: "ms",
+    description: "Wall-clock duration of one verification (resources /verify).",
+};
+const VERIFY_SUCCESS_RATE: Instrument = Instrument {
+    name: "gym.verify.success_rate",
+    kind: "gauge",
+    unit: "",
+    description: "Fraction of /verify calls whose handler completed, since the tracer attached.",
+};
+const VERIFY_CALLS: Instrument = Instrument {
+    name: "gym.verify.calls",
+    kind: "counter",
+    unit: "",
+    description: "/verify calls, by whether the handler completed (succeeded).",
+};
+
+pub const INSTRUMENTS: [&Instrument; 6] = [
+    &SERVER_DURATION,
+    &CLIENT_DURATION,
+    &ROLLOUT_DURATION,
+    &VERIFY_DURATION,
+    &VERIFY_SUCCESS_RATE,
+    &VERIFY_CALLS,
+];
+
 /// Bucket boundaries the OTel HTTP semantic conventions specify for
 /// `http.server.request.duration`, in seconds.
 pub const HTTP_DURATION_BOUNDARIES_S: [f64; 14] = [
@@ -78,36 +132,34 @@ impl Metrics {
         let provider = meter_provider(&self.target, service, self.interval)?;
         let meter = provider.meter("gym-tracer");
         let server_duration = meter
-            .f64_histogram("http.server.request.duration")
-            .with_unit("s")
-            .with_description("Duration of HTTP server requests.")
+            .f64_histogram(SERVER_DURATION.name)
+            .with_unit(SERVER_DURATION.unit)
+            .with_description(SERVER_DURATION.description)
             .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
             .build();
         let client_duration = meter
-            .f64_histogram("http.client.request.duration")
-            .with_unit("s")
-            .with_description("Duration of HTTP client requests.")
+            .f64_histogram(CLIENT_DURATION.name)
+            .with_unit(CLIENT_DURATION.unit)
+            .with_description(CLIENT_DURATION.description)
             .with_boundaries(HTTP_DURATION_BOUNDARIES_S.to_vec())
             .build();
         let rollout_duration = meter
-            .f64_histogram("gym.rollout.duration_ms")
-            .with_unit("ms")
-            .with_description("Wall-clock duration of one rollout (agent /run).")
+            .f64_histogram(ROLLOUT_DURATION.name)
+            .with_unit(ROLLOUT_DURATION.unit)
+            .with_description(ROLLOUT_DURATION.description)
             .build();
         let verify_duration = meter
-            .f64_histogram("gym.verify.duration_ms")
-            .with_unit("ms")
-            .with_description("Wall-clock duration of one verification (resources /verify).")
+            .f64_histogram(VERIFY_DURATION.name)
+            .with_unit(VERIFY_DURATION.unit)
+            .with_description(VERIFY_DURATION.description)
             .build();
         let verify_success_rate = meter
-            .f64_gauge("gym.verify.success_rate")
-            .with_description(
-                "Fraction of /verify calls whose handler completed, since the tracer attached.",
-            )
+            .f64_gauge(VERIFY_SUCCESS_RATE.name)
+            .with_description(VERIFY_SUCCESS_RATE.description)
             .build();
         let verify_calls = meter
-            .u64_counter("gym.verify.calls")
-            .with_description("/verify calls, by whether the handler completed (succeeded).")
+            .u64_counter(VERIFY_CALLS.name)
+            .with_description(VERIFY_CALLS.description)
             .build();
         self.services.insert(
             service.pid,
@@ -135,7 +187,7 @@ impl Metrics {
         if let Some(service) = self.services.remove(&pid) {
             tokio::task::spawn_blocking(move || {
                 if let Err(error) = service.provider.shutdown() {
-                    eprintln!("gym-tracer: final metric export for pid {pid} failed: {error}");
+                    tracing::warn!(pid, "final metric export for pid {pid} failed: {error}");
                 }
             });
         }
@@ -152,7 +204,11 @@ impl Metrics {
         if !self.services.contains_key(&identity.pid)
             && let Err(error) = self.add_service(identity)
         {
-            eprintln!("gym-tracer: no metrics for pid {}: {error:#}", identity.pid);
+            tracing::warn!(
+                pid = identity.pid,
+                "no metrics for pid {}: {error:#}",
+                identity.pid
+            );
             return;
         }
         let Some(service) = self.services.get_mut(&identity.pid) else {
@@ -230,7 +286,7 @@ impl Metrics {
         let _ = tokio::task::spawn_blocking(move || {
             for provider in providers {
                 if let Err(error) = provider.shutdown() {
-                    eprintln!("gym-tracer: final metric export failed: {error}");
+                    tracing::warn!("final metric export failed: {error}");
                 }
             }
         })

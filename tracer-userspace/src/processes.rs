@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::gym::ServerType;
 use crate::gym::routes::{RouteNamer, RouteTable, RouteTemplate};
 use crate::gym::semantics::infer_server_type;
-use crate::identity::{GymLabels, ServiceIdentity};
+use crate::identity::{AgentResource, GymLabels, ServiceIdentity};
 
 pub struct TracedProcess {
     pub identity: Arc<ServiceIdentity>,
@@ -24,16 +24,20 @@ pub struct TracedProcess {
 pub struct ProcessTable {
     processes: HashMap<u32, TracedProcess>,
     user_routes: Vec<RouteTemplate>,
-    agent_service_name: Option<String>,
+    agent: AgentResource,
 }
 
 impl ProcessTable {
-    pub fn new(user_routes: Vec<RouteTemplate>, agent_service_name: Option<String>) -> Self {
+    pub fn new(user_routes: Vec<RouteTemplate>, agent: AgentResource) -> Self {
         Self {
             processes: HashMap::new(),
             user_routes,
-            agent_service_name,
+            agent,
         }
+    }
+
+    pub fn len(&self) -> usize {
+        self.processes.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -54,8 +58,7 @@ impl ProcessTable {
         let other_server_type = server_type.is_none() && labels.server_type_key.is_some();
         let mut table = RouteTable::new(self.user_routes.clone());
         table.set_server_type(server_type);
-        let identity =
-            ServiceIdentity::of_process(pid, labels, self.agent_service_name.as_deref(), None);
+        let identity = ServiceIdentity::of_process(pid, labels, &self.agent, None);
         self.processes.entry(pid).insert_entry(TracedProcess {
             identity: Arc::new(identity),
             root: pid,
@@ -73,7 +76,7 @@ impl ProcessTable {
         let identity = ServiceIdentity::of_process(
             child,
             parent_process.identity.labels.clone(),
-            self.agent_service_name.as_deref(),
+            &self.agent,
             Some(parent),
         );
         let process = TracedProcess {
@@ -122,7 +125,7 @@ mod tests {
 
     #[test]
     fn a_child_inherits_identity_routes_and_root() {
-        let mut table = ProcessTable::new(Vec::new(), None);
+        let mut table = ProcessTable::new(Vec::new(), AgentResource::default());
         table.attach(10, labels("math", Some(ServerType::Resources)));
         let routes: Vec<RouteTemplate> = vec!["/items/{item_id}".parse().unwrap()];
         table.set_harvested_routes(10, &routes);
@@ -143,7 +146,7 @@ mod tests {
 
     #[test]
     fn harvested_routes_give_an_unknown_type_but_never_override_one() {
-        let mut table = ProcessTable::new(Vec::new(), None);
+        let mut table = ProcessTable::new(Vec::new(), AgentResource::default());
         table.attach(20, labels("unknown", None));
         table.attach(
             21,

@@ -436,7 +436,7 @@ mod tests {
                 server_name: Some("math".into()),
                 ..GymLabels::default()
             },
-            None,
+            &crate::identity::AgentResource::default(),
             None,
         ))
     }

@@ -51,50 +51,55 @@ impl Stats {
     }
 }
 
+impl Stats {
+    /// Every counter by name, in the order they are printed. The names are the keys of the
+    /// shutdown line and, prefixed `gym_tracer_` with `_total`, the Prometheus counters.
+    pub fn counters(&self) -> [(&'static str, u64); 31] {
+        [
+            ("events_in", self.events_in),
+            ("events_lost_in_kernel", self.events_lost_in_kernel),
+            ("events_undecodable", self.events_undecodable),
+            ("exchanges", self.exchanges),
+            ("spans_queued", self.spans_queued),
+            ("spans_dropped_queue_full", self.spans_dropped_queue_full),
+            ("parse_not_http", self.parse_not_http),
+            ("parse_head_too_large", self.parse_head_too_large),
+            ("parse_uncaptured_start", self.parse_uncaptured_start),
+            ("parse_lost_chunk_framing", self.parse_lost_chunk_framing),
+            ("data_without_connection", self.data_without_connection),
+            ("responses_without_request", self.responses_without_request),
+            ("requests_dropped_overflow", self.requests_dropped_overflow),
+            ("connections_dropped", self.connections_dropped),
+            ("connections_not_http", self.connections_not_http),
+            ("processes_attached", self.processes_attached),
+            ("processes_exited", self.processes_exited),
+            ("forks_followed", self.forks_followed),
+            ("fork_threads_ignored", self.fork_threads_ignored),
+            ("self_requests_ignored", self.self_requests_ignored),
+            ("route_tables_harvested", self.route_tables_harvested),
+            ("route_harvests_failed", self.route_harvests_failed),
+            ("requests_unnamed", self.requests_unnamed),
+            ("environ_unreadable", self.environ_unreadable),
+            ("cross_process_links", self.stitch.cross_process_links),
+            ("parents_ambiguous", self.stitch.parents_ambiguous),
+            ("parents_contradicted", self.stitch.parents_contradicted),
+            ("parents_none", self.stitch.parents_none),
+            (
+                "spans_flushed_unmatched",
+                self.stitch.spans_flushed_unmatched,
+            ),
+            ("spans_released_early", self.stitch.spans_released_early),
+            ("stitch_nodes_evicted", self.stitch.nodes_evicted),
+        ]
+    }
+}
+
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "events_in={} events_lost_in_kernel={} events_undecodable={} exchanges={} \
-             spans_queued={} spans_dropped_queue_full={} parse_errors(not_http={} head_too_large={} \
-             uncaptured_start={} lost_chunk_framing={}) data_without_connection={} \
-             responses_without_request={} requests_dropped_overflow={} connections_dropped={} \
-             connections_not_http={} processes_attached={} processes_exited={} forks_followed={} \
-             fork_threads_ignored={} self_requests_ignored={} route_tables_harvested={} \
-             route_harvests_failed={} requests_unnamed={} environ_unreadable={} \
-             cross_process_links={} parents_ambiguous={} parents_contradicted={} parents_none={} \
-             spans_flushed_unmatched={} spans_released_early={} stitch_nodes_evicted={}",
-            self.events_in,
-            self.events_lost_in_kernel,
-            self.events_undecodable,
-            self.exchanges,
-            self.spans_queued,
-            self.spans_dropped_queue_full,
-            self.parse_not_http,
-            self.parse_head_too_large,
-            self.parse_uncaptured_start,
-            self.parse_lost_chunk_framing,
-            self.data_without_connection,
-            self.responses_without_request,
-            self.requests_dropped_overflow,
-            self.connections_dropped,
-            self.connections_not_http,
-            self.processes_attached,
-            self.processes_exited,
-            self.forks_followed,
-            self.fork_threads_ignored,
-            self.self_requests_ignored,
-            self.route_tables_harvested,
-            self.route_harvests_failed,
-            self.requests_unnamed,
-            self.environ_unreadable,
-            self.stitch.cross_process_links,
-            self.stitch.parents_ambiguous,
-            self.stitch.parents_contradicted,
-            self.stitch.parents_none,
-            self.stitch.spans_flushed_unmatched,
-            self.stitch.spans_released_early,
-            self.stitch.nodes_evicted,
-        )
+        for (index, (name, value)) in self.counters().iter().enumerate() {
+            let separator = if index == 0 { "" } else { " " };
+            write!(f, "{separator}{name}={value}")?;
+        }
+        Ok(())
     }
 }

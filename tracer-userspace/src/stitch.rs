@@ -176,7 +176,7 @@ impl Stitcher {
         }
     }
 
-    #[cfg(test)]
+    /// Finished spans waiting for their delay.
     pub fn held(&self) -> usize {
         self.held.len()
     }

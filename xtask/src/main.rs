@@ -31,6 +31,10 @@ enum Cmd {
         /// integration test is then skipped.
         #[arg(long)]
         no_gym_venv: bool,
+        /// Only the toolchain the build needs (nightly + rust-src, bpf-linker): no venvs,
+        /// no tracefs. For image builds (deploy/Dockerfile).
+        #[arg(long)]
+        toolchain_only: bool,
     },
     /// Build the agent (the eBPF object is built by tracer-userspace's build.rs).
     Build {
@@ -66,6 +70,9 @@ enum Cmd {
     Demo,
     /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
     Lint,
+    /// Regenerate README.md's reference section (options, spans, metrics) from the code; a
+    /// unit test fails while it is stale.
+    Docs,
 }
 
 fn main() -> ExitCode {
@@ -75,7 +82,11 @@ fn main() -> ExitCode {
         Err(err) => return report(err),
     };
     let result = match cli.command {
-        Cmd::Setup { no_gym_venv } => setup(&ctx, !no_gym_venv),
+        Cmd::Setup {
+            toolchain_only: true,
+            ..
+        } => setup_toolchain(&ctx),
+        Cmd::Setup { no_gym_venv, .. } => setup(&ctx, !no_gym_venv),
         Cmd::Build { release } => build(&ctx, release).map(|bin| {
             println!("xtask: built {}", bin.display());
         }),
@@ -87,6 +98,7 @@ fn main() -> ExitCode {
         } => test(&ctx, unit_only, !no_gym_venv, &pytest_args),
         Cmd::Demo => demo(&ctx),
         Cmd::Lint => lint(&ctx),
+        Cmd::Docs => docs(&ctx),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -233,9 +245,7 @@ fn setup(ctx: &Ctx, gym_venv: bool) -> Result<()> {
             ctx.cargo_bin.display()
         );
     }
-    ensure_nightly(ctx)?;
-    ensure_rust_src(ctx)?;
-    ensure_bpf_linker(ctx)?;
+    setup_toolchain(ctx)?;
     ensure_venv(ctx)?;
     if gym_venv {
         ensure_gym_venv(ctx)?;
@@ -245,6 +255,13 @@ fn setup(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     ensure_tracefs(ctx);
     println!("xtask: setup complete");
     Ok(())
+}
+
+/// What building the agent needs: nightly with rust-src, and bpf-linker.
+fn setup_toolchain(ctx: &Ctx) -> Result<()> {
+    ensure_nightly(ctx)?;
+    ensure_rust_src(ctx)?;
+    ensure_bpf_linker(ctx)
 }
 
 /// The eBPF crate is built with nightly (`-Z build-std=core`).
@@ -662,7 +679,8 @@ fn run(ctx: &Ctx, release: bool, args: &[OsString]) -> Result<ExitCode> {
     let bin = build(ctx, release)?;
     if !is_root() {
         eprintln!(
-            "xtask: warning: not running as root; the agent needs root or CAP_BPF+CAP_PERFMON \
+            "xtask: warning: not running as root; the agent needs root or CAP_BPF, CAP_PERFMON, \
+             CAP_DAC_READ_SEARCH and CAP_SYS_PTRACE \
              to load its eBPF programs"
         );
     }
@@ -744,6 +762,19 @@ fn demo(ctx: &Ctx) -> Result<()> {
         .arg(&bin);
     run_checked(&mut cmd, "the demo failed: see its output above")?;
     println!("xtask: demo finished");
+    Ok(())
+}
+
+fn docs(ctx: &Ctx) -> Result<()> {
+    let bin = build(ctx, true)?;
+    let readme = ctx.root.join("README.md");
+    run_checked(
+        Command::new(&bin)
+            .args(["reference", "--update"])
+            .arg(&readme),
+        "regenerating the README reference failed: see the error above",
+    )?;
+    println!("xtask: updated {}", readme.display());
     Ok(())
 }
 
