@@ -541,7 +541,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
         match &target {
             ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
             ExportTarget::Tree => "a tree per trace on stdout".to_string(),
-            ExportTarget::Otlp(otlp) => format!("OTLP {:?} {}", otlp.protocol, otlp.endpoint),
+            ExportTarget::Otlp(otlp) => format!(
+                "OTLP {:?} {}",
+                otlp.protocol,
+                crate::config::printable_endpoint(&otlp.endpoint)
+            ),
         }
     );
 

@@ -235,7 +235,12 @@ pub struct RunArgs {
 
     /// Headers sent with every OTLP export, as `key=value,key2=value2` (values may be
     /// percent-encoded), e.g. an authorization token. Masked by check-config and in logs.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_HEADERS", value_name = "LIST")]
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_HEADERS",
+        hide_env_values = true,
+        value_name = "LIST"
+    )]
     pub otlp_headers: Option<HeaderList>,
 
     /// Milliseconds an OTLP export may take before it is abandoned (and counted as failed).

@@ -125,6 +125,18 @@ impl fmt::Debug for HeaderList {
     }
 }
 
+/// An endpoint URL fit to print: `user:password@` (credentials some put in URLs) masked.
+pub fn printable_endpoint(endpoint: &str) -> String {
+    let Some((scheme, rest)) = endpoint.split_once("://") else {
+        return endpoint.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority_end..]),
+        None => endpoint.to_owned(),
+    }
+}
+
 /// Where the health endpoint listens: loopback unless an address says otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HealthListen(pub SocketAddr);
@@ -441,7 +453,12 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
             "ring_buffer_bytes",
             Some(args.ring_buffer_bytes.to_string()),
         ),
-        ("otlp_endpoint", shown(&args.otlp_endpoint)),
+        (
+            "otlp_endpoint",
+            args.otlp_endpoint
+                .as_deref()
+                .map(|e| toml_string(&printable_endpoint(e))),
+        ),
         ("otlp_protocol", Some(value_name(&args.otlp_protocol))),
         (
             "otlp_headers",
@@ -502,15 +519,17 @@ pub fn validate(args: &RunArgs) -> Result<()> {
         match scheme {
             Some("http") | Some("https") => {}
             _ => bail!(
-                "--otlp-endpoint `{endpoint}` must start with http:// or https:// \
-                 (e.g. http://collector:4317 for gRPC, http://collector:4318 for HTTP)"
+                "--otlp-endpoint `{}` must start with http:// or https:// \
+                 (e.g. http://collector:4317 for gRPC, http://collector:4318 for HTTP)",
+                printable_endpoint(endpoint)
             ),
         }
         let tls_files = args.otlp_ca_file.is_some() || args.otlp_client_cert.is_some();
         if tls_files && scheme == Some("http") {
             bail!(
                 "TLS files are set (--otlp-ca-file / --otlp-client-cert) but the endpoint \
-                 `{endpoint}` is plain http://; use https:// to reach the collector over TLS"
+                 `{}` is plain http://; use https:// to reach the collector over TLS",
+                printable_endpoint(endpoint)
             );
         }
     }
@@ -724,6 +743,23 @@ mod tests {
         assert!(!text.contains("sk-secret"), "{text}");
         assert!(text.contains("pid = [\"1\"]  # flag"), "{text}");
         assert!(!format!("{args:?}").contains("sk-secret"));
+        // `--help` prints environment values next to options; never this one's.
+        // SAFETY: test-only; no other test reads this variable.
+        unsafe { std::env::set_var("OTEL_EXPORTER_OTLP_HEADERS", "authorization=sk-secret") };
+        let mut help = Vec::new();
+        Cli::command()
+            .find_subcommand_mut("run")
+            .unwrap()
+            .write_long_help(&mut help)
+            .unwrap();
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("OTEL_EXPORTER_OTLP_HEADERS") };
+        let help = String::from_utf8(help).unwrap();
+        assert!(help.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{help}");
+        assert!(
+            !help.contains("sk-secret"),
+            "--help shows the header values"
+        );
     }
 
     #[test]
@@ -776,6 +812,16 @@ mod tests {
         .unwrap();
         let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
         assert!(error.contains("/nonexistent/ca.pem"), "{error}");
+    }
+
+    #[test]
+    fn endpoints_print_without_credentials() {
+        assert_eq!(
+            printable_endpoint("https://u:pw@c:4318/x"),
+            "https://***@c:4318/x"
+        );
+        assert_eq!(printable_endpoint("http://c:4317"), "http://c:4317");
+        assert_eq!(printable_endpoint("http://c:4317/a@b"), "http://c:4317/a@b");
     }
 
     #[test]

@@ -566,8 +566,9 @@ fn otlp_metric_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::Met
 fn build_error(error: &anyhow::Error, signal: Signal, endpoint: &str) -> anyhow::Error {
     let text = format!("{error:#}");
     anyhow::anyhow!(
-        "creating the OTLP {} exporter for {endpoint}: {text}{}",
+        "creating the OTLP {} exporter for {}: {text}{}",
         signal.name(),
+        crate::config::printable_endpoint(endpoint),
         failure_hint(&text)
     )
 }
