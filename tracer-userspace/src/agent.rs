@@ -16,11 +16,10 @@ use tokio::sync::mpsc;
 use crate::classify::{classify, semantic_at_start, wants_run_body};
 use crate::cli::{Discover, Output, RunArgs};
 use crate::clock::WallClock;
-use crate::config::HeaderList;
 use crate::connections::{ConnectionTable, HttpExchange, RequestStart, TableAction};
 use crate::discovery::{GymServer, ProcScanner, gym_server_from_env, read_process_env};
 use crate::events::{KernelEvent, Role, decode};
-use crate::export::{ExportLimits, ExportTarget, OtlpOptions, SpanPipeline};
+use crate::export::{ExportLimits, ExportTarget, SpanPipeline};
 use crate::gym::ServerType;
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix, templates_from_openapi};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
@@ -404,20 +403,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let mut ring = unsafe { AsyncFd::register(probes.take_ring_buffer()?) }
         .map_err(|error| anyhow::anyhow!("polling the ring buffer: {error}"))?;
 
-    let target = match &args.otlp_endpoint {
-        Some(endpoint) if !endpoint.is_empty() => ExportTarget::Otlp(OtlpOptions {
-            endpoint: endpoint.clone(),
-            protocol: args.otlp_protocol,
-            headers: args.otlp_headers.clone().unwrap_or(HeaderList(Vec::new())),
-            timeout: Duration::from_millis(args.otlp_timeout),
-            compression: args.otlp_compression,
-            ca_file: args.otlp_ca_file.clone(),
-            client_identity: args
-                .otlp_client_cert
-                .clone()
-                .zip(args.otlp_client_key.clone()),
-        }),
-        _ => match args.output {
+    let target = match crate::config::otlp_options(&args) {
+        Some(options) => ExportTarget::Otlp(options),
+        None => match args.output {
             Output::Json => ExportTarget::JsonLines,
             Output::Tree => ExportTarget::Tree,
         },

@@ -18,6 +18,7 @@ use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches};
 
 use crate::cli::{Cli, Command, RunArgs};
+use crate::export::OtlpOptions;
 
 /// `key=value,key2=value2`, as OTEL_EXPORTER_OTLP_HEADERS and OTEL_RESOURCE_ATTRIBUTES
 /// write them (values percent-decoded).
@@ -538,17 +539,29 @@ pub fn validate(args: &RunArgs) -> Result<()> {
         (None, Some(_)) => bail!("--otlp-client-key needs --otlp-client-cert"),
         _ => {}
     }
-    for (flag, file) in [
-        ("--otlp-ca-file", &args.otlp_ca_file),
-        ("--otlp-client-cert", &args.otlp_client_cert),
-        ("--otlp-client-key", &args.otlp_client_key),
-    ] {
-        if let Some(file) = file {
-            std::fs::File::open(file)
-                .with_context(|| format!("{flag} {}: cannot be read", file.display()))?;
-        }
+    if let Some(options) = otlp_options(args) {
+        // The certificate files' contents and the SDK's own environment variables, as the
+        // exporters will read them.
+        crate::export::check_otlp_options(&options)?;
     }
     Ok(())
+}
+
+/// How to reach the collector, when an endpoint is configured.
+pub fn otlp_options(args: &RunArgs) -> Option<OtlpOptions> {
+    let endpoint = args.otlp_endpoint.as_ref().filter(|e| !e.is_empty())?;
+    Some(OtlpOptions {
+        endpoint: endpoint.clone(),
+        protocol: args.otlp_protocol,
+        headers: args.otlp_headers.clone().unwrap_or(HeaderList(Vec::new())),
+        timeout: std::time::Duration::from_millis(args.otlp_timeout),
+        compression: args.otlp_compression,
+        ca_file: args.otlp_ca_file.clone(),
+        client_identity: args
+            .otlp_client_cert
+            .clone()
+            .zip(args.otlp_client_key.clone()),
+    })
 }
 
 /// `gym-tracer check-config`.
@@ -812,6 +825,32 @@ mod tests {
         .unwrap();
         let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
         assert!(error.contains("/nonexistent/ca.pem"), "{error}");
+        // check-config reads the files as the exporter will: a file that is not PEM fails now,
+        // not at the first TLS handshake.
+        let not_pem =
+            std::env::temp_dir().join(format!("gym-tracer-not-pem-{}", std::process::id()));
+        std::fs::write(&not_pem, "hostname\n").unwrap();
+        let not_pem_text = not_pem.display().to_string();
+        let loaded = load_with(
+            &[
+                "run",
+                "--discover",
+                "gym",
+                "--otlp-endpoint",
+                "https://c:4317",
+                "--otlp-ca-file",
+                &not_pem_text,
+            ],
+            &[],
+            None,
+        )
+        .unwrap();
+        let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
+        std::fs::remove_file(&not_pem).unwrap();
+        assert!(
+            error.contains("--otlp-ca-file") && error.contains("no PEM"),
+            "{error}"
+        );
     }
 
     #[test]

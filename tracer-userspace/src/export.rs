@@ -176,6 +176,12 @@ struct OtlpTransport {
     identity_pem: Option<(Vec<u8>, Vec<u8>)>,
 }
 
+/// Everything [`OtlpTransport::load`] checks before an exporter is built (`check-config`
+/// and `run` call this before loading anything into the kernel).
+pub fn check_otlp_options(options: &OtlpOptions) -> Result<()> {
+    OtlpTransport::load(options).map(drop)
+}
+
 impl OtlpTransport {
     fn load(options: &OtlpOptions) -> Result<Self> {
         install_crypto_provider();
