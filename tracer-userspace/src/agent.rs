@@ -208,6 +208,14 @@ impl Pipeline {
         self.offer_released();
     }
 
+    /// Copies into `stats` the counters other parts keep (the stitcher, the kernel's loss
+    /// counter, discovery), for /metrics and the closing line.
+    fn collect_stats(&mut self, events_lost_in_kernel: u64, scanner: Option<&ProcScanner>) {
+        self.stats.stitch = self.stitcher.stats;
+        self.stats.events_lost_in_kernel = events_lost_in_kernel;
+        self.stats.environ_unreadable = scanner.map_or(0, ProcScanner::unreadable);
+    }
+
     /// Hands the spans the stitcher let go of to the exporters.
     fn offer_released(&mut self) {
         for span in self.released.drain(..) {
@@ -572,10 +580,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 pipeline.offer_released();
             }
             _ = publish.tick(), if args.health_listen.is_some() => {
-                pipeline.stats.stitch = pipeline.stitcher.stats;
-                pipeline.stats.events_lost_in_kernel = probes.lost_events();
-                pipeline.stats.environ_unreadable =
-                    scanner.as_ref().map_or(0, ProcScanner::unreadable);
+                pipeline.collect_stats(probes.lost_events(), scanner.as_ref());
                 pipeline.health.publish(&pipeline.stats, Gauges {
                     processes_traced: pipeline.processes.len() as u64,
                     connections_tracked: pipeline.table.open_connections() as u64,
@@ -632,9 +637,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     }
     pipeline.stitcher.release_all(&mut pipeline.released);
     pipeline.offer_released();
-    pipeline.stats.stitch = pipeline.stitcher.stats;
-    pipeline.stats.events_lost_in_kernel = lost;
-    pipeline.stats.environ_unreadable = scanner.as_ref().map_or(0, ProcScanner::unreadable);
+    pipeline.collect_stats(lost, scanner.as_ref());
     let in_flight = pipeline.table.in_flight_requests();
     let open_connections = pipeline.table.open_connections();
     let Pipeline {

@@ -267,85 +267,83 @@ fn scalar_text(key: &str, value: toml::Value, path: &Path) -> Result<String> {
 /// Options a file may not set: the file itself, and what only makes sense per invocation.
 const NOT_IN_FILE: &[&str] = &["config", "help", "version"];
 
+/// An option the file may set.
+struct FileKey {
+    /// The long name with `_` for `-`, as file keys are compared.
+    key: String,
+    long: String,
+    id: String,
+    /// Takes a list (repeatable flags).
+    multiple: bool,
+    /// A global option (on the top-level command, not on `run`).
+    global: bool,
+}
+
+/// The options of `run` and the global ones, minus [`NOT_IN_FILE`].
+fn file_keys(command: &clap::Command) -> Vec<FileKey> {
+    let run = command
+        .find_subcommand("run")
+        .expect("the run subcommand exists");
+    let options = run.get_arguments().map(|arg| (arg, false));
+    let globals = command.get_arguments().map(|arg| (arg, true));
+    options
+        .chain(globals)
+        .filter(|(arg, _)| !NOT_IN_FILE.contains(&arg.get_id().as_str()))
+        .filter_map(|(arg, global)| {
+            let long = arg.get_long()?;
+            Some(FileKey {
+                key: long.replace('-', "_"),
+                long: long.to_owned(),
+                id: arg.get_id().to_string(),
+                multiple: matches!(arg.get_action(), ArgAction::Append),
+                global,
+            })
+        })
+        .collect()
+}
+
 /// Makes the file's values the defaults of their options; returns the ids it set.
 fn apply_file_defaults(
     mut command: clap::Command,
     values: &FileValues,
     path: &Path,
 ) -> Result<(clap::Command, Vec<String>)> {
-    let run = command
-        .find_subcommand("run")
-        .expect("the run subcommand exists")
-        .clone();
-    // File keys are the long option names (with `-` or `_`); clap knows options by id.
-    let known: Vec<(String, String)> = run
-        .get_arguments()
-        .chain(command.get_arguments())
-        .filter(|arg| !NOT_IN_FILE.contains(&arg.get_id().as_str()))
-        .filter_map(|arg| Some((arg.get_long()?.replace('-', "_"), arg.get_id().to_string())))
-        .collect();
-    let mut resolved = FileValues::new();
+    let keys = file_keys(&command);
+    let mut ids = Vec::new();
     for (key, strings) in values {
-        let Some((_, id)) = known.iter().find(|(long, _)| long == key) else {
+        let Some(option) = keys.iter().find(|option| option.key == *key) else {
+            let valid: Vec<&str> = keys.iter().map(|option| option.long.as_str()).collect();
             bail!(
                 "{}: unknown key `{}`; the keys are the long options of `gym-tracer run`: {}",
                 path.display(),
                 key.replace('_', "-"),
-                known
-                    .iter()
-                    .map(|(long, _)| long.replace('_', "-"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                valid.join(", ")
             );
         };
-        resolved.insert(id.clone(), strings.clone());
-    }
-    for (id, strings) in &resolved {
-        let is_global = command
-            .get_arguments()
-            .any(|arg| arg.get_id() == id.as_str());
-        let set_default = |arg: clap::Arg| -> clap::Arg {
-            let multiple = matches!(arg.get_action(), ArgAction::Append);
-            if multiple {
-                arg.default_values(strings.clone())
-            } else {
-                arg.default_value(strings.last().cloned().unwrap_or_default())
-            }
-        };
-        if !matches!(
-            run.get_arguments()
-                .find(|arg| arg.get_id() == id.as_str())
-                .map(|arg| arg.get_action()),
-            Some(ArgAction::Append) | None
-        ) && strings.len() > 1
-        {
+        if !option.multiple && strings.len() > 1 {
             bail!(
                 "{}: `{}` takes one value, not a list",
                 path.display(),
-                long_name(id)
+                option.long
             );
         }
-        if is_global {
-            command = command.mut_arg(id.as_str(), set_default);
+        let set_default = |arg: clap::Arg| {
+            if option.multiple {
+                arg.default_values(strings.clone())
+            } else {
+                arg.default_value(strings.first().cloned().unwrap_or_default())
+            }
+        };
+        if option.global {
+            command = command.mut_arg(&option.id, set_default);
         } else {
             for name in ["run", "check-config"] {
-                command = command.mut_subcommand(name, |sub| sub.mut_arg(id.as_str(), set_default));
+                command = command.mut_subcommand(name, |sub| sub.mut_arg(&option.id, set_default));
             }
         }
+        ids.push(option.id.clone());
     }
-    Ok((command, resolved.into_keys().collect()))
-}
-
-/// The long option name of an option id (`pids` → `pid`).
-fn long_name(id: &str) -> String {
-    let command = Cli::command();
-    let run = command.find_subcommand("run").expect("run exists");
-    run.get_arguments()
-        .chain(command.get_arguments())
-        .find(|arg| arg.get_id() == id)
-        .and_then(|arg| arg.get_long())
-        .unwrap_or(id)
-        .to_owned()
+    Ok((command, ids))
 }
 
 /// Where an effective value came from, for `check-config`.
@@ -394,9 +392,13 @@ impl Loaded {
         if let Some(file) = &self.file {
             out.push_str(&format!("# config file: {}\n", file.display()));
         }
+        let keys = file_keys(&Cli::command());
         for (id, value) in effective_values(&self.cli, args) {
             let source = self.source(id);
-            let key = long_name(id);
+            let key = keys
+                .iter()
+                .find(|option| option.id == id)
+                .map_or(id, |option| option.long.as_str());
             match value {
                 Some(value) => out.push_str(&format!("{key} = {value}  # {source}\n")),
                 None => out.push_str(&format!("# {key} (not set)\n")),
@@ -775,77 +777,48 @@ mod tests {
         );
     }
 
+    /// The error `validate` gives for `run` with these arguments (`--discover gym` added).
+    fn validation_error(args: &[&str]) -> String {
+        let argv: Vec<&str> = ["run", "--discover", "gym"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let loaded = load_with(&argv, &[], None).unwrap();
+        format!("{:#}", validate(run_args(&loaded)).unwrap_err())
+    }
+
     #[test]
     fn validation_names_what_to_do() {
         let loaded = load_with(&["run"], &[], None).unwrap();
         let error = validate(run_args(&loaded)).unwrap_err().to_string();
         assert!(error.contains("--discover gym"), "{error}");
-        let loaded = load_with(
-            &[
-                "run",
-                "--discover",
-                "gym",
-                "--otlp-endpoint",
-                "http://c:4317",
-                "--otlp-ca-file",
-                "/etc/hostname",
-            ],
-            &[],
-            None,
-        )
-        .unwrap();
-        let error = validate(run_args(&loaded)).unwrap_err().to_string();
+        let error = validation_error(&[
+            "--otlp-endpoint",
+            "http://c:4317",
+            "--otlp-ca-file",
+            "/etc/hostname",
+        ]);
         assert!(error.contains("use https://"), "{error}");
-        let loaded = load_with(
-            &[
-                "run",
-                "--discover",
-                "gym",
-                "--otlp-endpoint",
-                "collector:4317",
-            ],
-            &[],
-            None,
-        )
-        .unwrap();
-        assert!(validate(run_args(&loaded)).is_err());
-        let loaded = load_with(
-            &[
-                "run",
-                "--discover",
-                "gym",
-                "--otlp-endpoint",
-                "https://c:4317",
-                "--otlp-ca-file",
-                "/nonexistent/ca.pem",
-            ],
-            &[],
-            None,
-        )
-        .unwrap();
-        let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
+        let error = validation_error(&["--otlp-endpoint", "collector:4317"]);
+        assert!(error.contains("http:// or https://"), "{error}");
+        let error = validation_error(&[
+            "--otlp-endpoint",
+            "https://c:4317",
+            "--otlp-ca-file",
+            "/nonexistent/ca.pem",
+        ]);
         assert!(error.contains("/nonexistent/ca.pem"), "{error}");
         // check-config reads the files as the exporter will: a file that is not PEM fails now,
         // not at the first TLS handshake.
         let not_pem =
             std::env::temp_dir().join(format!("gym-tracer-not-pem-{}", std::process::id()));
         std::fs::write(&not_pem, "hostname\n").unwrap();
-        let not_pem_text = not_pem.display().to_string();
-        let loaded = load_with(
-            &[
-                "run",
-                "--discover",
-                "gym",
-                "--otlp-endpoint",
-                "https://c:4317",
-                "--otlp-ca-file",
-                &not_pem_text,
-            ],
-            &[],
-            None,
-        )
-        .unwrap();
-        let error = format!("{:#}", validate(run_args(&loaded)).unwrap_err());
+        let error = validation_error(&[
+            "--otlp-endpoint",
+            "https://c:4317",
+            "--otlp-ca-file",
+            &not_pem.display().to_string(),
+        ]);
         std::fs::remove_file(&not_pem).unwrap();
         assert!(
             error.contains("--otlp-ca-file") && error.contains("no PEM"),

@@ -621,7 +621,6 @@ async fn run_span_export(
     batch_size: usize,
     status: Arc<ExportStatus>,
 ) -> ExportTotals {
-    let mut totals = ExportTotals::default();
     let mut batch = Vec::with_capacity(batch_size);
     loop {
         let deadline = tokio::time::sleep(BATCH_DELAY);
@@ -641,7 +640,7 @@ async fn run_span_export(
             }
         };
         if !batch.is_empty() {
-            export_batch(&mut sink, std::mem::take(&mut batch), &mut totals, &status).await;
+            export_batch(&mut sink, std::mem::take(&mut batch), &status).await;
         }
         // Trees are printed on this tick (at least every BATCH_DELAY), not only when spans
         // arrive: a trace is printed when it has been quiet.
@@ -649,6 +648,13 @@ async fn run_span_export(
             printer.print_ready(Instant::now());
         }
         if !open {
+            // The exporter's outcomes were recorded in `status` batch by batch; a tree's spans
+            // count as exported when the tree is printed.
+            let mut totals = ExportTotals {
+                spans_exported: status.spans_exported(),
+                spans_failed: status.spans_failed(),
+                tree: None,
+            };
             match &mut sink {
                 SpanSink::Otlp(exporter, _) => {
                     let _ = exporter.shutdown();
@@ -667,12 +673,7 @@ async fn run_span_export(
     }
 }
 
-async fn export_batch(
-    sink: &mut SpanSink,
-    batch: Vec<SpanRecord>,
-    totals: &mut ExportTotals,
-    status: &ExportStatus,
-) {
+async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, status: &ExportStatus) {
     match sink {
         SpanSink::JsonLines => {
             // One write for the batch: stdout is line-buffered, a syscall per span otherwise.
@@ -685,11 +686,9 @@ async fn export_batch(
             let count = batch.len() as u64;
             match out.write_all(&text).and_then(|()| out.flush()) {
                 Ok(()) => {
-                    totals.spans_exported += count;
                     status.record_success(count);
                 }
                 Err(error) => {
-                    totals.spans_failed += count;
                     status.record_failure(count, format!("writing to stdout: {error}"));
                 }
             }
@@ -715,14 +714,12 @@ async fn export_batch(
                 exporter.set_resource(&service.resource);
                 match exporter.export(spans).await {
                     Ok(()) => {
-                        totals.spans_exported += count;
                         status.record_success(count);
                         if let Some(message) = streak.succeeded() {
                             tracing::info!("{message}");
                         }
                     }
                     Err(error) => {
-                        totals.spans_failed += count;
                         status.record_failure(count, error.to_string());
                         if let Some(message) = streak.failed(count, &error) {
                             tracing::warn!(spans = count, "{message}");
