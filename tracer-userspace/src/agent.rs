@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio::io::unix::AsyncFd;
+use tokio::runtime::Handle;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
@@ -352,12 +353,13 @@ fn harvest_address(pid: u32, server: Option<&GymServer>) -> Option<SocketAddr> {
 /// Asks one server for its `/openapi.json`, patiently: a server found at start-up may not
 /// listen yet. Gives up quietly (Gym's known routes still name its requests).
 fn spawn_harvest(
+    exporters: &Handle,
     pid: u32,
     server: Option<GymServer>,
     self_ports: SelfPorts,
     results: mpsc::UnboundedSender<Result<Harvest, String>>,
 ) {
-    tokio::spawn(async move {
+    exporters.spawn(async move {
         let mut last_error = String::from("it never listened");
         for _ in 0..HARVEST_ATTEMPTS {
             if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
@@ -390,12 +392,17 @@ fn spawn_harvest(
     });
 }
 
-pub async fn run(args: RunArgs) -> Result<()> {
+/// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
+/// talks to the network or stdout is spawned on (see `main::run_agent`).
+pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     check_pids(&args.pids)?;
     let health = Arc::new(Health::default());
     if let Some(listen) = args.health_listen {
         // Up before the probes, so a readiness probe sees 503 until they are attached.
-        let bound = crate::health::serve(listen.0, health.clone()).await?;
+        let bound = exporters
+            .spawn(crate::health::serve(listen.0, health.clone()))
+            .await
+            .context("starting the health endpoint")??;
         tracing::info!("serving /healthz and /metrics on http://{bound}");
     }
     preflight()?;
@@ -434,6 +441,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         groups: args.span_groups,
         self_ports: SelfPorts::new(),
         spans: SpanPipeline::start(
+            &exporters,
             &target,
             ExportLimits {
                 batch_size: args.export_batch_size,
@@ -441,7 +449,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
             },
             health.export.clone(),
         )?,
-        metrics: Metrics::new(target.clone(), Duration::from_secs(args.metric_interval)),
+        metrics: Metrics::new(
+            target.clone(),
+            Duration::from_secs(args.metric_interval),
+            exporters.clone(),
+        ),
         stats: Stats::default(),
         stitcher: Stitcher::new(StitchConfig {
             delay: Duration::from_millis(args.stitch_delay_ms),
@@ -488,7 +500,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
         }
         if harvest {
-            spawn_harvest(pid, server, pipeline.self_ports.clone(), harvest_tx.clone());
+            spawn_harvest(
+                &exporters,
+                pid,
+                server,
+                pipeline.self_ports.clone(),
+                harvest_tx.clone(),
+            );
         }
         Ok(())
     };

@@ -580,13 +580,15 @@ fn build_error(error: &anyhow::Error, signal: Signal, endpoint: &str) -> anyhow:
 }
 
 impl SpanPipeline {
-    /// Must be called inside the tokio runtime (the gRPC channel lives on it).
+    /// The export task, and the gRPC channel, live on `runtime`.
     /// `status` is told the outcome of every batch (for `/healthz` and `/metrics`).
     pub fn start(
+        runtime: &tokio::runtime::Handle,
         target: &ExportTarget,
         limits: ExportLimits,
         status: Arc<ExportStatus>,
     ) -> Result<Self> {
+        let _runtime = runtime.enter();
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
             ExportTarget::Tree => SpanSink::Tree(Box::new(TreePrinter::new(

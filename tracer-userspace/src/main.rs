@@ -64,12 +64,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Two runtimes, so that nothing the exporters do can delay the ring buffer: the hot path
+/// (ring drain, parsing, stitching) runs alone on this thread's current-thread runtime,
+/// whose timers and ring wake-ups need no other thread; exporters, metric readers, the
+/// health server and route harvests run on one worker thread of their own. A multi-thread
+/// runtime for everything cost a futex hand-off between threads on every drain tick.
 fn run_agent(args: cli::RunArgs) -> anyhow::Result<bool> {
     config::validate(&args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    let exporters = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("gym-tracer-export")
         .enable_all()
         .build()
-        .map_err(|error| anyhow::anyhow!("starting the async runtime: {error}"))?;
-    runtime.block_on(agent::run(args)).map(|()| true)
+        .map_err(|error| anyhow::anyhow!("starting the exporters' runtime: {error}"))?;
+    let hot_path = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|error| anyhow::anyhow!("starting the agent's runtime: {error}"))?;
+    let result = hot_path.block_on(agent::run(args, exporters.handle().clone()));
+    // Everything was flushed (or given up on) inside `run`; do not wait on stragglers.
+    exporters.shutdown_timeout(std::time::Duration::from_secs(1));
+    result.map(|()| true)
 }

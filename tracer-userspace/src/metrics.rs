@@ -3,19 +3,32 @@
 //! `nemo.gym.server.name` (Gym records the `gym.*` ones without attributes).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
+use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::classify::RequestMeaning;
 use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
 use crate::export::{ExportTarget, meter_provider};
+use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::identity::ServiceIdentity;
+
+/// `http.request.method`, static for the methods HTTP defines (no allocation per request).
+fn method_value(method: &str) -> Value {
+    const KNOWN: [&str; 9] = [
+        "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
+    ];
+    match KNOWN.iter().find(|known| **known == method) {
+        Some(known) => Value::from(*known),
+        None => Value::from(method.to_string()),
+    }
+}
 
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
 fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
@@ -115,20 +128,27 @@ pub struct Metrics {
     target: ExportTarget,
     interval: Duration,
     services: HashMap<u32, ServiceMetrics>,
+    /// Where the providers' periodic readers and exporters run.
+    runtime: tokio::runtime::Handle,
+    /// The attributes of the measurement being recorded (kept to reuse its allocation).
+    scratch: Vec<KeyValue>,
 }
 
 impl Metrics {
-    pub fn new(target: ExportTarget, interval: Duration) -> Self {
+    pub fn new(target: ExportTarget, interval: Duration, runtime: tokio::runtime::Handle) -> Self {
         Self {
             target,
             interval,
             services: HashMap::new(),
+            runtime,
+            scratch: Vec::new(),
         }
     }
 
     /// Creates the provider of a traced process, on its first request: forked helpers that
-    /// never serve HTTP cost nothing. Inside the tokio runtime.
+    /// never serve HTTP cost nothing.
     fn add_service(&mut self, service: &ServiceIdentity) -> Result<()> {
+        let _runtime = self.runtime.enter();
         let provider = meter_provider(&self.target, service, self.interval)?;
         let meter = provider.meter("gym-tracer");
         let server_duration = meter
@@ -167,7 +187,7 @@ impl Metrics {
                 provider,
                 server_name: service
                     .server_name()
-                    .map(|name| KeyValue::new("nemo.gym.server.name", name.to_string())),
+                    .map(|name| KeyValue::new("nemo.gym.server.name", Arc::<str>::from(name))),
                 server_duration,
                 client_duration,
                 rollout_duration,
@@ -185,7 +205,7 @@ impl Metrics {
     /// process has exited, and nothing of it is kept.
     pub fn remove_service(&mut self, pid: u32) {
         if let Some(service) = self.services.remove(&pid) {
-            tokio::task::spawn_blocking(move || {
+            self.runtime.spawn_blocking(move || {
                 if let Err(error) = service.provider.shutdown() {
                     tracing::warn!(pid, "final metric export for pid {pid} failed: {error}");
                 }
@@ -215,11 +235,15 @@ impl Metrics {
             return;
         };
         let elapsed_ns = exchange.end_ns.saturating_sub(exchange.start_ns) as f64;
+        // Attributes are built in a reused vector from shared or static strings: this runs
+        // once per request on the hot path.
+        let attributes = &mut self.scratch;
+        attributes.clear();
         if exchange.role == Role::Client {
-            let mut attributes = vec![KeyValue::new(
+            attributes.push(KeyValue::new(
                 "http.request.method",
-                exchange.request.method.clone(),
-            )];
+                method_value(&exchange.request.method),
+            ));
             if let Some(peer) = exchange.peer {
                 attributes.push(KeyValue::new("server.address", peer.ip().to_string()));
                 attributes.push(KeyValue::new("server.port", peer.port() as i64));
@@ -227,17 +251,15 @@ impl Metrics {
             if let Some(name) = peer_service {
                 attributes.push(KeyValue::new("peer.service", name.to_string()));
             }
-            push_outcome(&exchange.outcome, &mut attributes);
-            service
-                .client_duration
-                .record(elapsed_ns / 1e9, &attributes);
+            push_outcome(&exchange.outcome, attributes);
+            service.client_duration.record(elapsed_ns / 1e9, attributes);
             return;
         }
-        let server_name: Vec<KeyValue> = service.server_name.iter().cloned().collect();
+        attributes.extend(service.server_name.iter().cloned());
         match meaning.semantic.map(|semantic| semantic.group) {
             Some(SpanGroup::Rollout) => service
                 .rollout_duration
-                .record(elapsed_ns / 1e6, &server_name),
+                .record(elapsed_ns / 1e6, attributes),
             Some(SpanGroup::Verify) => {
                 // Succeeded = the handler completed: a reward of 0 is a success, a 5xx or a
                 // dropped connection is not.
@@ -247,35 +269,37 @@ impl Metrics {
                 );
                 service.verify_total += 1;
                 service.verify_succeeded += u64::from(succeeded);
-                service
-                    .verify_duration
-                    .record(elapsed_ns / 1e6, &server_name);
+                service.verify_duration.record(elapsed_ns / 1e6, attributes);
                 service.verify_success_rate.record(
                     service.verify_succeeded as f64 / service.verify_total as f64,
-                    &server_name,
+                    attributes,
                 );
-                let mut attributes = server_name.clone();
                 attributes.push(KeyValue::new("succeeded", succeeded));
-                service.verify_calls.add(1, &attributes);
+                service.verify_calls.add(1, attributes);
+                attributes.pop();
             }
             _ => {}
         }
-        let mut attributes = server_name;
         attributes.extend([
-            KeyValue::new("http.request.method", exchange.request.method.clone()),
+            KeyValue::new(
+                "http.request.method",
+                method_value(&exchange.request.method),
+            ),
             KeyValue::new("url.scheme", "http"),
             KeyValue::new(
                 "network.protocol.version",
-                format!("1.{}", exchange.request.version_minor),
+                if exchange.request.version_minor == 0 {
+                    "1.0"
+                } else {
+                    "1.1"
+                },
             ),
         ]);
-        if let Some(route) = meaning.route.http_route() {
-            attributes.push(KeyValue::new("http.route", route.to_string()));
+        if let RouteName::Template(route) = &meaning.route {
+            attributes.push(KeyValue::new("http.route", route.clone()));
         }
-        push_outcome(&exchange.outcome, &mut attributes);
-        service
-            .server_duration
-            .record(elapsed_ns / 1e9, &attributes);
+        push_outcome(&exchange.outcome, attributes);
+        service.server_duration.record(elapsed_ns / 1e9, attributes);
     }
 
     /// Exports every provider's final values and stops them.
@@ -283,13 +307,15 @@ impl Metrics {
         let providers: Vec<SdkMeterProvider> =
             self.services.into_values().map(|s| s.provider).collect();
         // Shutdown blocks until the final export is done; keep it off the runtime's workers.
-        let _ = tokio::task::spawn_blocking(move || {
-            for provider in providers {
-                if let Err(error) = provider.shutdown() {
-                    tracing::warn!("final metric export failed: {error}");
+        let _ = self
+            .runtime
+            .spawn_blocking(move || {
+                for provider in providers {
+                    if let Err(error) = provider.shutdown() {
+                        tracing::warn!("final metric export failed: {error}");
+                    }
                 }
-            }
-        })
-        .await;
+            })
+            .await;
     }
 }
