@@ -46,6 +46,11 @@ const RELEASE_TICK: Duration = Duration::from_millis(100);
 /// How often the counters behind --health-listen's /metrics are refreshed.
 const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Server addresses remembered for `peer.service`. A server listening on a wildcard
+/// address is reached at as many local addresses as a peer chooses (all of 127/8), so this
+/// is bounded; past it a server's new address is not named (counted: peer_names_dropped).
+const MAX_PEER_NAMES: usize = 4096;
+
 /// What the kernel said about traced processes, handled between ring-buffer batches.
 #[derive(Debug)]
 enum Lifecycle {
@@ -145,7 +150,13 @@ impl Pipeline {
                 if let (Some(local), Some(name)) = (start.local, process.identity.server_name())
                     && self.peer_names.get(&local).map(String::as_str) != Some(name)
                 {
-                    self.peer_names.insert(local, name.to_string());
+                    if self.peer_names.len() < MAX_PEER_NAMES
+                        || self.peer_names.contains_key(&local)
+                    {
+                        self.peer_names.insert(local, name.to_string());
+                    } else {
+                        self.stats.peer_names_dropped += 1;
+                    }
                 }
                 let semantic = semantic_at_start(process, &start.method, stripped.route_path);
                 StartFacts {

@@ -17,6 +17,19 @@ use crate::export::{ExportTarget, meter_provider};
 use crate::gym::span_groups::SpanGroup;
 use crate::identity::ServiceIdentity;
 
+/// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
+/// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
+fn method_attribute(method: &str) -> KeyValue {
+    const KNOWN: [&str; 9] = [
+        "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
+    ];
+    let method = KNOWN
+        .into_iter()
+        .find(|known| *known == method)
+        .unwrap_or("_OTHER");
+    KeyValue::new("http.request.method", method)
+}
+
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
 fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
     match outcome {
@@ -216,10 +229,7 @@ impl Metrics {
         };
         let elapsed_ns = exchange.end_ns.saturating_sub(exchange.start_ns) as f64;
         if exchange.role == Role::Client {
-            let mut attributes = vec![KeyValue::new(
-                "http.request.method",
-                exchange.request.method.clone(),
-            )];
+            let mut attributes = vec![method_attribute(&exchange.request.method)];
             if let Some(peer) = exchange.peer {
                 attributes.push(KeyValue::new("server.address", peer.ip().to_string()));
                 attributes.push(KeyValue::new("server.port", peer.port() as i64));
@@ -262,7 +272,7 @@ impl Metrics {
         }
         let mut attributes = server_name;
         attributes.extend([
-            KeyValue::new("http.request.method", exchange.request.method.clone()),
+            method_attribute(&exchange.request.method),
             KeyValue::new("url.scheme", "http"),
             KeyValue::new(
                 "network.protocol.version",
