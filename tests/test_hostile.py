@@ -171,6 +171,9 @@ def test_malformed_garbage_oversized_and_half_requests_leave_healthy_traffic_tra
 
     assert agent.returncode == 0, agent.stderr()
     healthy.assert_all_traced(agent, server)
+    # The head larger than the capture is traced by its captured lines.
+    cut = [s for s in agent.spans() if s["name"] == "GET /health" and "user_agent.original" not in s["attributes"]]
+    assert len(cut) == 1, cut
     summary = agent.summary()
     assert summary["parse_not_http"] >= 3, summary
     assert summary["parse_head_too_large"] >= 1, summary
@@ -252,7 +255,7 @@ while True:
     if not request:
         break
     if b"/exec" in request:
-        # Half a request in flight on a connection the exec closes without a close() call.
+        # A request in flight on a connection the exec closes without a close() call.
         os.execv("/bin/sleep", ["sleep", "3"])
     connection.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: 2\\r\\n\\r\\nok")
 """
@@ -299,6 +302,8 @@ def test_a_traced_process_that_execs_into_something_else():
     assert by_path["/before"]["attributes"]["http.response.status_code"] == 200
     # The request the exec cut off ends with the process: its state is not kept.
     assert by_path["/exec"]["attributes"]["error.type"] == "process_exited", by_path["/exec"]
+    # Attached by --pid, the pid is traced across the exec, under the identity it had.
+    assert len({s["resource"]["service.name"] for s in mine}) == 1, mine
     summary = agent.summary()
     assert summary["processes_exited"] == 1, summary
 

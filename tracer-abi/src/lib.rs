@@ -142,6 +142,11 @@ pub struct ProcessForkEvent {
     pub _pad: u32,
 }
 
+/// Processes the PID filter map holds (named, discovered and forked children together). A
+/// child that does not fit is counted as a lost event; a discovered server that does not
+/// fit is reported (processes_not_traced).
+pub const MAX_TRACED_PIDS: u32 = 8192;
+
 /// Values of the PID filter map: why a process is traced.
 pub const TRACED_BY_USER: u8 = 1;
 pub const TRACED_AS_CHILD: u8 = 2;

@@ -524,8 +524,20 @@ pub async fn run(args: RunArgs) -> Result<()> {
             tracing::warn!(pid, "pid {pid}: {error}");
         }
         for (pid, server) in found.started {
-            if !pipeline.processes.contains(pid) {
-                attach(pipeline, probes, pid, labels_of(&server), Some(server))?;
+            if pipeline.processes.contains(pid) {
+                continue;
+            }
+            let name = server.name.clone();
+            // A server found later must not stop the agent (the kernel's PID filter may be
+            // full of a traced process's children): it is reported and the rest traced.
+            if let Err(error) = attach(pipeline, probes, pid, labels_of(&server), Some(server)) {
+                pipeline.stats.processes_not_traced += 1;
+                tracing::warn!(
+                    pid,
+                    "pid {pid} ({name}) is not traced: {error:#}; the PID filter holds {} \
+                     processes, children of traced servers included",
+                    tracer_abi::MAX_TRACED_PIDS
+                );
             }
         }
         Ok(())
