@@ -300,12 +300,14 @@ def test_a_traced_process_that_execs_into_something_else():
     mine = [s for s in agent.spans() if s["resource"]["process.pid"] == execer.pid]
     by_path = {s["attributes"]["url.path"]: s for s in mine}
     assert by_path["/before"]["attributes"]["http.response.status_code"] == 200
-    # The request the exec cut off ends with the process: its state is not kept.
-    assert by_path["/exec"]["attributes"]["error.type"] == "process_exited", by_path["/exec"]
+    # The request the exec cut off ends at the exec: the old program's state is not kept.
+    assert by_path["/exec"]["attributes"]["error.type"] == "process_exec", by_path["/exec"]
     # Attached by --pid, the pid is traced across the exec, under the identity it had.
     assert len({s["resource"]["service.name"] for s in mine}) == 1, mine
     summary = agent.summary()
+    assert summary["processes_execd"] == 1, summary
     assert summary["processes_exited"] == 1, summary
+    assert summary["data_without_connection"] == 0, summary
 
 
 def spawn_with_pid(pid, command, **kwargs):

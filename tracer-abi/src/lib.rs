@@ -37,6 +37,9 @@ pub enum EventKind {
     ConnClose = 3,
     ProcessExit = 4,
     ProcessFork = 5,
+    /// A traced process replaced its program (`execve`): the sockets it had open close
+    /// without a `close` call the agent could see.
+    ProcessExec = 6,
 }
 
 impl EventKind {
@@ -47,6 +50,7 @@ impl EventKind {
             3 => Some(Self::ConnClose),
             4 => Some(Self::ProcessExit),
             5 => Some(Self::ProcessFork),
+            6 => Some(Self::ProcessExec),
             _ => None,
         }
     }

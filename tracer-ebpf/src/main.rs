@@ -275,6 +275,17 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// An exec closes the process's close-on-exec sockets (all of Python's) without a `close`
+/// call: user space ends their connections here. The pid stays traced.
+#[tracepoint]
+pub fn process_exec(_ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    emit(&header(EventKind::ProcessExec, pid_tgid, -1, 0));
+    0
+}
+
 // ---------------------------------------------------------------------------------------
 // sys_exit_*: one program for every syscall; the pending call says what the result means.
 // ---------------------------------------------------------------------------------------

@@ -104,6 +104,7 @@ impl Pipeline {
         };
         match event {
             KernelEvent::ProcessExit { pid, .. } => self.lifecycle.push(Lifecycle::Exited(pid)),
+            KernelEvent::ProcessExec { pid, .. } => self.exec(pid),
             // Adopted at once: the child's own records may follow in this same batch.
             KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
             _ => {}
@@ -247,6 +248,23 @@ impl Pipeline {
             }
             _ => false,
         }
+    }
+
+    /// A traced process replaced its program. It stays traced under its identity (a
+    /// launcher that execs its server, uvicorn's spawned workers); the table ends the
+    /// connections the exec closed.
+    fn exec(&mut self, pid: u32) {
+        let Some(process) = self.processes.get_mut(pid) else {
+            return;
+        };
+        self.stats.processes_execd += 1;
+        let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        tracing::info!(
+            pid,
+            "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {}",
+            program.trim_end(),
+            describe(&process.identity.labels)
+        );
     }
 
     fn adopt(&mut self, parent: u32, child: u32) {

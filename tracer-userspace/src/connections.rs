@@ -51,6 +51,8 @@ pub enum AbortReason {
     ConnectionClosed,
     /// The traced process exited.
     ProcessExited,
+    /// The traced process replaced its program (`execve`), closing its sockets.
+    ProcessExec,
     /// Too many requests were in flight on the connection.
     Overflow,
     /// The connection table was full and this connection was the least recently active.
@@ -63,6 +65,7 @@ impl AbortReason {
         match self {
             AbortReason::ConnectionClosed => "connection_closed",
             AbortReason::ProcessExited => "process_exited",
+            AbortReason::ProcessExec => "process_exec",
             AbortReason::Overflow => "tracer_overflow",
             AbortReason::Evicted => "tracer_evicted",
         }
@@ -271,24 +274,52 @@ impl ConnectionTable {
             }
             KernelEvent::ProcessFork { .. } => {}
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
-                let ids: Vec<SocketId> = self
-                    .connections
-                    .keys()
-                    .filter(|id| id.pid == *pid)
-                    .copied()
-                    .collect();
-                for id in ids {
-                    if let Some(connection) = self.remove(&id) {
-                        finish(
-                            id.pid,
-                            connection,
-                            *timestamp_ns,
-                            AbortReason::ProcessExited,
-                            stats,
-                            exchanges,
-                        );
-                    }
+                self.end_process(
+                    *pid,
+                    *timestamp_ns,
+                    AbortReason::ProcessExited,
+                    stats,
+                    exchanges,
+                );
+            }
+            KernelEvent::ProcessExec { pid, timestamp_ns } => {
+                // The kernel still holds the sockets it knew; they are gone (or, if one was
+                // not close-on-exec, belong to a program whose messages start anew).
+                for id in self.connections.keys().filter(|id| id.pid == *pid) {
+                    actions.push(TableAction::Untrack {
+                        id: *id,
+                        conn_id: self.connections[id].conn_id,
+                    });
                 }
+                self.end_process(
+                    *pid,
+                    *timestamp_ns,
+                    AbortReason::ProcessExec,
+                    stats,
+                    exchanges,
+                );
+            }
+        }
+    }
+
+    /// Ends every connection of a process that exited or exec'd.
+    fn end_process(
+        &mut self,
+        pid: u32,
+        timestamp_ns: u64,
+        reason: AbortReason,
+        stats: &mut Stats,
+        exchanges: &mut Vec<HttpExchange>,
+    ) {
+        let ids: Vec<SocketId> = self
+            .connections
+            .keys()
+            .filter(|id| id.pid == pid)
+            .copied()
+            .collect();
+        for id in ids {
+            if let Some(connection) = self.remove(&id) {
+                finish(id.pid, connection, timestamp_ns, reason, stats, exchanges);
             }
         }
     }
@@ -807,6 +838,34 @@ mod tests {
     }
 
     #[test]
+    fn exec_ends_the_connections_it_closed() {
+        let (exchanges, _, actions) = run(&[
+            open(5, 100, Role::Server),
+            open(6, 101, Role::Server),
+            data(5, 100, Direction::Read, 110, GET),
+            KernelEvent::ProcessExec {
+                pid: 7,
+                timestamp_ns: 500,
+            },
+            // The new program's connection on a reused fd is a new connection.
+            open(5, 600, Role::Server),
+            data(5, 600, Direction::Read, 610, GET),
+            data(5, 600, Direction::Write, 620, OK),
+        ]);
+        assert_eq!(
+            untracked(&actions),
+            [5, 6],
+            "the kernel forgets the closed sockets"
+        );
+        assert_eq!(exchanges.len(), 2);
+        assert_eq!(
+            (exchanges[0].outcome.clone(), exchanges[0].end_ns),
+            (Outcome::Aborted(AbortReason::ProcessExec), 500)
+        );
+        assert!(matches!(exchanges[1].outcome, Outcome::Response(_)));
+    }
+
+    #[test]
     fn non_http_connections_are_untracked() {
         let (exchanges, stats, actions) = run(&[
             open(5, 100, Role::Server),
@@ -828,7 +887,7 @@ mod tests {
         );
     }
 
-    fn evicted(actions: &[TableAction]) -> Vec<i32> {
+    fn untracked(actions: &[TableAction]) -> Vec<i32> {
         let mut fds: Vec<i32> = actions
             .iter()
             .filter_map(|action| match action {
@@ -857,7 +916,7 @@ mod tests {
         let (exchanges, stats, actions) = run(&events);
         assert_eq!(stats.connections_evicted, 4);
         assert_eq!(stats.connections_dropped, 0);
-        assert_eq!(evicted(&actions), [1, 2, 3, 4]);
+        assert_eq!(untracked(&actions), [1, 2, 3, 4]);
         assert_eq!(exchanges.len(), 2, "the healthy connection kept its state");
         assert!(
             exchanges
@@ -877,7 +936,7 @@ mod tests {
         events.push(open(16, 300, Role::Server));
         events.push(data(0, 100, Direction::Write, 400, OK));
         let (exchanges, stats, actions) = run(&events);
-        assert_eq!(evicted(&actions), [1]);
+        assert_eq!(untracked(&actions), [1]);
         assert_eq!(stats.requests_evicted, 0);
         assert_eq!(exchanges.len(), 1);
         assert!(matches!(exchanges[0].outcome, Outcome::Response(_)));
@@ -898,7 +957,7 @@ mod tests {
         }
         events.push(open(16, 300, Role::Server));
         let (exchanges, stats, actions) = run(&events);
-        assert_eq!(evicted(&actions), [0]);
+        assert_eq!(untracked(&actions), [0]);
         assert_eq!(stats.requests_evicted, 1);
         assert_eq!(exchanges.len(), 1);
         assert_eq!(exchanges[0].outcome, Outcome::Aborted(AbortReason::Evicted));
@@ -942,7 +1001,7 @@ mod tests {
             assert!(table.buffered_bytes <= 10_000, "{}", table.buffered_bytes);
         }
         assert_eq!(stats.connections_evicted_for_memory, 4);
-        assert_eq!(evicted(&actions), [0, 1, 2, 3], "the stalest go first");
+        assert_eq!(untracked(&actions), [0, 1, 2, 3], "the stalest go first");
         let close = KernelEvent::Close {
             pid: 7,
             fd: 5,

@@ -34,6 +34,8 @@ pub struct Stats {
     pub connections_not_http: u64,
     pub processes_attached: u64,
     pub processes_exited: u64,
+    /// Traced processes that replaced their program (`execve`); their connections ended.
+    pub processes_execd: u64,
     /// Discovered servers that could not be added to the kernel's PID filter (full).
     pub processes_not_traced: u64,
     pub forks_followed: u64,
@@ -67,7 +69,7 @@ impl Stats {
 impl Stats {
     /// Every counter by name, in the order they are printed. The names are the keys of the
     /// shutdown line and, prefixed `gym_tracer_` with `_total`, the Prometheus counters.
-    pub fn counters(&self) -> [(&'static str, u64); 37] {
+    pub fn counters(&self) -> [(&'static str, u64); 38] {
         [
             ("events_in", self.events_in),
             ("events_lost_in_kernel", self.events_lost_in_kernel),
@@ -92,6 +94,7 @@ impl Stats {
             ("connections_not_http", self.connections_not_http),
             ("processes_attached", self.processes_attached),
             ("processes_exited", self.processes_exited),
+            ("processes_execd", self.processes_execd),
             ("processes_not_traced", self.processes_not_traced),
             ("forks_followed", self.forks_followed),
             ("fork_threads_ignored", self.fork_threads_ignored),
