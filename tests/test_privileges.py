@@ -59,8 +59,9 @@ def test_doctor_as_root_reports_a_working_host(server_factory):
     for check in ["kernel", "BTF", "tracefs", "tracepoints", "ring buffer", "eBPF programs",
                   "CAP_BPF", "CAP_PERFMON", "CAP_DAC_READ_SEARCH", "CAP_SYS_PTRACE"]:
         assert rows[check][0] == "ok", f"{check}: {rows[check]}\n{result.stdout}"
-    assert rows["tracepoints"][1].startswith("all 25 present")
+    assert rows["tracepoints"][1].startswith("all 26 present")
     assert "sched/sched_process_fork" in rows["tracepoints"][1]
+    assert "sched/sched_process_exec" in rows["tracepoints"][1]
     assert "detached; nothing was traced" in rows["eBPF programs"][1]
     assert rows[f"pid {server.pid}"][0] == "ok"
     for feature in ["tracing", "fork following", "discovery", "route harvest", "connection addresses"]:

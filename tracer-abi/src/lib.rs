@@ -40,6 +40,9 @@ pub enum EventKind {
     ConnClose = 3,
     ProcessExit = 4,
     ProcessFork = 5,
+    /// A traced process replaced its program (`execve`): the sockets it had open close
+    /// without a `close` call the agent could see.
+    ProcessExec = 6,
 }
 
 impl EventKind {
@@ -50,6 +53,7 @@ impl EventKind {
             3 => Some(Self::ConnClose),
             4 => Some(Self::ProcessExit),
             5 => Some(Self::ProcessFork),
+            6 => Some(Self::ProcessExec),
             _ => None,
         }
     }
@@ -144,6 +148,11 @@ pub struct ProcessForkEvent {
     pub child_pid: u32,
     pub _pad: u32,
 }
+
+/// Processes the PID filter map holds (named, discovered and forked children together). A
+/// child that does not fit is counted as a lost event; a discovered server that does not
+/// fit is reported (processes_not_traced).
+pub const MAX_TRACED_PIDS: u32 = 8192;
 
 /// Values of the PID filter map: why a process is traced.
 pub const TRACED_BY_USER: u8 = 1;

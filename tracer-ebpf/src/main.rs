@@ -22,9 +22,9 @@ use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_READ_BUFFER, CALL_READ_IOVEC,
     CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, ConnOpenEvent,
     DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
-    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, PendingCall,
-    ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey,
-    SocketState, TAIL_BYTES, TRACED_AS_CHILD,
+    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, MAX_TRACED_PIDS,
+    PendingCall, ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
+    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -52,7 +52,7 @@ static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
 
 /// Process ids (tgids) to trace, filled by user space.
 #[map]
-static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(8192, 0);
+static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_TRACED_PIDS, 0);
 
 /// Arguments of a socket call between its enter and exit, per thread. LRU so that a thread
 /// that dies inside a syscall cannot leak an entry forever.
@@ -272,6 +272,17 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     if group_dead != 0 {
         emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
     }
+    0
+}
+
+/// An exec closes the process's close-on-exec sockets (all of Python's) without a `close`
+/// call: user space ends their connections here. The pid stays traced.
+#[tracepoint]
+pub fn process_exec(_ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    emit(&header(EventKind::ProcessExec, pid_tgid, -1, 0));
     0
 }
 

@@ -47,6 +47,11 @@ const RELEASE_TICK: Duration = Duration::from_millis(100);
 /// How often the counters behind --health-listen's /metrics are refreshed.
 const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Server addresses remembered for `peer.service`. A server listening on a wildcard
+/// address is reached at as many local addresses as a peer chooses (all of 127/8), so this
+/// is bounded; past it a server's new address is not named (counted: peer_names_dropped).
+const MAX_PEER_NAMES: usize = 4096;
+
 /// What the kernel said about traced processes, handled between ring-buffer batches.
 #[derive(Debug)]
 enum Lifecycle {
@@ -100,6 +105,7 @@ impl Pipeline {
         };
         match event {
             KernelEvent::ProcessExit { pid, .. } => self.lifecycle.push(Lifecycle::Exited(pid)),
+            KernelEvent::ProcessExec { pid, .. } => self.exec(pid),
             // Adopted at once: the child's own records may follow in this same batch.
             KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
             _ => {}
@@ -146,7 +152,13 @@ impl Pipeline {
                 if let (Some(local), Some(name)) = (start.local, process.identity.server_name())
                     && self.peer_names.get(&local).map(String::as_str) != Some(name)
                 {
-                    self.peer_names.insert(local, name.to_string());
+                    if self.peer_names.len() < MAX_PEER_NAMES
+                        || self.peer_names.contains_key(&local)
+                    {
+                        self.peer_names.insert(local, name.to_string());
+                    } else {
+                        self.stats.peer_names_dropped += 1;
+                    }
                 }
                 let semantic = semantic_at_start(process, &start.method, stripped.route_path);
                 StartFacts {
@@ -237,6 +249,23 @@ impl Pipeline {
             }
             _ => false,
         }
+    }
+
+    /// A traced process replaced its program. It stays traced under its identity (a
+    /// launcher that execs its server, uvicorn's spawned workers); the table ends the
+    /// connections the exec closed.
+    fn exec(&mut self, pid: u32) {
+        let Some(process) = self.processes.get_mut(pid) else {
+            return;
+        };
+        self.stats.processes_execd += 1;
+        let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        tracing::info!(
+            pid,
+            "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {}",
+            program.trim_end(),
+            describe(&process.identity.labels)
+        );
     }
 
     fn adopt(&mut self, parent: u32, child: u32) {
@@ -531,8 +560,20 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             tracing::warn!(pid, "pid {pid}: {error}");
         }
         for (pid, server) in found.started {
-            if !pipeline.processes.contains(pid) {
-                attach(pipeline, probes, pid, labels_of(&server), Some(server))?;
+            if pipeline.processes.contains(pid) {
+                continue;
+            }
+            let name = server.name.clone();
+            // A server found later must not stop the agent (the kernel's PID filter may be
+            // full of a traced process's children): it is reported and the rest traced.
+            if let Err(error) = attach(pipeline, probes, pid, labels_of(&server), Some(server)) {
+                pipeline.stats.processes_not_traced += 1;
+                tracing::warn!(
+                    pid,
+                    "pid {pid} ({name}) is not traced: {error:#}; the PID filter holds {} \
+                     processes, children of traced servers included",
+                    tracer_abi::MAX_TRACED_PIDS
+                );
             }
         }
         Ok(())

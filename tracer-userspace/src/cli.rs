@@ -333,7 +333,8 @@ pub struct RunArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_pending_spans: usize,
 
-    /// Connections tracked at once; more are counted as dropped, not traced.
+    /// Connections tracked at once; when full, a new connection evicts the least recently
+    /// active one (idle before waiting-on-a-response), counted as connections_evicted.
     #[arg(
         long,
         value_name = "N",

@@ -19,8 +19,26 @@ use crate::stats::Stats;
 /// given up as lost.
 const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
 
+/// Bytes of request heads (method, path, the headers kept) one connection may hold for its
+/// requests in flight; past it the oldest is given up as lost. Together with
+/// [`MAX_HEAD_BYTES`](crate::http::MAX_HEAD_BYTES) per direction and the body prefix, this
+/// bounds what one connection can make the agent hold, whatever its peer sends.
+const MAX_IN_FLIGHT_HEAD_BYTES: usize = 64 * 1024;
+
+/// Bytes all connections together may hold in partial heads, body prefixes and heads in
+/// flight (each connection holds at most ~2 × 16 KiB + 8 KiB + 64 KiB of them). Past it the
+/// least recently active connections are evicted: peers that send heads a few bytes at a
+/// time on many connections cannot grow the agent past it. Healthy traffic holds next to
+/// nothing here (a head is parsed as soon as it is complete).
+const MAX_BUFFERED_BYTES: usize = 256 << 20;
+
+/// When the table is full, the least recently active connections are found by one scan of
+/// the table and kept as a queue of eviction candidates: this fraction of the table per
+/// scan, so that a flood of new connections costs a scan per this many opens, not per open.
+const EVICTION_SCAN_FRACTION: usize = 16;
+
 /// A connection in one traced process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SocketId {
     pub pid: u32,
     pub fd: i32,
@@ -33,8 +51,12 @@ pub enum AbortReason {
     ConnectionClosed,
     /// The traced process exited.
     ProcessExited,
+    /// The traced process replaced its program (`execve`), closing its sockets.
+    ProcessExec,
     /// Too many requests were in flight on the connection.
     Overflow,
+    /// The connection table was full and this connection was the least recently active.
+    Evicted,
 }
 
 impl AbortReason {
@@ -43,7 +65,9 @@ impl AbortReason {
         match self {
             AbortReason::ConnectionClosed => "connection_closed",
             AbortReason::ProcessExited => "process_exited",
+            AbortReason::ProcessExec => "process_exec",
             AbortReason::Overflow => "tracer_overflow",
+            AbortReason::Evicted => "tracer_evicted",
         }
     }
 }
@@ -113,15 +137,57 @@ struct Connection {
     /// The response head being received, if it is a final (non-1xx) one.
     current_response: Option<ResponseHead>,
     parse_errors: u32,
+    /// Monotonic ns of the last record seen on it: the table evicts the stalest first.
+    last_activity_ns: u64,
+    /// Sum of [`RequestHead::heap_bytes`] over `in_flight`.
+    in_flight_head_bytes: usize,
+}
+
+impl Connection {
+    /// Eviction order: connections without a request in flight (idle keep-alive, abandoned,
+    /// half a head) go before those waiting on a response, each by last activity. A slow
+    /// request (a long /run) keeps its connection silent but is not abandoned.
+    fn eviction_rank(&self) -> (bool, u64) {
+        (!self.in_flight.is_empty(), self.last_activity_ns)
+    }
+
+    /// Bytes held for it beyond its fixed size: heads being collected, a body prefix,
+    /// the heads of its requests in flight.
+    fn buffered_bytes(&self) -> usize {
+        self.requests.buffered_bytes() + self.responses.buffered_bytes() + self.in_flight_head_bytes
+    }
+
+    /// The oldest request in flight, which the next response answers.
+    fn pop_request(&mut self) -> Option<InFlight> {
+        let request = self.in_flight.pop_front()?;
+        self.in_flight_head_bytes -= request.head.heap_bytes();
+        Some(request)
+    }
+}
+
+/// A connection that was among the least recently active when the table was last scanned.
+/// It is evicted only if it has not been active since.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct EvictionCandidate {
+    rank: (bool, u64),
+    id: SocketId,
+    conn_id: u64,
 }
 
 /// A connection that keeps failing to parse is not HTTP (a database client, TLS); after this
 /// many errors it is dropped and the kernel is told to stop reporting it.
 const MAX_PARSE_ERRORS: u32 = 3;
 
+/// Every connection of the traced processes, at most `max_connections`; when full, a new
+/// connection evicts the least recently active one (see [`Connection::eviction_rank`]).
 pub struct ConnectionTable {
     connections: HashMap<SocketId, Connection>,
     max_connections: usize,
+    /// Stalest last, so `pop` gives the next to evict.
+    eviction_candidates: Vec<EvictionCandidate>,
+    /// Sum of [`Connection::buffered_bytes`] over the table, at most `max_buffered_bytes`.
+    buffered_bytes: usize,
+    max_buffered_bytes: usize,
     /// Inbound requests whose body is read for a rollout id.
     wants_body: Option<WantsBody>,
     scratch_events: Vec<MessageEvent>,
@@ -147,6 +213,9 @@ impl ConnectionTable {
         Self {
             connections: HashMap::new(),
             max_connections,
+            eviction_candidates: Vec::new(),
+            buffered_bytes: 0,
+            max_buffered_bytes: MAX_BUFFERED_BYTES,
             wants_body: None,
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
@@ -156,6 +225,12 @@ impl ConnectionTable {
     /// Inbound requests that `wants_body` accepts get `run_rollout_id` read from their body.
     pub fn reading_run_bodies(mut self, wants_body: WantsBody) -> Self {
         self.wants_body = Some(wants_body);
+        self
+    }
+
+    #[cfg(test)]
+    fn with_max_buffered_bytes(mut self, max_buffered_bytes: usize) -> Self {
+        self.max_buffered_bytes = max_buffered_bytes;
         self
     }
 
@@ -172,7 +247,7 @@ impl ConnectionTable {
         actions: &mut Vec<TableAction>,
     ) {
         match event {
-            KernelEvent::Open(open) => self.open(open, stats, exchanges),
+            KernelEvent::Open(open) => self.open(open, stats, exchanges, actions),
             KernelEvent::Data(data) => self.data(data, stats, exchanges, actions),
             KernelEvent::Close {
                 pid,
@@ -186,7 +261,7 @@ impl ConnectionTable {
                     .get(&id)
                     .is_some_and(|c| c.conn_id == *conn_id)
                 {
-                    let connection = self.connections.remove(&id).expect("checked above");
+                    let connection = self.remove(&id).expect("checked above");
                     finish(
                         id.pid,
                         connection,
@@ -199,34 +274,68 @@ impl ConnectionTable {
             }
             KernelEvent::ProcessFork { .. } => {}
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
-                let ids: Vec<SocketId> = self
-                    .connections
-                    .keys()
-                    .filter(|id| id.pid == *pid)
-                    .copied()
-                    .collect();
-                for id in ids {
-                    if let Some(connection) = self.connections.remove(&id) {
-                        finish(
-                            id.pid,
-                            connection,
-                            *timestamp_ns,
-                            AbortReason::ProcessExited,
-                            stats,
-                            exchanges,
-                        );
-                    }
+                self.end_process(
+                    *pid,
+                    *timestamp_ns,
+                    AbortReason::ProcessExited,
+                    stats,
+                    exchanges,
+                );
+            }
+            KernelEvent::ProcessExec { pid, timestamp_ns } => {
+                // The kernel still holds the sockets it knew; they are gone (or, if one was
+                // not close-on-exec, belong to a program whose messages start anew).
+                for id in self.connections.keys().filter(|id| id.pid == *pid) {
+                    actions.push(TableAction::Untrack {
+                        id: *id,
+                        conn_id: self.connections[id].conn_id,
+                    });
                 }
+                self.end_process(
+                    *pid,
+                    *timestamp_ns,
+                    AbortReason::ProcessExec,
+                    stats,
+                    exchanges,
+                );
             }
         }
     }
 
-    fn open(&mut self, open: &ConnOpen, stats: &mut Stats, exchanges: &mut Vec<HttpExchange>) {
+    /// Ends every connection of a process that exited or exec'd.
+    fn end_process(
+        &mut self,
+        pid: u32,
+        timestamp_ns: u64,
+        reason: AbortReason,
+        stats: &mut Stats,
+        exchanges: &mut Vec<HttpExchange>,
+    ) {
+        let ids: Vec<SocketId> = self
+            .connections
+            .keys()
+            .filter(|id| id.pid == pid)
+            .copied()
+            .collect();
+        for id in ids {
+            if let Some(connection) = self.remove(&id) {
+                finish(id.pid, connection, timestamp_ns, reason, stats, exchanges);
+            }
+        }
+    }
+
+    fn open(
+        &mut self,
+        open: &ConnOpen,
+        stats: &mut Stats,
+        exchanges: &mut Vec<HttpExchange>,
+        actions: &mut Vec<TableAction>,
+    ) {
         let id = SocketId {
             pid: open.pid,
             fd: open.fd,
         };
-        if let Some(stale) = self.connections.remove(&id) {
+        if let Some(stale) = self.remove(&id) {
             // The close of the previous connection on this fd was not seen.
             finish(
                 id.pid,
@@ -237,7 +346,9 @@ impl ConnectionTable {
                 exchanges,
             );
         }
-        if self.connections.len() >= self.max_connections {
+        if self.connections.len() >= self.max_connections
+            && !self.evict_stalest(open.timestamp_ns, stats, exchanges, actions)
+        {
             stats.connections_dropped += 1;
             return;
         }
@@ -257,8 +368,78 @@ impl ConnectionTable {
                 requests_seen: 0,
                 current_response: None,
                 parse_errors: 0,
+                last_activity_ns: open.timestamp_ns,
+                in_flight_head_bytes: 0,
             },
         );
+    }
+
+    /// Makes room for one connection by evicting the least recently active one: its requests
+    /// in flight end as [`AbortReason::Evicted`] and the kernel stops capturing it. False
+    /// when there is nothing to evict (a table of size 0).
+    fn evict_stalest(
+        &mut self,
+        timestamp_ns: u64,
+        stats: &mut Stats,
+        exchanges: &mut Vec<HttpExchange>,
+        actions: &mut Vec<TableAction>,
+    ) -> bool {
+        for rescanned in [false, true] {
+            if rescanned {
+                self.scan_for_eviction();
+            }
+            while let Some(candidate) = self.eviction_candidates.pop() {
+                let still_stale = self.connections.get(&candidate.id).is_some_and(|c| {
+                    c.conn_id == candidate.conn_id && c.eviction_rank() == candidate.rank
+                });
+                if !still_stale {
+                    continue; // closed, or active since the scan
+                }
+                let (in_flight, _) = candidate.rank;
+                if in_flight && !rescanned {
+                    // Connections that became idle since the scan go first: look again.
+                    self.eviction_candidates.clear();
+                    break;
+                }
+                let connection = self.remove(&candidate.id).expect("checked");
+                stats.connections_evicted += 1;
+                stats.requests_evicted += connection.in_flight.len() as u64;
+                actions.push(TableAction::Untrack {
+                    id: candidate.id,
+                    conn_id: candidate.conn_id,
+                });
+                finish(
+                    candidate.id.pid,
+                    connection,
+                    timestamp_ns,
+                    AbortReason::Evicted,
+                    stats,
+                    exchanges,
+                );
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Refills the eviction candidates with the stalest part of the table.
+    fn scan_for_eviction(&mut self) {
+        let mut candidates: Vec<EvictionCandidate> = self
+            .connections
+            .iter()
+            .map(|(id, c)| EvictionCandidate {
+                rank: c.eviction_rank(),
+                id: *id,
+                conn_id: c.conn_id,
+            })
+            .collect();
+        let keep = (candidates.len() / EVICTION_SCAN_FRACTION).max(1);
+        if keep < candidates.len() {
+            candidates.select_nth_unstable(keep - 1);
+            candidates.truncate(keep);
+        }
+        candidates.sort_unstable_by(|a, b| b.cmp(a));
+        self.eviction_candidates = candidates;
     }
 
     fn data(
@@ -280,6 +461,8 @@ impl ConnectionTable {
             stats.data_without_connection += 1;
             return;
         }
+        connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
+        let buffered_before = connection.buffered_bytes();
         // Server: reads are requests. Client: writes are requests.
         let is_request = (connection.role == Role::Server) == (data.direction == Direction::Read);
         let transfer = Transfer {
@@ -319,18 +502,31 @@ impl ConnectionTable {
                 id.pid, connection, is_request, event, stats, exchanges, actions,
             );
         }
+        self.buffered_bytes = self.buffered_bytes - buffered_before + connection.buffered_bytes();
         if connection.parse_errors >= MAX_PARSE_ERRORS && connection.in_flight.is_empty() {
             actions.push(TableAction::Untrack {
                 id,
                 conn_id: connection.conn_id,
             });
-            self.connections.remove(&id);
+            self.remove(&id);
             stats.connections_not_http += 1;
+        }
+        while self.buffered_bytes > self.max_buffered_bytes
+            && self.evict_stalest(data.timestamp_ns, stats, exchanges, actions)
+        {
+            stats.connections_evicted_for_memory += 1;
         }
     }
 
-    /// Ends every connection (at shutdown). In-flight requests are not exported: they are
-    /// not finished.
+    /// Takes a connection out of the table, keeping the buffered-bytes total.
+    fn remove(&mut self, id: &SocketId) -> Option<Connection> {
+        let connection = self.connections.remove(id)?;
+        self.buffered_bytes -= connection.buffered_bytes();
+        Some(connection)
+    }
+
+    /// Requests still waiting for their response (reported at shutdown: they are not
+    /// exported, not being finished).
     pub fn in_flight_requests(&self) -> usize {
         self.connections.values().map(|c| c.in_flight.len()).sum()
     }
@@ -353,20 +549,21 @@ fn on_message_event(
                 first_byte_ns,
             },
         ) => {
-            if connection.in_flight.len() >= MAX_IN_FLIGHT_PER_CONNECTION
-                && let Some(oldest) = connection.in_flight.pop_front()
+            let head_bytes = head.heap_bytes();
+            while (connection.in_flight.len() >= MAX_IN_FLIGHT_PER_CONNECTION
+                || connection.in_flight_head_bytes + head_bytes > MAX_IN_FLIGHT_HEAD_BYTES)
+                && let Some(oldest) = connection.pop_request()
             {
-                {
-                    stats.requests_dropped_overflow += 1;
-                    exchanges.push(exchange(
-                        pid,
-                        connection,
-                        oldest,
-                        Outcome::Aborted(AbortReason::Overflow),
-                        first_byte_ns,
-                    ));
-                }
+                stats.requests_dropped_overflow += 1;
+                exchanges.push(exchange(
+                    pid,
+                    connection,
+                    oldest,
+                    Outcome::Aborted(AbortReason::Overflow),
+                    first_byte_ns,
+                ));
             }
+            connection.in_flight_head_bytes += head_bytes;
             let span_id = SpanId::random();
             actions.push(TableAction::Started(RequestStart {
                 pid,
@@ -400,7 +597,7 @@ fn on_message_event(
             let Some(response) = connection.current_response.take() else {
                 return; // the end of an interim (1xx) response
             };
-            match connection.in_flight.pop_front() {
+            match connection.pop_request() {
                 Some(request) => exchanges.push(exchange(
                     pid,
                     connection,
@@ -641,6 +838,34 @@ mod tests {
     }
 
     #[test]
+    fn exec_ends_the_connections_it_closed() {
+        let (exchanges, _, actions) = run(&[
+            open(5, 100, Role::Server),
+            open(6, 101, Role::Server),
+            data(5, 100, Direction::Read, 110, GET),
+            KernelEvent::ProcessExec {
+                pid: 7,
+                timestamp_ns: 500,
+            },
+            // The new program's connection on a reused fd is a new connection.
+            open(5, 600, Role::Server),
+            data(5, 600, Direction::Read, 610, GET),
+            data(5, 600, Direction::Write, 620, OK),
+        ]);
+        assert_eq!(
+            untracked(&actions),
+            [5, 6],
+            "the kernel forgets the closed sockets"
+        );
+        assert_eq!(exchanges.len(), 2);
+        assert_eq!(
+            (exchanges[0].outcome.clone(), exchanges[0].end_ns),
+            (Outcome::Aborted(AbortReason::ProcessExec), 500)
+        );
+        assert!(matches!(exchanges[1].outcome, Outcome::Response(_)));
+    }
+
+    #[test]
     fn non_http_connections_are_untracked() {
         let (exchanges, stats, actions) = run(&[
             open(5, 100, Role::Server),
@@ -662,14 +887,150 @@ mod tests {
         );
     }
 
+    fn untracked(actions: &[TableAction]) -> Vec<i32> {
+        let mut fds: Vec<i32> = actions
+            .iter()
+            .filter_map(|action| match action {
+                TableAction::Untrack { id, .. } => Some(id.fd),
+                _ => None,
+            })
+            .collect();
+        fds.sort_unstable();
+        fds
+    }
+
     #[test]
-    fn table_is_bounded() {
+    fn a_full_table_evicts_the_least_recently_active_connections() {
         let mut events = Vec::new();
-        for fd in 0..20 {
+        for fd in 0..16 {
             events.push(open(fd, 1000 + fd as u64, Role::Server));
         }
-        let (_, stats, _) = run(&events);
-        assert_eq!(stats.connections_dropped, 4);
+        // fd 0 opened first but is the one in use: it must survive.
+        events.push(data(0, 1000, Direction::Read, 2000, GET));
+        events.push(data(0, 1000, Direction::Write, 2001, OK));
+        for fd in 16..20 {
+            events.push(open(fd, 3000 + fd as u64, Role::Server));
+        }
+        events.push(data(0, 1000, Direction::Read, 4000, GET));
+        events.push(data(0, 1000, Direction::Write, 4001, OK));
+        let (exchanges, stats, actions) = run(&events);
+        assert_eq!(stats.connections_evicted, 4);
+        assert_eq!(stats.connections_dropped, 0);
+        assert_eq!(untracked(&actions), [1, 2, 3, 4]);
+        assert_eq!(exchanges.len(), 2, "the healthy connection kept its state");
+        assert!(
+            exchanges
+                .iter()
+                .all(|e| matches!(e.outcome, Outcome::Response(_)))
+        );
+    }
+
+    #[test]
+    fn idle_connections_are_evicted_before_ones_waiting_on_a_response() {
+        let mut events = vec![open(0, 100, Role::Server)];
+        // A slow request: its connection is silent longer than any other, but not abandoned.
+        events.push(data(0, 100, Direction::Read, 101, GET));
+        for fd in 1..16 {
+            events.push(open(fd, 200 + fd as u64, Role::Server));
+        }
+        events.push(open(16, 300, Role::Server));
+        events.push(data(0, 100, Direction::Write, 400, OK));
+        let (exchanges, stats, actions) = run(&events);
+        assert_eq!(untracked(&actions), [1]);
+        assert_eq!(stats.requests_evicted, 0);
+        assert_eq!(exchanges.len(), 1);
+        assert!(matches!(exchanges[0].outcome, Outcome::Response(_)));
+    }
+
+    #[test]
+    fn requests_of_an_evicted_connection_end_as_evicted() {
+        let mut events = Vec::new();
+        for fd in 0..16 {
+            events.push(open(fd, 100 + fd as u64, Role::Server));
+            events.push(data(
+                fd,
+                100 + fd as u64,
+                Direction::Read,
+                200 + fd as u64,
+                GET,
+            ));
+        }
+        events.push(open(16, 300, Role::Server));
+        let (exchanges, stats, actions) = run(&events);
+        assert_eq!(untracked(&actions), [0]);
+        assert_eq!(stats.requests_evicted, 1);
+        assert_eq!(exchanges.len(), 1);
+        assert_eq!(exchanges[0].outcome, Outcome::Aborted(AbortReason::Evicted));
+        assert_eq!(AbortReason::Evicted.as_error_type(), "tracer_evicted");
+    }
+
+    #[test]
+    fn a_flood_of_opens_keeps_the_table_at_its_bound() {
+        let mut table = ConnectionTable::new(100);
+        let mut stats = Stats::default();
+        let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
+        for fd in 0..10_000 {
+            table.apply(
+                &open(fd, 10 + fd as u64, Role::Server),
+                &mut stats,
+                &mut exchanges,
+                &mut actions,
+            );
+            assert!(table.open_connections() <= 100);
+        }
+        assert_eq!(stats.connections_evicted, 9_900);
+        assert_eq!(actions.len(), 9_900);
+    }
+
+    #[test]
+    fn partial_heads_on_many_connections_are_bounded_in_bytes() {
+        let mut table = ConnectionTable::new(16).with_max_buffered_bytes(10_000);
+        let mut stats = Stats::default();
+        let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
+        let partial: &'static [u8] = format!("GET / HTTP/1.1\r\nX-Slow: {}", "a".repeat(4000))
+            .leak()
+            .as_bytes();
+        for fd in 0..6 {
+            let conn_id = 100 + fd as u64;
+            for event in [
+                open(fd, conn_id, Role::Server),
+                data(fd, conn_id, Direction::Read, 200 + fd as u64, partial),
+            ] {
+                table.apply(&event, &mut stats, &mut exchanges, &mut actions);
+            }
+            assert!(table.buffered_bytes <= 10_000, "{}", table.buffered_bytes);
+        }
+        assert_eq!(stats.connections_evicted_for_memory, 4);
+        assert_eq!(untracked(&actions), [0, 1, 2, 3], "the stalest go first");
+        let close = KernelEvent::Close {
+            pid: 7,
+            fd: 5,
+            conn_id: 105,
+            timestamp_ns: 300,
+        };
+        table.apply(&close, &mut stats, &mut exchanges, &mut actions);
+        assert!(
+            table.buffered_bytes < 5_000,
+            "a closed connection gives its bytes back"
+        );
+    }
+
+    #[test]
+    fn pipelined_heads_are_bounded_in_bytes() {
+        let long = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(10_000));
+        let pipelined: &'static [u8] = long.repeat(10).leak().as_bytes();
+        let (exchanges, stats, _) = run(&[
+            open(5, 100, Role::Server),
+            data(5, 100, Direction::Read, 110, pipelined),
+        ]);
+        // Six heads of ~10 KB fit in MAX_IN_FLIGHT_HEAD_BYTES; the oldest four are given up.
+        assert_eq!(stats.requests_dropped_overflow, 4);
+        assert_eq!(exchanges.len(), 4);
+        assert!(
+            exchanges
+                .iter()
+                .all(|e| e.outcome == Outcome::Aborted(AbortReason::Overflow))
+        );
     }
 
     #[test]

@@ -933,6 +933,7 @@ mod tests {
             "syscalls/sys_enter_close",
             "sched/sched_process_exit",
             "sched/sched_process_fork",
+            "sched/sched_process_exec",
         ] {
             assert!(summary.contains(name), "{name} not in {summary}");
         }

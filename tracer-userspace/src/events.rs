@@ -64,6 +64,11 @@ pub enum KernelEvent<'a> {
         pid: u32,
         timestamp_ns: u64,
     },
+    /// The process replaced its program; it stays traced.
+    ProcessExec {
+        pid: u32,
+        timestamp_ns: u64,
+    },
     /// `child` is already in the kernel's PID filter; it may be a thread, not a process.
     ProcessFork {
         parent: u32,
@@ -159,6 +164,10 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             timestamp_ns: header.timestamp_ns,
         },
         EventKind::ProcessExit => KernelEvent::ProcessExit {
+            pid: header.tgid,
+            timestamp_ns: header.timestamp_ns,
+        },
+        EventKind::ProcessExec => KernelEvent::ProcessExec {
             pid: header.tgid,
             timestamp_ns: header.timestamp_ns,
         },

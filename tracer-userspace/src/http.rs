@@ -8,8 +8,11 @@
 
 use thiserror::Error;
 
-/// Longest message head the parser buffers; a longer one is reported as oversized.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Longest message head the parser buffers per direction of a connection; a longer one is
+/// reported as oversized (its captured lines still name the request). uvicorn's h11 refuses
+/// heads past 16 KiB too, so nothing a Gym server answers is cut; it bounds what a peer that
+/// sends a head a few bytes at a time can make the agent hold.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 const MAX_HEADERS: usize = 64;
 
 /// Which kind of message a stream carries.
@@ -32,6 +35,18 @@ pub struct RequestHead {
     pub expects_continue: bool,
     /// The head did not fit in the capture: some headers may be missing.
     pub truncated: bool,
+}
+
+impl RequestHead {
+    /// Bytes it holds on the heap, for the per-connection bound on requests in flight.
+    pub fn heap_bytes(&self) -> usize {
+        let optional = |value: &Option<String>| value.as_ref().map_or(0, String::len);
+        self.method.len()
+            + self.path.len()
+            + optional(&self.host)
+            + optional(&self.user_agent)
+            + optional(&self.traceparent)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -194,6 +209,18 @@ impl MessageStream {
         matches!(self.state, State::Idle | State::Desynced)
     }
 
+    /// Bytes it holds on the heap: a head being collected and a body prefix being kept.
+    pub fn buffered_bytes(&self) -> usize {
+        let head = match &self.state {
+            State::Head { buffer, .. } => buffer.capacity(),
+            _ => 0,
+        };
+        head + self
+            .prefix
+            .as_ref()
+            .map_or(0, |prefix| prefix.bytes.capacity())
+    }
+
     /// Feeds one transfer. `request` is consulted when a response head is parsed (HEAD
     /// requests have no response body).
     pub fn feed(
@@ -287,7 +314,15 @@ impl MessageStream {
                 let before = buffer.len();
                 let take = bytes.len().min(MAX_HEAD_BYTES + 1 - before);
                 buffer.extend_from_slice(&bytes[..take]);
-                match parse_head(self.kind, buffer) {
+                // A head arriving a few bytes at a time is parsed when it can be complete
+                // (and once at its start, to refuse what is not HTTP early): re-parsing it on
+                // every read would cost quadratic time in its length.
+                let parse = if before == 0 || ends_head(&buffer[before.saturating_sub(3)..]) {
+                    parse_head(self.kind, buffer)
+                } else {
+                    HeadParse::Partial
+                };
+                match parse {
                     HeadParse::Complete(head, head_len, framing) => {
                         let used = head_len - before;
                         let body = match &head {
@@ -315,7 +350,19 @@ impl MessageStream {
                         used
                     }
                     HeadParse::Partial if buffer.len() > MAX_HEAD_BYTES => {
+                        // As for a head longer than the capture: its complete lines still
+                        // name the request, and its response pairs with it.
                         errors.push(ParseError::HeadTooLarge);
+                        if let Some(head) = parse_truncated_head(self.kind, buffer) {
+                            out.push(MessageEvent::Head {
+                                head,
+                                first_byte_ns,
+                            });
+                            out.push(MessageEvent::End {
+                                last_byte_ns: timestamp_ns,
+                                body_bytes: 0,
+                            });
+                        }
                         self.state = State::Desynced;
                         bytes.len()
                     }
@@ -441,6 +488,11 @@ impl MessageStream {
             State::Desynced => {}
         }
     }
+}
+
+/// Whether `bytes` hold the empty line that ends a head (httparse also accepts bare LF).
+fn ends_head(bytes: &[u8]) -> bool {
+    bytes.windows(2).any(|pair| pair == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
 }
 
 /// The kernel resets its capture budget on the same tokens, so a transfer that begins with
@@ -1012,5 +1064,39 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             &[b"POST /run HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"],
         );
         assert!(prefixes(&events).is_empty());
+    }
+    #[test]
+    fn a_head_sent_a_few_bytes_at_a_time_is_parsed_once_complete() {
+        let head: &[u8] = b"GET /slow HTTP/1.1\r\nHost: a\r\nX-Pad: 0123456789\r\n\r\n";
+        let chunks: Vec<&[u8]> = head.chunks(3).collect();
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (out, errors) = feed_all(&mut stream, &chunks);
+        assert!(errors.is_empty());
+        assert_eq!(heads(&out).len(), 1);
+        assert_eq!(ends(&out), [(chunks.len() as u64, 0)]);
+    }
+
+    #[test]
+    fn a_head_past_the_limit_in_small_reads_is_cut_not_kept() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let mut chunks: Vec<Vec<u8>> = vec![b"GET /big HTTP/1.1\r\nHost: a\r\n".to_vec()];
+        chunks.push(b"Cookie: ".to_vec());
+        chunks.extend(std::iter::repeat_n(vec![b's'; 1000], 20));
+        chunks.push(b"\r\n\r\n".to_vec());
+        chunks.push(b"GET /next HTTP/1.1\r\n\r\n".to_vec());
+        let slices: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+        let (out, errors) = feed_all(&mut stream, &slices);
+        assert_eq!(errors, [ParseError::HeadTooLarge]);
+        let paths: Vec<String> = heads(&out)
+            .into_iter()
+            .map(|head| match head {
+                Head::Request(request) => request.path,
+                Head::Response(_) => unreachable!(),
+            })
+            .collect();
+        assert_eq!(paths, ["/big", "/next"], "the cut head names its request");
+        let State::Idle = stream.state else {
+            panic!("back in step after the oversized head")
+        };
     }
 }

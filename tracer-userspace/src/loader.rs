@@ -94,6 +94,7 @@ pub fn attachments() -> Vec<Attachment> {
     for (program, name) in [
         ("process_exit", "sched_process_exit"),
         ("process_fork", "sched_process_fork"),
+        ("process_exec", "sched_process_exec"),
     ] {
         all.push(Attachment {
             program,
@@ -668,11 +669,12 @@ mod tests {
     #[test]
     fn every_program_is_attached_and_tracepoints_are_unique() {
         let all = attachments();
-        assert_eq!(all.len(), 25);
+        assert_eq!(all.len(), 26);
         let mut names: Vec<String> = all.iter().map(Attachment::tracepoint).collect();
         names.sort();
         names.dedup();
         assert_eq!(names.len(), all.len());
         assert!(names.contains(&"sched/sched_process_fork".to_string()));
+        assert!(names.contains(&"sched/sched_process_exec".to_string()));
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
-use opentelemetry::{KeyValue, Value};
+use opentelemetry::KeyValue;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::classify::RequestMeaning;
@@ -19,15 +19,17 @@ use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::identity::ServiceIdentity;
 
-/// `http.request.method`, static for the methods HTTP defines (no allocation per request).
-fn method_value(method: &str) -> Value {
+/// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
+/// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
+fn method_attribute(method: &str) -> KeyValue {
     const KNOWN: [&str; 9] = [
         "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
     ];
-    match KNOWN.iter().find(|known| **known == method) {
-        Some(known) => Value::from(*known),
-        None => Value::from(method.to_string()),
-    }
+    let method = KNOWN
+        .into_iter()
+        .find(|known| *known == method)
+        .unwrap_or("_OTHER");
+    KeyValue::new("http.request.method", method)
 }
 
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
@@ -240,10 +242,7 @@ impl Metrics {
         let attributes = &mut self.scratch;
         attributes.clear();
         if exchange.role == Role::Client {
-            attributes.push(KeyValue::new(
-                "http.request.method",
-                method_value(&exchange.request.method),
-            ));
+            attributes.push(method_attribute(&exchange.request.method));
             if let Some(peer) = exchange.peer {
                 attributes.push(KeyValue::new("server.address", peer.ip().to_string()));
                 attributes.push(KeyValue::new("server.port", peer.port() as i64));
@@ -281,10 +280,7 @@ impl Metrics {
             _ => {}
         }
         attributes.extend([
-            KeyValue::new(
-                "http.request.method",
-                method_value(&exchange.request.method),
-            ),
+            method_attribute(&exchange.request.method),
             KeyValue::new("url.scheme", "http"),
             KeyValue::new(
                 "network.protocol.version",

@@ -22,10 +22,22 @@ pub struct Stats {
     pub data_without_connection: u64,
     pub responses_without_request: u64,
     pub requests_dropped_overflow: u64,
+    /// Connections not tracked because the table had nothing to evict (`--max-connections 0`).
     pub connections_dropped: u64,
+    /// Connections evicted, least recently active first, to make room in a full table.
+    pub connections_evicted: u64,
+    /// Of those, evicted because all connections together buffered too many bytes (partial
+    /// heads): `MAX_BUFFERED_BYTES` in connections.rs.
+    pub connections_evicted_for_memory: u64,
+    /// Requests in flight on evicted connections, exported as aborted (`tracer_evicted`).
+    pub requests_evicted: u64,
     pub connections_not_http: u64,
     pub processes_attached: u64,
     pub processes_exited: u64,
+    /// Traced processes that replaced their program (`execve`); their connections ended.
+    pub processes_execd: u64,
+    /// Discovered servers that could not be added to the kernel's PID filter (full).
+    pub processes_not_traced: u64,
     pub forks_followed: u64,
     /// Fork events that were new threads of a traced process, not new processes.
     pub fork_threads_ignored: u64,
@@ -37,6 +49,9 @@ pub struct Stats {
     pub requests_unnamed: u64,
     /// Processes whose environment discovery could not read.
     pub environ_unreadable: u64,
+    /// Server addresses not remembered for `peer.service`: past the cap of
+    /// `MAX_PEER_NAMES` in agent.rs.
+    pub peer_names_dropped: u64,
     pub stitch: StitchStats,
 }
 
@@ -54,7 +69,7 @@ impl Stats {
 impl Stats {
     /// Every counter by name, in the order they are printed. The names are the keys of the
     /// shutdown line and, prefixed `gym_tracer_` with `_total`, the Prometheus counters.
-    pub fn counters(&self) -> [(&'static str, u64); 31] {
+    pub fn counters(&self) -> [(&'static str, u64); 38] {
         [
             ("events_in", self.events_in),
             ("events_lost_in_kernel", self.events_lost_in_kernel),
@@ -70,9 +85,17 @@ impl Stats {
             ("responses_without_request", self.responses_without_request),
             ("requests_dropped_overflow", self.requests_dropped_overflow),
             ("connections_dropped", self.connections_dropped),
+            ("connections_evicted", self.connections_evicted),
+            (
+                "connections_evicted_for_memory",
+                self.connections_evicted_for_memory,
+            ),
+            ("requests_evicted", self.requests_evicted),
             ("connections_not_http", self.connections_not_http),
             ("processes_attached", self.processes_attached),
             ("processes_exited", self.processes_exited),
+            ("processes_execd", self.processes_execd),
+            ("processes_not_traced", self.processes_not_traced),
             ("forks_followed", self.forks_followed),
             ("fork_threads_ignored", self.fork_threads_ignored),
             ("self_requests_ignored", self.self_requests_ignored),
@@ -90,6 +113,8 @@ impl Stats {
             ),
             ("spans_released_early", self.stitch.spans_released_early),
             ("stitch_nodes_evicted", self.stitch.nodes_evicted),
+            ("stitch_keys_evicted", self.stitch.keys_evicted),
+            ("peer_names_dropped", self.peer_names_dropped),
         ]
     }
 }

@@ -76,6 +76,9 @@ pub struct StitchStats {
     pub spans_released_early: u64,
     /// Requests dropped from the graph because it was full.
     pub nodes_evicted: u64,
+    /// One-sided connection keys (a call or a request waiting for its other end) forgotten
+    /// before their linger because `max_nodes` of them were waiting.
+    pub keys_evicted: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,6 +230,7 @@ impl Stitcher {
                     }
                     (None, None) => {
                         if let Some(key) = key {
+                            self.make_room_for_key();
                             self.waiting_servers.insert(key, start.span_id);
                             self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
                         }
@@ -247,6 +251,7 @@ impl Stitcher {
                     match self.waiting_servers.remove(&key) {
                         Some(server) => self.link_server(server, start.span_id),
                         None => {
+                            self.make_room_for_key();
                             self.waiting_clients.insert(key, start.span_id);
                             self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
                         }
@@ -437,6 +442,19 @@ impl Stitcher {
     pub fn release_all(&mut self, out: &mut Vec<SpanRecord>) {
         while let Some(held) = self.held.pop_front() {
             out.push(self.resolve(held));
+        }
+    }
+
+    /// Keys wait [`UNMATCHED_LINGER`] at most, but at a high request rate with no other end
+    /// (a client of an untraced server) that is many: past `max_nodes` the oldest goes.
+    fn make_room_for_key(&mut self) {
+        while self.key_expiry.len() >= self.config.max_nodes {
+            let Some((_, key)) = self.key_expiry.pop_front() else {
+                break;
+            };
+            let forgotten = self.waiting_clients.remove(&key).is_some()
+                | self.waiting_servers.remove(&key).is_some();
+            self.stats.keys_evicted += u64::from(forgotten);
         }
     }
 
@@ -902,5 +920,39 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(stitcher.held(), 2);
         assert_eq!(stitcher.stats.spans_released_early, 1);
+    }
+
+    #[test]
+    fn one_sided_connection_keys_are_bounded() {
+        let mut stitcher = Stitcher::new(StitchConfig {
+            delay: Duration::from_millis(10),
+            max_pending: 100,
+            max_nodes: 50,
+        });
+        let now = Instant::now();
+        for port in 0..200u16 {
+            // Calls to a server that is not traced: nothing ever takes their key.
+            let start = RequestStart {
+                pid: 1,
+                role: Role::Client,
+                local: Some(SocketAddr::from(([127, 0, 0, 1], 20_000 + port))),
+                peer: Some(SocketAddr::from(([10, 0, 0, 1], 80))),
+                sequence: 0,
+                span_id: SpanId::random(),
+                method: "GET".into(),
+                path: "/".into(),
+                traceparent: None,
+            };
+            let facts = StartFacts {
+                rollout_id: None,
+                emits_own: true,
+                emits_semantic: false,
+            };
+            stitcher.start(&start, facts, now);
+            stitcher.finish(start.span_id, now);
+        }
+        assert!(stitcher.waiting_clients.len() <= 50);
+        assert!(stitcher.key_expiry.len() <= 50);
+        assert_eq!(stitcher.stats.keys_evicted, 150);
     }
 }
