@@ -3,6 +3,7 @@
 //! `nemo.gym.server.name` (Gym records the `gym.*` ones without attributes).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -15,6 +16,7 @@ use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
 use crate::export::{ExportTarget, meter_provider};
 use crate::gym::span_groups::SpanGroup;
+use crate::health::ExportStatus;
 use crate::identity::ServiceIdentity;
 
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
@@ -115,21 +117,25 @@ pub struct Metrics {
     target: ExportTarget,
     interval: Duration,
     services: HashMap<u32, ServiceMetrics>,
+    /// Where failed exports are counted.
+    status: Arc<ExportStatus>,
 }
 
 impl Metrics {
-    pub fn new(target: ExportTarget, interval: Duration) -> Self {
+    pub fn new(target: ExportTarget, interval: Duration, status: Arc<ExportStatus>) -> Self {
         Self {
             target,
             interval,
             services: HashMap::new(),
+            status,
         }
     }
 
     /// Creates the provider of a traced process, on its first request: forked helpers that
     /// never serve HTTP cost nothing. Inside the tokio runtime.
     fn add_service(&mut self, service: &ServiceIdentity) -> Result<()> {
-        let provider = meter_provider(&self.target, service, self.interval)?;
+        let provider =
+            meter_provider(&self.target, &service.resource, self.interval, &self.status)?;
         let meter = provider.meter("gym-tracer");
         let server_duration = meter
             .f64_histogram(SERVER_DURATION.name)
@@ -278,18 +284,35 @@ impl Metrics {
             .record(elapsed_ns / 1e9, &attributes);
     }
 
-    /// Exports every provider's final values and stops them.
-    pub async fn shutdown(self) {
+    /// Exports every provider's final values and stops them, within `timeout`.
+    pub async fn shutdown(self, timeout: Duration) {
         let providers: Vec<SdkMeterProvider> =
             self.services.into_values().map(|s| s.provider).collect();
-        // Shutdown blocks until the final export is done; keep it off the runtime's workers.
-        let _ = tokio::task::spawn_blocking(move || {
-            for provider in providers {
-                if let Err(error) = provider.shutdown() {
-                    tracing::warn!("final metric export failed: {error}");
-                }
+        shutdown_providers(providers, timeout).await;
+    }
+}
+
+/// Stops `providers` after their final export, giving up after `timeout` (a collector that
+/// is down would otherwise hold the agent for the exporter's retries). Shutdown blocks until
+/// the export is done, so it runs off the runtime's workers; one left behind is abandoned
+/// when the runtime stops (`main` does not wait for it).
+pub async fn shutdown_providers(providers: Vec<SdkMeterProvider>, timeout: Duration) {
+    if providers.is_empty() {
+        return;
+    }
+    let count = providers.len();
+    let shutdown = tokio::task::spawn_blocking(move || {
+        for provider in providers {
+            if let Err(error) = provider.shutdown() {
+                tracing::warn!("final metric export failed: {error}");
             }
-        })
-        .await;
+        }
+    });
+    if tokio::time::timeout(timeout, shutdown).await.is_err() {
+        tracing::warn!(
+            "final metric export failed: not done within --shutdown-timeout ({} ms) for \
+             {count} meter provider(s); their last values are not exported",
+            timeout.as_millis()
+        );
     }
 }
