@@ -288,3 +288,24 @@ def test_self_telemetry_arrives_as_gym_tracer_metrics(server_factory, collector,
     summary = stopped(agent)
     assert "events_lost_by_cpu" in summary, agent.log_messages()[-1]
     assert all(int(pair.split(":")[1]) == 0 for pair in summary["events_lost_by_cpu"].split(","))
+
+
+def test_self_telemetry_is_printed_among_the_json_metrics(server_factory, agents):
+    server = server_factory()
+    agent = Agent([server.pid], extra_args=["--stitch-delay-ms", "50", "--no-route-harvest"])
+    agents.append(agent.start())
+    send_verify(server, 5)
+    time.sleep(1.5)
+    summary = stopped(agent)  # the final export prints every metric once
+
+    def points(name):
+        return [p for p in agent.metric_points(name) if p["resource"].get("service.name") == "gym-tracer"]
+
+    received = points("gym_tracer.events.received")
+    assert received and received[-1]["value"] == summary["events_in"], agent.stdout_text()[-2000:]
+    assert received[-1]["unit"] == "{event}"
+    assert [p["value"] for p in points("gym_tracer.spans.exported")] == [summary["spans_exported"]]
+    lost = points("gym_tracer.events.lost")
+    assert lost and all(p["value"] == 0 and "cpu" in p["attributes"] for p in lost), lost
+    held = {p["attributes"]["stage"]: p["value"] for p in points("gym_tracer.spans.held")}
+    assert held == {"stitching": 0, "export_buffer": 0}, held

@@ -1228,6 +1228,14 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
                         ));
                     }
                 }
+                AggregatedMetrics::U64(MetricData::Gauge(gauge)) => {
+                    for point in gauge.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({"type": "gauge", "value": point.value(), "time_unix_nano": unix_nanos(gauge.time())}),
+                        ));
+                    }
+                }
                 AggregatedMetrics::F64(MetricData::Gauge(gauge)) => {
                     for point in gauge.data_points() {
                         lines.push(base(

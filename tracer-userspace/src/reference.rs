@@ -59,7 +59,8 @@ pub fn markdown() -> String {
         );
     }
     out.push_str(
-        "\nThe agent's own metrics, with OTLP, under the resource `service.name` \
+        "\nThe agent's own metrics (OTLP or JSON lines; not with `--output tree`), under the \
+         resource `service.name` \
          `gym-tracer` (also `service.version`, `service.instance.id`, `host.name`, \
          `process.pid`), every `--metric-interval`:\n\n",
     );

@@ -294,15 +294,16 @@ fn register(meter: &Meter, instrument: &'static SelfInstrument, health: Arc<Heal
     }
 }
 
-/// Exports the self-telemetry every `interval` when the target is OTLP (stdout belongs to
-/// the traced servers' data); `None` otherwise. Inside the tokio runtime.
+/// Exports the self-telemetry every `interval` and once more on exit, over OTLP or as JSON
+/// lines among the servers' metrics; `None` for `--output tree` (stdout is for people
+/// there, and the `stopped.` line says it all). Inside the tokio runtime.
 pub fn start(
     target: &ExportTarget,
     agent: &AgentResource,
     interval: Duration,
     health: Arc<Health>,
 ) -> Result<Option<SdkMeterProvider>> {
-    if !matches!(target, ExportTarget::Otlp(_)) {
+    if *target == ExportTarget::Tree {
         return Ok(None);
     }
     let provider = meter_provider(target, &resource(agent), interval, &health.export)?;
