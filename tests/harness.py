@@ -76,12 +76,13 @@ class Agent:
     """The real gym-tracer, attached by PID (or, with discover=True, finding Gym servers itself
     with `--discover gym`); JSON lines are read from its stdout."""
 
-    def __init__(self, pids=(), extra_args=(), env=None, discover=False):
+    def __init__(self, pids=(), extra_args=(), env=None, discover=False, metric_interval=3600):
         self.workdir = tempfile.mkdtemp(prefix="gym-tracer-test-")
         self.ready_file = Path(self.workdir) / "ready"
         self.stdout_path = Path(self.workdir) / "stdout.jsonl"
         self.stderr_path = Path(self.workdir) / "stderr.log"
-        args = [str(agent_binary()), "run", "--ready-file", str(self.ready_file), "--metric-interval", "3600"]
+        args = [str(agent_binary()), "run", "--ready-file", str(self.ready_file),
+                "--metric-interval", str(metric_interval)]
         for pid in pids:
             args += ["--pid", str(pid)]
         if discover:
@@ -168,7 +169,9 @@ class Agent:
         for line in reversed(self.log_messages()):
             if line.startswith("stopped."):
                 fields = line.split("stopped.", 1)[1].replace("(", " ").replace(")", " ").split()
-                return {k: int(v) for k, v in (f.split("=", 1) for f in fields if "=" in f)}
+                pairs = (f.split("=", 1) for f in fields if "=" in f)
+                # Numbers, and a few lists such as events_lost_by_cpu=0:0,1:0 (kept as text).
+                return {k: int(v) if v.isdigit() else v for k, v in pairs}
         return {}
 
 

@@ -2,12 +2,19 @@
 (/v1/traces, /v1/metrics) on loopback. Received data is flattened into plain dicts.
 
 Optionally over TLS (`Tls`), with client certificates required (mutual TLS); the headers (gRPC
-metadata) of every export request are recorded, and gzip-compressed requests are accepted."""
+metadata) of every export request are recorded, and gzip-compressed requests are accepted.
+
+For the collector-fault tests it can misbehave like a real collector: start late, stop and
+restart on the same ports (`stop()` then `start()`), answer slowly (`delay_s`), or refuse every
+export (`mode`: "refuse" is gRPC UNAVAILABLE / HTTP 503, "reject" is gRPC INVALID_ARGUMENT /
+HTTP 400)."""
 
 import gzip
+import socket
 import ssl
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,6 +51,8 @@ class Received:
         self.lock = threading.Lock()
         self.spans = []
         self.histogram_points = []
+        # Sum and gauge data points, as dicts like the histogram ones with a "value".
+        self.metric_points = []
         self.requests = 0
         # One entry per export request: {"transport", "path", "headers"} (header names lower-case).
         self.request_headers = []
@@ -88,7 +97,21 @@ class Received:
                 resource = _attributes(resource_metrics.resource.attributes)
                 for scope_metrics in resource_metrics.scope_metrics:
                     for metric in scope_metrics.metrics:
-                        if metric.WhichOneof("data") != "histogram":
+                        data = metric.WhichOneof("data")
+                        if data in ("sum", "gauge"):
+                            for point in getattr(metric, data).data_points:
+                                self.metric_points.append(
+                                    {
+                                        "metric": metric.name,
+                                        "unit": metric.unit,
+                                        "type": data,
+                                        "attributes": _attributes(point.attributes),
+                                        "resource": resource,
+                                        "value": getattr(point, point.WhichOneof("value")),
+                                        "time_unix_nano": point.time_unix_nano,
+                                    }
+                                )
+                        if data != "histogram":
                             continue
                         for point in metric.histogram.data_points:
                             self.histogram_points.append(
@@ -101,6 +124,24 @@ class Received:
                                     "time_unix_nano": point.time_unix_nano,
                                 }
                             )
+
+    def latest_points(self, name):
+        """Sum and gauge points of metric `name`: the newest per (resource instance, attributes)."""
+        newest = {}
+        with self.lock:
+            for point in self.metric_points:
+                if point["metric"] != name:
+                    continue
+                resource = point["resource"]
+                instance = resource.get("service.instance.id", resource.get("process.pid"))
+                key = (instance, tuple(sorted(point["attributes"].items())))
+                if key not in newest or newest[key]["time_unix_nano"] <= point["time_unix_nano"]:
+                    newest[key] = point
+        return list(newest.values())
+
+    def span_ids(self):
+        with self.lock:
+            return {span["span_id"] for span in self.spans}
 
     def latest_histograms(self, name):
         """Cumulative points: keep the newest per (resource pid, attributes)."""
@@ -115,24 +156,40 @@ class Received:
         return list(newest.values())
 
 
+_GRPC_REFUSALS = {"refuse": grpc.StatusCode.UNAVAILABLE, "reject": grpc.StatusCode.INVALID_ARGUMENT}
+_HTTP_REFUSALS = {"refuse": 503, "reject": 400}
+
+
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, received):
-        self.received = received
+    def __init__(self, receiver):
+        self.receiver = receiver
 
     def Export(self, request, context):
-        self.received.add_headers("grpc", "TraceService/Export", context.invocation_metadata())
-        self.received.add_traces(request)
+        mode = self.receiver.misbehave()
+        if mode in _GRPC_REFUSALS:
+            context.abort(_GRPC_REFUSALS[mode], f"test receiver: {mode}")
+        self.receiver.received.add_headers("grpc", "TraceService/Export", context.invocation_metadata())
+        self.receiver.received.add_traces(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
 class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, received):
-        self.received = received
+    def __init__(self, receiver):
+        self.receiver = receiver
 
     def Export(self, request, context):
-        self.received.add_headers("grpc", "MetricsService/Export", context.invocation_metadata())
-        self.received.add_metrics(request)
+        mode = self.receiver.misbehave()
+        if mode in _GRPC_REFUSALS:
+            context.abort(_GRPC_REFUSALS[mode], f"test receiver: {mode}")
+        self.receiver.received.add_headers("grpc", "MetricsService/Export", context.invocation_metadata())
+        self.receiver.received.add_metrics(request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _read(path):
@@ -159,34 +216,62 @@ class _HttpServer(ThreadingHTTPServer):
 
 class OtlpReceiver:
     """Listens on 127.0.0.1 for gRPC (`grpc_endpoint`) and HTTP (`http_endpoint`); with `tls`,
-    over TLS (the endpoints are then https://).
+    over TLS (the endpoints are then https://). The ports are fixed when it is made, so it can
+    start after the agent, and stop and start again on the same ports (what it received is kept).
 
     gRPC hides `grpc-encoding` from the handler, so a test sees that a client compresses by
     `grpc_gzip=False`: the gRPC server then refuses gzip-compressed requests (UNIMPLEMENTED)."""
 
     def __init__(self, tls=None, grpc_gzip=True):
         self.received = Received()
+        self.tls, self.grpc_gzip = tls, grpc_gzip
+        # "accept", "refuse" (retryable) or "reject" (permanent); read by every export request.
+        self.mode = "accept"
+        # Seconds every export request waits before it is answered.
+        self.delay_s = 0.0
+        # Export requests refused or rejected, by mode.
+        self.refusals = {"refuse": 0, "reject": 0}
+        self.grpc_port, self.http_port = _free_port(), _free_port()
+        scheme = "https" if tls else "http"
+        self.grpc_endpoint = f"{scheme}://127.0.0.1:{self.grpc_port}"
+        self.http_endpoint = f"{scheme}://127.0.0.1:{self.http_port}"
+        self.tls_handshakes_failed = 0
+        self.grpc_server = self.http_server = None
+
+    def misbehave(self):
+        """Applies the delay; returns the mode this request gets (refusals are counted)."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        mode = self.mode
+        if mode in self.refusals:
+            with self.received.lock:
+                self.refusals[mode] += 1
+        return mode
+
+    def _grpc_server(self):
+        tls = self.tls
         # Bits: identity 1, deflate 2, gzip 4.
-        algorithms = 7 if grpc_gzip else 3
-        self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4),
+        algorithms = 7 if self.grpc_gzip else 3
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8),
             options=[("grpc.compression_enabled_algorithms_bitset", algorithms)],
         )
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self.received), self.grpc_server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self.received), self.grpc_server)
-        scheme = "https" if tls else "http"
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), server)
+        address = f"127.0.0.1:{self.grpc_port}"
         if tls:
             credentials = grpc.ssl_server_credentials(
                 [(_read(tls.key), _read(tls.cert))],
                 root_certificates=_read(tls.client_ca) if tls.client_ca else None,
                 require_client_auth=tls.client_ca is not None,
             )
-            grpc_port = self.grpc_server.add_secure_port("127.0.0.1:0", credentials)
+            server.add_secure_port(address, credentials)
         else:
-            grpc_port = self.grpc_server.add_insecure_port("127.0.0.1:0")
-        self.grpc_endpoint = f"{scheme}://127.0.0.1:{grpc_port}"
-        self.tls_handshakes_failed = 0
+            server.add_insecure_port(address)
+        return server
 
+    def _http_server(self):
+        tls = self.tls
         received = self.received
         receiver = self
 
@@ -203,6 +288,12 @@ class OtlpReceiver:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                mode = receiver.misbehave()
+                if mode in _HTTP_REFUSALS:
+                    self.send_response(_HTTP_REFUSALS[mode])
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                    return
                 if self.headers.get("content-encoding", "").lower() == "gzip":
                     body = gzip.decompress(body)
                 received.add_headers("http", self.path, self.headers.items())
@@ -229,22 +320,30 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.http_server = _HttpServer(("127.0.0.1", 0), Handler)
+        server = _HttpServer(("127.0.0.1", self.http_port), Handler)
+        server.daemon_threads = True
         if tls:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(tls.cert, tls.key)
             if tls.client_ca:
                 context.verify_mode = ssl.CERT_REQUIRED
                 context.load_verify_locations(tls.client_ca)
-            self.http_server.ssl_context = context
-        self.http_endpoint = f"{scheme}://127.0.0.1:{self.http_server.server_port}"
-        self._http_thread = threading.Thread(target=self.http_server.serve_forever, daemon=True)
+            server.ssl_context = context
+        return server
 
     def start(self):
+        self.grpc_server = self._grpc_server()
         self.grpc_server.start()
-        self._http_thread.start()
+        self.http_server = self._http_server()
+        threading.Thread(target=self.http_server.serve_forever, daemon=True).start()
         return self
 
     def stop(self):
-        self.grpc_server.stop(grace=None)
-        self.http_server.shutdown()
+        """Closes both listeners (clients see connection refused); `start()` opens them again."""
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=None).wait()
+            self.grpc_server = None
+        if self.http_server is not None:
+            self.http_server.shutdown()
+            self.http_server.server_close()
+            self.http_server = None

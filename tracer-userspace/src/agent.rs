@@ -44,13 +44,17 @@ const HARVEST_ATTEMPTS: u32 = 60;
 
 /// How often held spans are checked for release.
 const RELEASE_TICK: Duration = Duration::from_millis(100);
-/// How often the counters behind --health-listen's /metrics are refreshed.
+/// How often the counters behind /metrics and the self-telemetry are refreshed.
 const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Server addresses remembered for `peer.service`. A server listening on a wildcard
 /// address is reached at as many local addresses as a peer chooses (all of 127/8), so this
 /// is bounded; past it a server's new address is not named (counted: peer_names_dropped).
 const MAX_PEER_NAMES: usize = 4096;
+
+/// The final export of the agent's own metrics, after the spans' and the servers' metrics'
+/// (each bounded by --shutdown-timeout): one attempt's worth.
+const SELF_TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// What the kernel said about traced processes, handled between ring-buffer batches.
 #[derive(Debug)]
@@ -223,10 +227,25 @@ impl Pipeline {
 
     /// Copies into `stats` the counters other parts keep (the stitcher, the kernel's loss
     /// counter, discovery), for /metrics and the closing line.
-    fn collect_stats(&mut self, events_lost_in_kernel: u64, scanner: Option<&ProcScanner>) {
+    fn collect_stats(&mut self, events_lost_by_cpu: Vec<u64>, scanner: Option<&ProcScanner>) {
         self.stats.stitch = self.stitcher.stats;
-        self.stats.events_lost_in_kernel = events_lost_in_kernel;
+        self.stats.events_lost_in_kernel = events_lost_by_cpu.iter().sum();
+        self.stats.events_lost_by_cpu = events_lost_by_cpu;
         self.stats.environ_unreadable = scanner.map_or(0, ProcScanner::unreadable);
+    }
+
+    /// Makes the counters and levels of now readable by /metrics and the self-telemetry.
+    fn publish(&mut self, events_lost_by_cpu: Vec<u64>, scanner: Option<&ProcScanner>) {
+        self.collect_stats(events_lost_by_cpu, scanner);
+        self.health.publish(
+            &self.stats,
+            Gauges {
+                processes_traced: self.processes.len() as u64,
+                connections_tracked: self.table.open_connections() as u64,
+                spans_pending: self.stitcher.held() as u64,
+                resident_memory_bytes: resident_memory_bytes(),
+            },
+        );
     }
 
     /// Hands the spans the stitcher let go of to the exporters.
@@ -287,6 +306,18 @@ impl Pipeline {
             None => self.lifecycle.push(Lifecycle::NotAProcess(child)),
         }
     }
+}
+
+/// The agent's resident set size (VmRSS), 0 if /proc cannot say.
+fn resident_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
 }
 
 /// A fork event's child is a process (not a thread) if it leads its own thread group.
@@ -454,19 +485,25 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             Output::Tree => ExportTarget::Tree,
         },
     };
+    let shutdown_timeout = Duration::from_millis(args.shutdown_timeout);
+    let agent_resource = AgentResource::new(
+        args.service_name.clone(),
+        args.resource_attributes
+            .clone()
+            .map(|list| list.0)
+            .unwrap_or_default(),
+    );
+    let self_telemetry = crate::telemetry::start(
+        &exporters,
+        &target,
+        &agent_resource,
+        Duration::from_secs(args.metric_interval),
+        health.clone(),
+    )?;
     let mut pipeline = Pipeline {
         clock: WallClock::measure(),
         table: ConnectionTable::new(args.max_connections).reading_run_bodies(wants_run_body),
-        processes: ProcessTable::new(
-            args.routes.clone(),
-            AgentResource::new(
-                args.service_name.clone(),
-                args.resource_attributes
-                    .clone()
-                    .map(|list| list.0)
-                    .unwrap_or_default(),
-            ),
-        ),
+        processes: ProcessTable::new(args.routes.clone(), agent_resource),
         groups: args.span_groups,
         self_ports: SelfPorts::new(),
         spans: SpanPipeline::start(
@@ -475,6 +512,8 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             ExportLimits {
                 batch_size: args.export_batch_size,
                 queue_size: args.export_queue_size,
+                buffer_spans: args.export_buffer_spans,
+                shutdown_timeout,
             },
             health.export.clone(),
         )?,
@@ -482,6 +521,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             target.clone(),
             Duration::from_secs(args.metric_interval),
             exporters.clone(),
+            health.export.clone(),
         ),
         stats: Stats::default(),
         stitcher: Stitcher::new(StitchConfig {
@@ -638,13 +678,8 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
                 pipeline.stitcher.release(std::time::Instant::now(), &mut pipeline.released);
                 pipeline.offer_released();
             }
-            _ = publish.tick(), if args.health_listen.is_some() => {
-                pipeline.collect_stats(probes.lost_events(), scanner.as_ref());
-                pipeline.health.publish(&pipeline.stats, Gauges {
-                    processes_traced: pipeline.processes.len() as u64,
-                    connections_tracked: pipeline.table.open_connections() as u64,
-                    spans_pending: pipeline.stitcher.held() as u64,
-                });
+            _ = publish.tick() => {
+                pipeline.publish(probes.lost_events_by_cpu(), scanner.as_ref());
             }
             _ = rescan.tick(), if scanner.is_some() => {
                 if let Some(scanner) = scanner.as_mut() {
@@ -688,7 +723,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     }
 
     // Detach first so nothing new arrives, then take what is still on the ring.
-    let lost = probes.lost_events();
+    let lost = probes.lost_events_by_cpu();
     drop(probes);
     let ring = ring.get_mut();
     while let Some(record) = ring.next() {
@@ -696,25 +731,39 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     }
     pipeline.stitcher.release_all(&mut pipeline.released);
     pipeline.offer_released();
-    pipeline.collect_stats(lost, scanner.as_ref());
+    pipeline.collect_stats(lost.clone(), scanner.as_ref());
     let in_flight = pipeline.table.in_flight_requests();
     let open_connections = pipeline.table.open_connections();
     let Pipeline {
         spans,
         metrics,
         stats,
+        health,
         ..
     } = pipeline;
-    let totals = spans.shutdown().await;
-    metrics.shutdown().await;
+    // Spans and metrics are flushed side by side, each within --shutdown-timeout; the
+    // agent's own metrics last, so that they count what the flush dropped.
+    let (totals, ()) = tokio::join!(spans.shutdown(), metrics.shutdown(shutdown_timeout));
+    if let Some(provider) = self_telemetry {
+        health.publish(&stats, health.snapshot().1);
+        crate::metrics::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN).await;
+    }
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
     }
     let tree_summary = totals.tree.map(|t| format!(" {t}")).unwrap_or_default();
+    let export_counters: String = health
+        .export
+        .counters()
+        .iter()
+        .filter(|(name, _)| !matches!(*name, "spans_exported" | "spans_export_failed"))
+        .map(|(name, value)| format!(" {name}={value}"))
+        .collect();
     tracing::info!(
-        "stopped. {stats} spans_exported={} spans_export_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}{tree_summary}",
+        "stopped. {stats} spans_exported={} spans_export_failed={}{export_counters} metric_exports_failed={} requests_in_flight_at_exit={in_flight} connections_open_at_exit={open_connections}{tree_summary}",
         totals.spans_exported,
-        totals.spans_failed
+        totals.spans_failed,
+        health.export.metric_exports_failed()
     );
     Ok(())
 }

@@ -285,6 +285,22 @@ pub struct RunArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub export_queue_size: usize,
 
+    /// Spans held for retry while the collector is down, slow or refusing (about 1 KiB
+    /// each); past it the oldest are dropped and counted (spans_dropped_export_buffer_full).
+    #[arg(long, env = "GYM_TRACER_EXPORT_BUFFER_SPANS", value_name = "N", default_value_t = 65_536,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub export_buffer_spans: usize,
+
+    /// Milliseconds the final export may take on exit (spans and metrics, side by side);
+    /// spans still undelivered then are counted (spans_dropped_undelivered_at_shutdown).
+    #[arg(
+        long,
+        env = "GYM_TRACER_SHUTDOWN_TIMEOUT",
+        value_name = "MS",
+        default_value_t = 5_000
+    )]
+    pub shutdown_timeout: u64,
+
     /// Extra resource attributes for everything exported, as `key=value,key2=value2`
     /// (e.g. k8s.node.name=$(NODE_NAME),host.name=$(NODE_NAME)). They may override host.name
     /// (in a pod the agent sees the pod's hostname), never service.name, nemo.gym.* or

@@ -483,6 +483,11 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
             Some(args.export_queue_size.to_string()),
         ),
         (
+            "export_buffer_spans",
+            Some(args.export_buffer_spans.to_string()),
+        ),
+        ("shutdown_timeout", Some(args.shutdown_timeout.to_string())),
+        (
             "resource_attributes",
             args.resource_attributes
                 .as_ref()

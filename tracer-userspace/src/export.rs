@@ -25,12 +25,13 @@ use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{SdkMeterProvider, Temporality};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use serde_json::{Map, Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::cli::OtlpCompression;
 use crate::config::HeaderList;
-use crate::health::ExportStatus;
+use crate::health::{ExportStatus, SpanDrop};
 use crate::identity::ServiceIdentity;
+use crate::retry::{Backoff, FailureKind, PendingBatch, RetryBuffer, classify};
 use crate::spans::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 use crate::tree::{TreeCounters, TreeOptions, TreePrinter};
 
@@ -67,11 +68,16 @@ pub struct OtlpOptions {
     pub client_identity: Option<(PathBuf, PathBuf)>,
 }
 
-/// How spans are queued and batched on their way out, whatever the sink.
+/// How spans are queued, batched and kept on their way out, whatever the sink.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExportLimits {
     pub batch_size: usize,
     pub queue_size: usize,
+    /// Spans held for retry while the collector fails (OTLP only); past it the oldest are
+    /// dropped and counted.
+    pub buffer_spans: usize,
+    /// How long the final export may take at shutdown; what is left after it is counted.
+    pub shutdown_timeout: Duration,
 }
 
 const BATCH_DELAY: Duration = Duration::from_millis(500);
@@ -87,41 +93,284 @@ pub struct ExportTotals {
 pub struct SpanPipeline {
     sender: mpsc::Sender<SpanRecord>,
     task: tokio::task::JoinHandle<ExportTotals>,
+    /// Set to the final export's deadline when shutdown begins: it also cuts short an
+    /// attempt already waiting on a slow collector.
+    shutdown: watch::Sender<Option<Instant>>,
+    shutdown_timeout: Duration,
 }
 
 enum SpanSink {
     JsonLines,
     Tree(Box<TreePrinter<std::io::Stdout>>),
-    Otlp(Box<opentelemetry_otlp::SpanExporter>, FailureStreak),
+    Otlp(Box<OtlpSpanSink>),
 }
 
-/// Failed span exports since the last one that succeeded. A collector that is down is
-/// reported when the exports start failing and when they work again, not for every batch
-/// (that would be twice a second for as long as it is down).
+/// The collector's side of the span pipeline: every batch goes through the retry buffer,
+/// so that a collector that is down, slow or refusing costs bounded memory, and what fit is
+/// delivered, oldest first, when it is back.
+struct OtlpSpanSink {
+    exporter: opentelemetry_otlp::SpanExporter,
+    buffer: RetryBuffer<Arc<ServiceIdentity>, SpanRecord>,
+    backoff: Backoff,
+    streak: FailureStreak,
+    /// `--otlp-timeout`: bounds each attempt (a slow collector is a failed attempt).
+    attempt_timeout: Duration,
+    /// The deadline of the final export, once shutdown has begun.
+    shutdown: watch::Receiver<Option<Instant>>,
+}
+
+/// What to log about an outage: when exports start failing, when they work again, and when
+/// what was held meanwhile has gone out (not every batch: that would be twice a second for
+/// as long as the collector is down).
 #[derive(Debug, Default)]
 struct FailureStreak {
-    spans_failed: u64,
+    state: StreakState,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum StreakState {
+    #[default]
+    Healthy,
+    /// `failed_attempts` in a row; the exporter's totals when it started.
+    Failing {
+        failed_attempts: u64,
+        since: OutageTotals,
+    },
+    /// Exports work again and the spans held during the outage are being sent.
+    Recovering { since: OutageTotals },
+}
+
+/// The totals an outage's report is the difference of.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct OutageTotals {
+    delivered_late: u64,
+    dropped: u64,
 }
 
 impl FailureStreak {
+    /// Whether exports are failing now (the last attempt failed).
+    fn failing(&self) -> bool {
+        matches!(self.state, StreakState::Failing { .. })
+    }
+
     /// The message to log, for the first failure of a streak.
-    fn failed(&mut self, spans: u64, error: &dyn std::fmt::Display) -> Option<String> {
-        let first = self.spans_failed == 0;
-        self.spans_failed += spans;
-        first.then(|| {
-            let error = error.to_string();
-            format!(
-                "exporting {spans} spans failed: {error}{}; later batches are tried as they \
-                 come (failures are counted in spans_export_failed)",
-                failure_hint(&error)
-            )
-        })
+    fn failed(
+        &mut self,
+        spans: u64,
+        error: &str,
+        kind: FailureKind,
+        buffer_spans: usize,
+        totals: OutageTotals,
+    ) -> Option<String> {
+        match &mut self.state {
+            StreakState::Failing {
+                failed_attempts, ..
+            } => {
+                *failed_attempts += 1;
+                None
+            }
+            state => {
+                let since = match *state {
+                    StreakState::Recovering { since } => since,
+                    _ => totals,
+                };
+                *state = StreakState::Failing {
+                    failed_attempts: 1,
+                    since,
+                };
+                let then = match kind {
+                    FailureKind::Retryable => format!(
+                        "retrying with backoff (up to {} s apart), holding up to {buffer_spans} \
+                         spans meanwhile (past that the oldest are dropped: \
+                         spans_dropped_export_buffer_full)",
+                        crate::retry::BACKOFF_MAX.as_secs()
+                    ),
+                    FailureKind::Permanent => "the collector refused them for good, so they are \
+                     dropped (spans_dropped_rejected)"
+                        .to_string(),
+                };
+                Some(format!(
+                    "exporting {spans} spans failed: {error}{}; {then}",
+                    failure_hint(error)
+                ))
+            }
+        }
     }
 
     /// The message to log, when this success ends a streak.
-    fn succeeded(&mut self) -> Option<String> {
-        let failed = std::mem::take(&mut self.spans_failed);
-        (failed > 0).then(|| format!("exporting spans works again ({failed} spans were lost)"))
+    fn succeeded(&mut self, buffered: usize) -> Option<String> {
+        let StreakState::Failing {
+            failed_attempts,
+            since,
+        } = self.state
+        else {
+            return None;
+        };
+        self.state = StreakState::Recovering { since };
+        Some(format!(
+            "exporting spans works again after {failed_attempts} failed attempts; sending the \
+             {buffered} spans still held"
+        ))
+    }
+
+    /// The message to log, when the buffer is empty again after an outage.
+    fn drained(&mut self, totals: OutageTotals) -> Option<String> {
+        let StreakState::Recovering { since } = self.state else {
+            return None;
+        };
+        self.state = StreakState::Healthy;
+        Some(format!(
+            "the outage is over: {} spans delivered late, {} dropped (spans_dropped_*)",
+            totals.delivered_late - since.delivered_late,
+            totals.dropped - since.dropped
+        ))
+    }
+}
+
+fn outage_totals(status: &ExportStatus) -> OutageTotals {
+    OutageTotals {
+        delivered_late: status.spans_delivered_late(),
+        dropped: status.spans_failed(),
+    }
+}
+
+impl OtlpSpanSink {
+    /// Puts a batch in the retry buffer, one entry per traced process.
+    fn enqueue(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        let mut by_service: Vec<PendingBatch<Arc<ServiceIdentity>, SpanRecord>> = Vec::new();
+        for span in batch {
+            match by_service
+                .iter_mut()
+                .find(|pending| pending.service.pid == span.service.pid)
+            {
+                Some(pending) => pending.spans.push(span),
+                None => by_service.push(PendingBatch {
+                    service: span.service.clone(),
+                    spans: vec![span],
+                    delayed: self.streak.failing(),
+                }),
+            }
+        }
+        for pending in by_service {
+            let dropped = self.buffer.push(pending);
+            status.record_dropped(SpanDrop::ExportBufferFull, dropped as u64);
+        }
+        status.set_spans_buffered(self.buffer.len() as u64);
+    }
+
+    /// Sends what is buffered, oldest first, until it is empty or an attempt fails (then
+    /// the backoff says when to try again). With `deadline`, no attempt outlives it.
+    async fn deliver(&mut self, status: &ExportStatus) {
+        while self.backoff.ready(Instant::now()) {
+            let deadline = *self.shutdown.borrow();
+            let now = Instant::now();
+            let timeout = match deadline {
+                Some(deadline) => self
+                    .attempt_timeout
+                    .min(deadline.saturating_duration_since(now)),
+                None => self.attempt_timeout,
+            };
+            if timeout.is_zero() {
+                break;
+            }
+            let Some(mut pending) = self.buffer.pop() else {
+                break;
+            };
+            let count = pending.spans.len() as u64;
+            self.exporter.set_resource(&pending.service.resource);
+            let data = pending.spans.iter().map(span_data).collect();
+            let attempt = tokio::time::timeout(timeout, self.exporter.export(data));
+            let shutdown = &mut self.shutdown;
+            let result = tokio::select! {
+                result = attempt => match result {
+                    Ok(result) => result.map_err(|error| error.to_string()),
+                    Err(_) => Err(format!(
+                        "no answer within {} ms (--otlp-timeout, or what was left of \
+                         --shutdown-timeout)",
+                        timeout.as_millis()
+                    )),
+                },
+                // Shutdown began: the final flush sends this batch again, within its bound.
+                _ = shutdown.wait_for(Option::is_some), if deadline.is_none() => {
+                    self.buffer.push_front(pending);
+                    break;
+                }
+            };
+            match result {
+                Ok(()) => {
+                    status.record_success(count, pending.delayed);
+                    self.backoff.succeeded();
+                    if let Some(message) = self.streak.succeeded(self.buffer.len()) {
+                        tracing::info!("{message}");
+                    }
+                }
+                Err(error) => {
+                    status.record_failure(error.clone());
+                    let kind = classify(&error);
+                    let message = self.streak.failed(
+                        count,
+                        &error,
+                        kind,
+                        self.buffer_capacity(),
+                        outage_totals(status),
+                    );
+                    if let Some(message) = message {
+                        tracing::warn!(spans = count, "{message}");
+                    }
+                    match kind {
+                        FailureKind::Permanent => {
+                            status.record_dropped(SpanDrop::Rejected, count);
+                        }
+                        FailureKind::Retryable => {
+                            pending.delayed = true;
+                            let dropped = self.buffer.push_front(pending);
+                            status.record_dropped(SpanDrop::ExportBufferFull, dropped as u64);
+                            self.backoff.failed(Instant::now());
+                        }
+                    }
+                }
+            }
+        }
+        status.set_spans_buffered(self.buffer.len() as u64);
+        if self.buffer.is_empty()
+            && let Some(message) = self.streak.drained(outage_totals(status))
+        {
+            tracing::info!("{message}");
+        }
+    }
+
+    fn buffer_capacity(&self) -> usize {
+        self.buffer.capacity()
+    }
+
+    /// The final export: tries until the buffer is empty or `--shutdown-timeout` is over,
+    /// then counts what is left.
+    async fn flush(&mut self, status: &ExportStatus) {
+        let deadline = *self.shutdown.borrow();
+        // Set by `SpanPipeline::shutdown` before the channel closes.
+        let deadline = deadline.unwrap_or_else(Instant::now);
+        // A collector that was backed off for long gets one more chance now.
+        self.backoff.succeeded();
+        loop {
+            self.deliver(status).await;
+            let now = Instant::now();
+            if self.buffer.is_empty() || now >= deadline {
+                break;
+            }
+            let next = self.backoff.next_attempt().unwrap_or(now).min(deadline);
+            tokio::time::sleep_until(next.into()).await;
+        }
+        let undelivered = self.buffer.clear() as u64;
+        status.set_spans_buffered(0);
+        if undelivered > 0 {
+            status.record_dropped(SpanDrop::UndeliveredAtShutdown, undelivered);
+            tracing::warn!(
+                spans = undelivered,
+                "{undelivered} spans were not delivered within --shutdown-timeout: the \
+                 collector did not take them (spans_dropped_undelivered_at_shutdown)"
+            );
+        }
+        let _ = self.exporter.shutdown();
     }
 }
 
@@ -327,7 +576,7 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// What to check, for the failures a misconfigured export runs into.
 fn failure_hint(error: &str) -> &'static str {
-    const HINTS: [(&str, &str); 10] = [
+    const HINTS: [(&str, &str); 12] = [
         (
             "without sending TLS close_notify",
             "; the collector hung up during TLS: does it want a client certificate \
@@ -369,6 +618,14 @@ fn failure_hint(error: &str) -> &'static str {
         ),
         (
             "Status Code: 403",
+            "; the collector refused the credentials: check --otlp-headers",
+        ),
+        (
+            "status code: 401",
+            "; the collector refused the credentials: check --otlp-headers",
+        ),
+        (
+            "status code: 403",
             "; the collector refused the credentials: check --otlp-headers",
         ),
     ];
@@ -545,14 +802,19 @@ fn check_pem(pem: &[u8], content: PemContent) -> Result<(), String> {
 /// (and no trait for `with_tonic`, `with_http`, `build`): this builds either one from an
 /// [`OtlpTransport`], over the protocol `options` name.
 macro_rules! build_otlp_exporter {
-    ($exporter:ident, $signal:expr, $options:expr) => {{
+    ($exporter:ident, $signal:expr, $options:expr, $retry:expr) => {{
         use opentelemetry_otlp::$exporter;
         let options: &OtlpOptions = $options;
         let transport = OtlpTransport::load(options)?;
         let exporter = match options.protocol {
-            OtlpProtocol::Grpc => transport.grpc($exporter::builder().with_tonic()).build(),
+            OtlpProtocol::Grpc => transport
+                .grpc($exporter::builder().with_tonic().with_retry_policy($retry))
+                .build(),
             OtlpProtocol::HttpProtobuf => transport
-                .http($exporter::builder().with_http(), $signal)
+                .http(
+                    $exporter::builder().with_http().with_retry_policy($retry),
+                    $signal,
+                )
                 .map_err(|error| build_error(&error, $signal, &options.endpoint))?
                 .build(),
         };
@@ -560,12 +822,26 @@ macro_rules! build_otlp_exporter {
     }};
 }
 
+/// One attempt per export: the span pipeline retries itself, with a buffer and backoff
+/// that outlast an outage (the SDK's retries give up within the export timeout).
 fn otlp_span_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::SpanExporter> {
-    build_otlp_exporter!(SpanExporter, Signal::Traces, options)
+    build_otlp_exporter!(
+        SpanExporter,
+        Signal::Traces,
+        options,
+        opentelemetry_otlp::RetryPolicy::disabled()
+    )
 }
 
+/// The SDK's recommended retries, within the export timeout: metrics are cumulative, so an
+/// export that fails loses nothing the next one does not carry.
 fn otlp_metric_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::MetricExporter> {
-    build_otlp_exporter!(MetricExporter, Signal::Metrics, options)
+    build_otlp_exporter!(
+        MetricExporter,
+        Signal::Metrics,
+        options,
+        opentelemetry_otlp::RetryPolicy::recommended()
+    )
 }
 
 /// An exporter that could not be built, with what to check.
@@ -589,20 +865,30 @@ impl SpanPipeline {
         status: Arc<ExportStatus>,
     ) -> Result<Self> {
         let _runtime = runtime.enter();
+        let (shutdown, shutdown_receiver) = watch::channel(None);
         let sink = match target {
             ExportTarget::JsonLines => SpanSink::JsonLines,
             ExportTarget::Tree => SpanSink::Tree(Box::new(TreePrinter::new(
                 TreeOptions::default(),
                 std::io::stdout(),
             ))),
-            ExportTarget::Otlp(options) => SpanSink::Otlp(
-                Box::new(otlp_span_exporter(options)?),
-                FailureStreak::default(),
-            ),
+            ExportTarget::Otlp(options) => SpanSink::Otlp(Box::new(OtlpSpanSink {
+                exporter: otlp_span_exporter(options)?,
+                buffer: RetryBuffer::new(limits.buffer_spans),
+                backoff: Backoff::default(),
+                streak: FailureStreak::default(),
+                attempt_timeout: options.timeout,
+                shutdown: shutdown_receiver,
+            })),
         };
         let (sender, receiver) = mpsc::channel(limits.queue_size);
         let task = tokio::spawn(run_span_export(sink, receiver, limits.batch_size, status));
-        Ok(Self { sender, task })
+        Ok(Self {
+            sender,
+            task,
+            shutdown,
+            shutdown_timeout: limits.shutdown_timeout,
+        })
     }
 
     /// Queues a span; false when the queue is full (the caller counts the drop).
@@ -610,8 +896,11 @@ impl SpanPipeline {
         self.sender.try_send(span).is_ok()
     }
 
-    /// Exports everything queued, then stops.
+    /// Exports everything queued (for OTLP within the shutdown timeout; what is left is
+    /// counted), then stops.
     pub async fn shutdown(self) -> ExportTotals {
+        self.shutdown
+            .send_replace(Some(Instant::now() + self.shutdown_timeout));
         drop(self.sender);
         self.task.await.unwrap_or_default()
     }
@@ -644,6 +933,12 @@ async fn run_span_export(
         if !batch.is_empty() {
             export_batch(&mut sink, std::mem::take(&mut batch), &status).await;
         }
+        // Held spans are retried on this tick too, when their backoff is over.
+        if let SpanSink::Otlp(otlp) = &mut sink
+            && open
+        {
+            otlp.deliver(&status).await;
+        }
         // Trees are printed on this tick (at least every BATCH_DELAY), not only when spans
         // arrive: a trace is printed when it has been quiet.
         if let SpanSink::Tree(printer) = &mut sink {
@@ -658,8 +953,10 @@ async fn run_span_export(
                 tree: None,
             };
             match &mut sink {
-                SpanSink::Otlp(exporter, _) => {
-                    let _ = exporter.shutdown();
+                SpanSink::Otlp(otlp) => {
+                    otlp.flush(&status).await;
+                    totals.spans_exported = status.spans_exported();
+                    totals.spans_failed = status.spans_failed();
                 }
                 SpanSink::Tree(printer) => {
                     printer.flush_all();
@@ -688,10 +985,11 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, status: &Expo
             let count = batch.len() as u64;
             match out.write_all(&text).and_then(|()| out.flush()) {
                 Ok(()) => {
-                    status.record_success(count);
+                    status.record_success(count, false);
                 }
                 Err(error) => {
-                    status.record_failure(count, format!("writing to stdout: {error}"));
+                    status.record_failure(format!("writing to stdout: {error}"));
+                    status.record_dropped(SpanDrop::Rejected, count);
                 }
             }
         }
@@ -702,34 +1000,8 @@ async fn export_batch(sink: &mut SpanSink, batch: Vec<SpanRecord>, status: &Expo
                 printer.add(span, now);
             }
         }
-        SpanSink::Otlp(exporter, streak) => {
-            let mut by_service: HashMap<u32, (Arc<ServiceIdentity>, Vec<SpanData>)> =
-                HashMap::new();
-            for span in batch {
-                let entry = by_service
-                    .entry(span.service.pid)
-                    .or_insert_with(|| (span.service.clone(), Vec::new()));
-                entry.1.push(span_data(&span));
-            }
-            for (_, (service, spans)) in by_service {
-                let count = spans.len() as u64;
-                exporter.set_resource(&service.resource);
-                match exporter.export(spans).await {
-                    Ok(()) => {
-                        status.record_success(count);
-                        if let Some(message) = streak.succeeded() {
-                            tracing::info!("{message}");
-                        }
-                    }
-                    Err(error) => {
-                        status.record_failure(count, error.to_string());
-                        if let Some(message) = streak.failed(count, &error) {
-                            tracing::warn!(spans = count, "{message}");
-                        }
-                    }
-                }
-            }
-        }
+        // Sent by `deliver`, on this tick or when the backoff allows.
+        SpanSink::Otlp(otlp) => otlp.enqueue(batch, status),
     }
 }
 
@@ -958,6 +1230,14 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
                         ));
                     }
                 }
+                AggregatedMetrics::U64(MetricData::Gauge(gauge)) => {
+                    for point in gauge.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({"type": "gauge", "value": point.value(), "time_unix_nano": unix_nanos(gauge.time())}),
+                        ));
+                    }
+                }
                 AggregatedMetrics::F64(MetricData::Gauge(gauge)) => {
                     for point in gauge.data_points() {
                         lines.push(base(
@@ -1004,16 +1284,47 @@ impl PushMetricExporter for StdoutMetricExporter {
     }
 }
 
-/// Builds a meter provider with `service`'s resource that exports to `target` every
-/// `interval` and once more at shutdown. Must be called inside the tokio runtime.
+/// The OTLP metric exporter, counting its failures in `status` (the SDK only logs them).
+#[derive(Debug)]
+struct CountedMetricExporter {
+    inner: opentelemetry_otlp::MetricExporter,
+    status: Arc<ExportStatus>,
+}
+
+impl PushMetricExporter for CountedMetricExporter {
+    async fn export(&self, metrics: &ResourceMetrics) -> OTelSdkResult {
+        let result = self.inner.export(metrics).await;
+        if result.is_err() {
+            self.status.record_metric_export_failure();
+        }
+        result
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn temporality(&self) -> Temporality {
+        self.inner.temporality()
+    }
+}
+
+/// Builds a meter provider with `resource` that exports to `target` every `interval` and
+/// once more at shutdown; failed OTLP exports are counted in `status`. Must be called
+/// inside the tokio runtime.
 pub fn meter_provider(
     target: &ExportTarget,
-    service: &ServiceIdentity,
+    resource: &opentelemetry_sdk::Resource,
     interval: Duration,
+    status: &Arc<ExportStatus>,
 ) -> Result<SdkMeterProvider> {
     use opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader;
     use opentelemetry_sdk::runtime::Tokio;
-    let builder = SdkMeterProvider::builder().with_resource(service.resource.clone());
+    let builder = SdkMeterProvider::builder().with_resource(resource.clone());
     let provider = match target {
         ExportTarget::Tree | ExportTarget::JsonLines => builder
             .with_reader(
@@ -1028,7 +1339,10 @@ pub fn meter_provider(
             )
             .build(),
         ExportTarget::Otlp(options) => {
-            let exporter = otlp_metric_exporter(options)?;
+            let exporter = CountedMetricExporter {
+                inner: otlp_metric_exporter(options)?,
+                status: status.clone(),
+            };
             builder
                 .with_reader(
                     PeriodicReader::builder(exporter, Tokio)
@@ -1235,19 +1549,53 @@ mod tests {
     #[test]
     fn a_failing_collector_is_reported_once_per_outage() {
         let mut streak = FailureStreak::default();
-        assert_eq!(streak.succeeded(), None);
-        let first = streak.failed(3, &"transport error").unwrap();
+        assert_eq!(streak.succeeded(0), None);
+        assert_eq!(streak.drained(OutageTotals::default()), None);
+        let start = OutageTotals {
+            delivered_late: 10,
+            dropped: 1,
+        };
+        let first = streak
+            .failed(3, "transport error", FailureKind::Retryable, 100, start)
+            .unwrap();
         assert!(
-            first.starts_with("exporting 3 spans failed: transport error"),
+            first.starts_with("exporting 3 spans failed: transport error; retrying"),
             "{first}"
         );
-        assert_eq!(streak.failed(4, &"transport error"), None);
+        assert!(first.contains("holding up to 100 spans"), "{first}");
         assert_eq!(
-            streak.succeeded().as_deref(),
-            Some("exporting spans works again (7 spans were lost)")
+            streak.failed(4, "transport error", FailureKind::Retryable, 100, start),
+            None
         );
-        assert_eq!(streak.succeeded(), None);
-        assert!(streak.failed(1, &"again").is_some());
+        assert_eq!(
+            streak.succeeded(7).as_deref(),
+            Some(
+                "exporting spans works again after 2 failed attempts; sending the 7 spans still held"
+            )
+        );
+        assert_eq!(streak.succeeded(0), None);
+        let end = OutageTotals {
+            delivered_late: 17,
+            dropped: 3,
+        };
+        assert_eq!(
+            streak.drained(end).as_deref(),
+            Some("the outage is over: 7 spans delivered late, 2 dropped (spans_dropped_*)")
+        );
+        assert_eq!(streak.drained(end), None);
+        let refused = streak
+            .failed(
+                1,
+                "gRPC code: InvalidArgument",
+                FailureKind::Permanent,
+                100,
+                end,
+            )
+            .unwrap();
+        assert!(
+            refused.contains("dropped (spans_dropped_rejected)"),
+            "{refused}"
+        );
     }
 
     /// Gzip, headers and TLS need cargo features of opentelemetry-otlp; a missing one only

@@ -25,12 +25,53 @@ const MAX_REQUEST_BYTES: usize = 8192;
 /// A client has this long to send its request and read the answer.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What the span exporter reports after each batch: read by `/healthz` and `/metrics`.
+/// Why spans that reached the exporter never reached the collector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanDrop {
+    /// The retry buffer (`--export-buffer-spans`) was full during an outage: the oldest went.
+    ExportBufferFull,
+    /// The collector refused them for good (or stdout could not be written).
+    Rejected,
+    /// Still undelivered when `--shutdown-timeout` ran out.
+    UndeliveredAtShutdown,
+}
+
+impl SpanDrop {
+    pub const ALL: [SpanDrop; 3] = [
+        SpanDrop::ExportBufferFull,
+        SpanDrop::Rejected,
+        SpanDrop::UndeliveredAtShutdown,
+    ];
+
+    /// The counter's name (`spans_dropped_<reason>`) and the `reason` of
+    /// `gym_tracer.spans.dropped`.
+    pub fn reason(self) -> &'static str {
+        match self {
+            SpanDrop::ExportBufferFull => "export_buffer_full",
+            SpanDrop::Rejected => "rejected",
+            SpanDrop::UndeliveredAtShutdown => "undelivered_at_shutdown",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What the exporters report after each attempt: read by `/healthz`, `/metrics`, the
+/// self-telemetry and the closing line.
 #[derive(Debug, Default)]
 pub struct ExportStatus {
     spans_exported: AtomicU64,
-    spans_failed: AtomicU64,
+    /// Exported after at least one failed attempt (held in the retry buffer meanwhile).
+    spans_delivered_late: AtomicU64,
+    /// Span export requests that failed, whatever became of their spans.
     exports_failed: AtomicU64,
+    /// Metric export requests that failed (the next export carries the cumulative values).
+    metric_exports_failed: AtomicU64,
+    spans_dropped: [AtomicU64; 3],
+    /// Spans in the retry buffer now.
+    spans_buffered: AtomicU64,
     /// Failed exports since the last one that succeeded; 0 means the collector is reachable
     /// (or nothing was exported yet).
     consecutive_failures: AtomicU64,
@@ -38,14 +79,18 @@ pub struct ExportStatus {
 }
 
 impl ExportStatus {
-    pub fn record_success(&self, spans: u64) {
+    pub fn record_success(&self, spans: u64, delivered_late: bool) {
         self.spans_exported.fetch_add(spans, Ordering::Relaxed);
+        if delivered_late {
+            self.spans_delivered_late
+                .fetch_add(spans, Ordering::Relaxed);
+        }
         self.consecutive_failures.store(0, Ordering::Relaxed);
     }
 
-    /// `error` must not hold secrets (exporter errors name the endpoint, not the headers).
-    pub fn record_failure(&self, spans: u64, error: String) {
-        self.spans_failed.fetch_add(spans, Ordering::Relaxed);
+    /// One failed span export request. `error` must not hold secrets (exporter errors name
+    /// the endpoint, not the headers).
+    pub fn record_failure(&self, error: String) {
         self.exports_failed.fetch_add(1, Ordering::Relaxed);
         self.consecutive_failures.fetch_add(1, Ordering::Relaxed);
         *self
@@ -54,12 +99,70 @@ impl ExportStatus {
             .unwrap_or_else(|poison| poison.into_inner()) = Some(error);
     }
 
+    pub fn record_dropped(&self, reason: SpanDrop, spans: u64) {
+        self.spans_dropped[reason.index()].fetch_add(spans, Ordering::Relaxed);
+    }
+
+    pub fn record_metric_export_failure(&self) {
+        self.metric_exports_failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn set_spans_buffered(&self, spans: u64) {
+        self.spans_buffered.store(spans, Ordering::Relaxed);
+    }
+
     pub fn spans_exported(&self) -> u64 {
         self.spans_exported.load(Ordering::Relaxed)
     }
 
+    pub fn spans_delivered_late(&self) -> u64 {
+        self.spans_delivered_late.load(Ordering::Relaxed)
+    }
+
+    pub fn spans_dropped(&self, reason: SpanDrop) -> u64 {
+        self.spans_dropped[reason.index()].load(Ordering::Relaxed)
+    }
+
+    /// Spans the collector never got, for any reason.
     pub fn spans_failed(&self) -> u64 {
-        self.spans_failed.load(Ordering::Relaxed)
+        SpanDrop::ALL
+            .iter()
+            .map(|&reason| self.spans_dropped(reason))
+            .sum()
+    }
+
+    pub fn spans_buffered(&self) -> u64 {
+        self.spans_buffered.load(Ordering::Relaxed)
+    }
+
+    pub fn exports_failed(&self) -> u64 {
+        self.exports_failed.load(Ordering::Relaxed)
+    }
+
+    pub fn metric_exports_failed(&self) -> u64 {
+        self.metric_exports_failed.load(Ordering::Relaxed)
+    }
+
+    /// The exporter's counters by name, as the closing line and `/metrics` print them.
+    pub fn counters(&self) -> [(&'static str, u64); 7] {
+        [
+            ("spans_exported", self.spans_exported()),
+            ("spans_export_failed", self.spans_failed()),
+            (
+                "spans_dropped_export_buffer_full",
+                self.spans_dropped(SpanDrop::ExportBufferFull),
+            ),
+            (
+                "spans_dropped_rejected",
+                self.spans_dropped(SpanDrop::Rejected),
+            ),
+            (
+                "spans_dropped_undelivered_at_shutdown",
+                self.spans_dropped(SpanDrop::UndeliveredAtShutdown),
+            ),
+            ("spans_delivered_late", self.spans_delivered_late()),
+            ("exports_failed", self.exports_failed()),
+        ]
     }
 
     fn reachable(&self) -> bool {
@@ -73,6 +176,8 @@ pub struct Gauges {
     pub processes_traced: u64,
     pub connections_tracked: u64,
     pub spans_pending: u64,
+    /// The agent's resident set size.
+    pub resident_memory_bytes: u64,
 }
 
 /// State shared between the pipeline (writer) and the endpoint (reader).
@@ -95,6 +200,14 @@ impl Health {
             .unwrap_or_else(|poison| poison.into_inner());
         snapshot.0.clone_from(stats);
         snapshot.1 = gauges;
+    }
+
+    /// The last published counters and levels.
+    pub fn snapshot(&self) -> (Stats, Gauges) {
+        self.snapshot
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone()
     }
 
     fn healthy(&self) -> bool {
@@ -123,11 +236,7 @@ impl Health {
 
     /// The `/metrics` body, Prometheus text exposition format 0.0.4.
     pub fn prometheus_text(&self) -> String {
-        let (stats, gauges) = self
-            .snapshot
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .clone();
+        let (stats, gauges) = self.snapshot();
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, value: u64| {
             let _ = writeln!(out, "# TYPE gym_tracer_{name}_total counter");
@@ -136,16 +245,23 @@ impl Health {
         for (name, value) in stats.counters() {
             counter(name, value);
         }
-        counter("spans_exported", self.export.spans_exported());
-        counter("spans_export_failed", self.export.spans_failed());
-        counter(
-            "exports_failed",
-            self.export.exports_failed.load(Ordering::Relaxed),
-        );
+        for (name, value) in self.export.counters() {
+            counter(name, value);
+        }
+        counter("metric_exports_failed", self.export.metric_exports_failed());
+        let _ = writeln!(out, "# TYPE gym_tracer_events_lost_by_cpu_total counter");
+        for (cpu, lost) in stats.events_lost_by_cpu.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "gym_tracer_events_lost_by_cpu_total{{cpu=\"{cpu}\"}} {lost}"
+            );
+        }
         let gauge_lines = [
             ("processes_traced", gauges.processes_traced),
             ("connections_tracked", gauges.connections_tracked),
             ("spans_pending", gauges.spans_pending),
+            ("spans_buffered", self.export.spans_buffered()),
+            ("resident_memory_bytes", gauges.resident_memory_bytes),
             (
                 "probes_attached",
                 u64::from(self.probes_attached.load(Ordering::Relaxed)),
@@ -290,10 +406,11 @@ mod tests {
         assert!(!health.healthy(), "nothing attached yet");
         health.set_probes_attached(true);
         assert!(health.healthy(), "nothing exported yet counts as reachable");
-        health.export.record_failure(3, "connection refused".into());
+        health.export.record_failure("connection refused".into());
+        health.export.record_dropped(SpanDrop::Rejected, 3);
         assert!(!health.healthy());
         assert!(health.healthz_body().contains("connection refused"));
-        health.export.record_success(5);
+        health.export.record_success(5, true);
         assert!(health.healthy(), "one success clears it");
         assert_eq!(health.export.spans_exported(), 5);
         assert_eq!(health.export.spans_failed(), 3);

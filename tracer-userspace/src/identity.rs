@@ -74,7 +74,7 @@ fn read_trimmed(path: String) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-fn host_name() -> String {
+pub(crate) fn host_name() -> String {
     read_trimmed("/proc/sys/kernel/hostname".into()).unwrap_or_else(|| "unknown".into())
 }
 

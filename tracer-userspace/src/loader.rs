@@ -567,17 +567,18 @@ impl LoadedProbes {
     }
 
     /// Records the kernel could not put on the ring buffer, summed over CPUs.
-    pub fn lost_events(&self) -> u64 {
+    /// Records the kernel could not put on the ring buffer, per possible CPU.
+    pub fn lost_events_by_cpu(&self) -> Vec<u64> {
         let Some(map) = self.ebpf.map("LOST_EVENTS") else {
-            return 0;
+            return Vec::new();
         };
         let Ok(counter) = PerCpuArray::<_, u64>::try_from(map) else {
-            return 0;
+            return Vec::new();
         };
         counter
             .get(&0, 0)
-            .map(|values| values.iter().sum())
-            .unwrap_or(0)
+            .map(|values| values.iter().copied().collect())
+            .unwrap_or_default()
     }
 }
 

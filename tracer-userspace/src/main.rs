@@ -5,8 +5,10 @@
 //! programs, PID filter) → ring buffer → `events` (decode) → `connections` (per-connection
 //! state, `http` reassembly) → `classify` (Gym meaning: routes, rollout ids, `gym.*` spans,
 //! from `gym` and the per-process state in `processes`, fed by `harvest`) → `spans` /
-//! `metrics` → `export`. `agent` assembles it. Around it: `config` (flags, environment and
+//! `metrics` → `export` (with `retry`: the buffer and backoff for collector outages).
+//! `agent` assembles it. Around it: `config` (flags, environment and
 //! the config file), `logging` (the agent's own log), `health` (/healthz, /metrics),
+//! `telemetry` (the agent's own counters as `gym_tracer.*` OTel metrics),
 //! `doctor` (what this host supports) and `reference` (the generated docs).
 
 mod agent;
@@ -30,9 +32,11 @@ mod logging;
 mod metrics;
 mod processes;
 mod reference;
+mod retry;
 mod spans;
 mod stats;
 mod stitch;
+mod telemetry;
 mod tree;
 
 use std::process::ExitCode;
@@ -82,7 +86,9 @@ fn run_agent(args: cli::RunArgs) -> anyhow::Result<bool> {
         .build()
         .map_err(|error| anyhow::anyhow!("starting the agent's runtime: {error}"))?;
     let result = hot_path.block_on(agent::run(args, exporters.handle().clone()));
-    // Everything was flushed (or given up on) inside `run`; do not wait on stragglers.
-    exporters.shutdown_timeout(std::time::Duration::from_secs(1));
+    // Everything was flushed (or given up on at --shutdown-timeout) inside `run`; a final
+    // metric export abandoned then may still sit on a blocking thread: do not wait for it
+    // (dropping the runtime would).
+    exporters.shutdown_timeout(std::time::Duration::from_millis(100));
     result.map(|()| true)
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::classify::RequestMeaning;
@@ -17,6 +17,7 @@ use crate::events::Role;
 use crate::export::{ExportTarget, meter_provider};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
+use crate::health::ExportStatus;
 use crate::identity::ServiceIdentity;
 
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
@@ -134,16 +135,24 @@ pub struct Metrics {
     runtime: tokio::runtime::Handle,
     /// The attributes of the measurement being recorded (kept to reuse its allocation).
     scratch: Vec<KeyValue>,
+    /// Where failed exports are counted.
+    status: Arc<ExportStatus>,
 }
 
 impl Metrics {
-    pub fn new(target: ExportTarget, interval: Duration, runtime: tokio::runtime::Handle) -> Self {
+    pub fn new(
+        target: ExportTarget,
+        interval: Duration,
+        runtime: tokio::runtime::Handle,
+        status: Arc<ExportStatus>,
+    ) -> Self {
         Self {
             target,
             interval,
             services: HashMap::new(),
             runtime,
             scratch: Vec::new(),
+            status,
         }
     }
 
@@ -151,7 +160,8 @@ impl Metrics {
     /// never serve HTTP cost nothing.
     fn add_service(&mut self, service: &ServiceIdentity) -> Result<()> {
         let _runtime = self.runtime.enter();
-        let provider = meter_provider(&self.target, service, self.interval)?;
+        let provider =
+            meter_provider(&self.target, &service.resource, self.interval, &self.status)?;
         let meter = provider.meter("gym-tracer");
         let server_duration = meter
             .f64_histogram(SERVER_DURATION.name)
@@ -298,20 +308,35 @@ impl Metrics {
         service.server_duration.record(elapsed_ns / 1e9, attributes);
     }
 
-    /// Exports every provider's final values and stops them.
-    pub async fn shutdown(self) {
+    /// Exports every provider's final values and stops them, within `timeout`.
+    pub async fn shutdown(self, timeout: Duration) {
         let providers: Vec<SdkMeterProvider> =
             self.services.into_values().map(|s| s.provider).collect();
-        // Shutdown blocks until the final export is done; keep it off the runtime's workers.
-        let _ = self
-            .runtime
-            .spawn_blocking(move || {
-                for provider in providers {
-                    if let Err(error) = provider.shutdown() {
-                        tracing::warn!("final metric export failed: {error}");
-                    }
-                }
-            })
-            .await;
+        shutdown_providers(providers, timeout).await;
+    }
+}
+
+/// Stops `providers` after their final export, giving up after `timeout` (a collector that
+/// is down would otherwise hold the agent for the exporter's retries). Shutdown blocks until
+/// the export is done, so it runs off the runtime's workers; one left behind is abandoned
+/// when the runtime stops (`main` does not wait for it).
+pub async fn shutdown_providers(providers: Vec<SdkMeterProvider>, timeout: Duration) {
+    if providers.is_empty() {
+        return;
+    }
+    let count = providers.len();
+    let shutdown = tokio::task::spawn_blocking(move || {
+        for provider in providers {
+            if let Err(error) = provider.shutdown() {
+                tracing::warn!("final metric export failed: {error}");
+            }
+        }
+    });
+    if tokio::time::timeout(timeout, shutdown).await.is_err() {
+        tracing::warn!(
+            "final metric export failed: not done within --shutdown-timeout ({} ms) for \
+             {count} meter provider(s); their last values are not exported",
+            timeout.as_millis()
+        );
     }
 }

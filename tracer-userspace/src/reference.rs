@@ -59,8 +59,22 @@ pub fn markdown() -> String {
         );
     }
     out.push_str(
-        "\nThe agent's own counters: `--health-listen`'s `/metrics` (Prometheus text, \
-         `gym_tracer_*`) and the `stopped.` line it logs on exit.\n",
+        "\nThe agent's own metrics (OTLP or JSON lines; not with `--output tree`), under the \
+         resource `service.name` \
+         `gym-tracer` (also `service.version`, `service.instance.id`, `host.name`, \
+         `process.pid`), every `--metric-interval`:\n\n",
+    );
+    out.push_str("| metric | instrument | unit | description |\n|---|---|---|---|\n");
+    for instrument in crate::telemetry::instruments() {
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {} | {} |",
+            instrument.name, instrument.kind, instrument.unit, instrument.description
+        );
+    }
+    out.push_str(
+        "\nThe same counters, and a few more: `--health-listen`'s `/metrics` (Prometheus \
+         text, `gym_tracer_*`) and the `stopped.` line the agent logs on exit.\n",
     );
     out
 }

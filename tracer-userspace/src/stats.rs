@@ -12,6 +12,8 @@ pub struct Stats {
     pub events_undecodable: u64,
     /// Records the kernel could not put on the full ring buffer (summed over CPUs).
     pub events_lost_in_kernel: u64,
+    /// The same, per CPU (index = CPU number): a CPU that loses alone points at a hot core.
+    pub events_lost_by_cpu: Vec<u64>,
     pub exchanges: u64,
     pub spans_queued: u64,
     pub spans_dropped_queue_full: u64,
@@ -124,6 +126,12 @@ impl fmt::Display for Stats {
         for (index, (name, value)) in self.counters().iter().enumerate() {
             let separator = if index == 0 { "" } else { " " };
             write!(f, "{separator}{name}={value}")?;
+        }
+        // `cpu:lost` pairs, e.g. `events_lost_by_cpu=0:0,1:12`.
+        f.write_str(" events_lost_by_cpu=")?;
+        for (cpu, lost) in self.events_lost_by_cpu.iter().enumerate() {
+            let separator = if cpu == 0 { "" } else { "," };
+            write!(f, "{separator}{cpu}:{lost}")?;
         }
         Ok(())
     }

@@ -1,0 +1,311 @@
+"""Collector faults: the real agent, attached by PID to a real uvicorn server, exporting to the
+real OTLP receiver while it is down at start, goes down mid-run, answers slowly, refuses (gRPC
+UNAVAILABLE / HTTP 503) or rejects for good (INVALID_ARGUMENT / 400). The agent keeps running,
+holds spans in a bounded buffer, retries with backoff, counts every span it drops, delivers what
+fit once the collector is back, and stops within --shutdown-timeout when it never comes back.
+
+Also the agent's self-telemetry: its own counters arrive as `gym_tracer.*` metrics."""
+
+import http.client
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+
+from harness import Agent
+from otlp_receiver import OtlpReceiver
+
+PROTOCOLS = ["grpc", "http/protobuf"]
+
+
+@pytest.fixture
+def collector():
+    """An OTLP receiver that is NOT started: each test starts, stops and restarts it."""
+    receivers = []
+
+    def make():
+        receiver = OtlpReceiver()
+        receivers.append(receiver)
+        return receiver
+
+    yield make
+    for receiver in receivers:
+        receiver.delay_s = 0
+        receiver.stop()
+
+
+@pytest.fixture
+def agents():
+    started = []
+    yield started
+    for agent in started:
+        if agent.process and agent.process.poll() is None:
+            agent.process.kill()
+            agent.process.wait()
+
+
+def endpoint_of(receiver, protocol):
+    return receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
+
+
+def start_agent(agents, server, receiver, protocol, *args, metric_interval=3600, otlp_timeout_ms=1000):
+    agent = Agent(
+        [server.pid],
+        metric_interval=metric_interval,
+        extra_args=[
+            "--otlp-endpoint", endpoint_of(receiver, protocol), "--otlp-protocol", protocol,
+            "--otlp-timeout", str(otlp_timeout_ms), "--stitch-delay-ms", "50", "--no-route-harvest", *args,
+        ],
+    )
+    agents.append(agent)
+    return agent.start()
+
+
+def send_verify(server, count, pause_s=0.0):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    for i in range(count):
+        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}),
+                           headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200
+        time.sleep(pause_s)
+    connection.close()
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+def stopped(agent):
+    agent.stop(timeout=60)
+    assert agent.returncode == 0, agent.stderr()
+    summary = agent.summary()
+    assert summary, agent.stderr()
+    return summary
+
+
+def assert_everything_delivered(agent, receiver, summary):
+    """Every span the agent produced reached the collector (some maybe twice: a slow collector
+    may take a batch whose answer came too late), and nothing was dropped."""
+    produced = summary["spans_queued"]
+    assert produced > 0, agent.stderr()
+    assert summary["spans_dropped_queue_full"] == 0
+    assert summary["spans_export_failed"] == 0, agent.stderr()
+    assert summary["spans_exported"] == produced, agent.stderr()
+    assert len(receiver.received.span_ids()) == produced, agent.stderr()
+
+
+def outage_over(agent):
+    return agent.wait_for_stderr("the outage is over", timeout=90)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_collector_down_at_start_gets_everything_once_it_is_up(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    agent = start_agent(agents, server, receiver, protocol)
+    send_verify(server, 20)
+    agent.wait_for_stderr("spans failed")
+    assert agent.process.poll() is None, "the agent keeps running"
+    receiver.start()
+    message = outage_over(agent)
+    assert ", 0 dropped" in message, message
+    summary = stopped(agent)
+    assert_everything_delivered(agent, receiver, summary)
+    assert summary["spans_delivered_late"] == summary["spans_queued"]
+    assert summary["exports_failed"] >= 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_collector_down_mid_run_gets_what_was_sent_meanwhile(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector().start()
+    agent = start_agent(agents, server, receiver, protocol)
+    send_verify(server, 5)
+    wait_until(lambda: receiver.received.spans, 20, "the first spans arrive")
+
+    receiver.stop()
+    send_verify(server, 16, pause_s=1.0)  # requests go on for ~16 s while it is down
+    agent.wait_for_stderr("spans failed")
+    receiver.start()
+    outage_over(agent)
+    send_verify(server, 5)
+    time.sleep(1.5)  # the last batch goes out on the next tick
+    summary = stopped(agent)
+    assert_everything_delivered(agent, receiver, summary)
+    assert summary["spans_delivered_late"] >= 16, "the spans of the outage were held and sent later"
+    assert summary["exports_failed"] >= 2, "it retried"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_slow_collector_is_retried_until_it_answers_in_time(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    receiver.delay_s = 2.5  # longer than --otlp-timeout 1000
+    receiver.start()
+    agent = start_agent(agents, server, receiver, protocol)
+    send_verify(server, 10)
+    agent.wait_for_stderr("spans failed", timeout=30)
+    time.sleep(3)
+    assert agent.process.poll() is None, "the agent keeps running"
+    receiver.delay_s = 0
+    outage_over(agent)
+    summary = stopped(agent)
+    assert_everything_delivered(agent, receiver, summary)
+    assert summary["exports_failed"] >= 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_refusing_collector_is_retried_then_delivered_to(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    receiver.mode = "refuse"  # gRPC UNAVAILABLE / HTTP 503: retryable
+    receiver.start()
+    agent = start_agent(agents, server, receiver, protocol)
+    send_verify(server, 10)
+    message = agent.wait_for_stderr("spans failed")
+    assert "retrying with backoff" in message, message
+    wait_until(lambda: receiver.refusals["refuse"] >= 3, 30, "the agent retries")
+    assert receiver.received.spans == []
+    receiver.mode = "accept"
+    outage_over(agent)
+    summary = stopped(agent)
+    assert_everything_delivered(agent, receiver, summary)
+    assert summary["exports_failed"] >= 3
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_rejected_spans_are_dropped_and_counted_at_once(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    receiver.mode = "reject"  # gRPC INVALID_ARGUMENT / HTTP 400: retrying cannot help
+    receiver.start()
+    agent = start_agent(agents, server, receiver, protocol)
+    send_verify(server, 10)
+    message = agent.wait_for_stderr("spans failed")
+    assert "spans_dropped_rejected" in message, message
+    time.sleep(2)
+    summary = stopped(agent)
+    assert receiver.received.spans == []
+    assert summary["spans_queued"] > 0
+    assert summary["spans_dropped_rejected"] == summary["spans_queued"], agent.stderr()
+    assert summary["spans_dropped_export_buffer_full"] == 0
+    assert summary["spans_dropped_undelivered_at_shutdown"] == 0, "nothing was kept for retry"
+
+
+def health_metrics(agent):
+    message = agent.wait_for_stderr("serving /healthz and /metrics on http://")
+    port = int(re.search(r":(\d+)$", message).group(1))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {line.split(" ")[0]: int(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_full_buffer_drops_the_oldest_and_counts_them_exactly(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    agent = start_agent(agents, server, receiver, protocol, "--export-buffer-spans", "5",
+                        "--export-batch-size", "4", "--health-listen", "0")
+    for _ in range(6):
+        send_verify(server, 5)
+        time.sleep(0.7)  # several batches, so the buffer overflows more than once
+    wait_until(lambda: health_metrics(agent)["gym_tracer_spans_dropped_export_buffer_full_total"] > 0, 20,
+               "the buffer overflows")
+    metrics = health_metrics(agent)
+    assert 0 < metrics["gym_tracer_spans_buffered"] <= 5, metrics
+    assert metrics["gym_tracer_exporter_reachable"] == 0
+
+    receiver.start()
+    outage_over(agent)
+    summary = stopped(agent)
+    produced = summary["spans_queued"]
+    exported = summary["spans_exported"]
+    assert 0 < exported <= 5, "no more than the buffer held"
+    assert exported + summary["spans_dropped_export_buffer_full"] == produced, agent.stderr()
+    assert summary["spans_export_failed"] == summary["spans_dropped_export_buffer_full"]
+    assert len(receiver.received.span_ids()) == exported
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_shutdown_with_the_collector_gone_is_bounded_and_counts_what_is_left(
+        server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector()
+    receiver.delay_s = 20  # a collector that accepts connections and never answers in time
+    receiver.start()
+    agent = start_agent(agents, server, receiver, protocol, "--shutdown-timeout", "2000",
+                        otlp_timeout_ms=15000)
+    send_verify(server, 10)
+    time.sleep(1.5)
+    started = time.monotonic()
+    summary = stopped(agent)
+    took = time.monotonic() - started
+    # Not a timing figure: without the bound one attempt alone would take --otlp-timeout (15 s).
+    assert took < 12, f"the agent took {took:.1f} s to stop with --shutdown-timeout 2000"
+    assert summary["spans_exported"] == 0
+    assert summary["spans_dropped_undelivered_at_shutdown"] == summary["spans_queued"] > 0, agent.stderr()
+    assert any("not delivered within --shutdown-timeout" in m for m in agent.log_messages()), agent.stderr()
+    assert any("final metric export failed" in m for m in agent.log_messages()), agent.stderr()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_self_telemetry_arrives_as_gym_tracer_metrics(server_factory, collector, agents, protocol):
+    server = server_factory()
+    receiver = collector().start()
+    agent = start_agent(agents, server, receiver, protocol, metric_interval=1)
+    send_verify(server, 10)
+
+    def value(name, **attributes):
+        points = [p for p in receiver.received.latest_points(name)
+                  if p["resource"].get("service.name") == "gym-tracer"
+                  and all(p["attributes"].get(k) == v for k, v in attributes.items())]
+        return sum(p["value"] for p in points) if points else None
+
+    wait_until(lambda: (value("gym_tracer.spans.exported") or 0) > 0, 30, "gym_tracer.spans.exported > 0")
+    assert value("gym_tracer.events.received") > 0
+    lost = receiver.received.latest_points("gym_tracer.events.lost")
+    assert lost and all(p["value"] == 0 for p in lost), lost
+    assert all("cpu" in p["attributes"] for p in lost), lost
+    assert value("gym_tracer.processes.traced") == 1
+    assert value("gym_tracer.exports.failed", signal="traces") == 0
+    assert value("gym_tracer.spans.dropped", reason="queue_full") == 0
+    assert value("gym_tracer.memory.resident") > 0
+    resource = receiver.received.latest_points("gym_tracer.events.received")[0]["resource"]
+    assert resource["service.name"] == "gym-tracer"
+    assert resource["service.instance.id"] and resource["service.version"] and resource["host.name"]
+    units = {p["metric"]: p["unit"] for p in receiver.received.metric_points if p["metric"].startswith("gym_tracer.")}
+    assert units["gym_tracer.events.received"] == "{event}"
+    assert units["gym_tracer.memory.resident"] == "By"
+    summary = stopped(agent)
+    assert "events_lost_by_cpu" in summary, agent.log_messages()[-1]
+    assert all(int(pair.split(":")[1]) == 0 for pair in summary["events_lost_by_cpu"].split(","))
+
+
+def test_self_telemetry_is_printed_among_the_json_metrics(server_factory, agents):
+    server = server_factory()
+    agent = Agent([server.pid], extra_args=["--stitch-delay-ms", "50", "--no-route-harvest"])
+    agents.append(agent.start())
+    send_verify(server, 5)
+    time.sleep(1.5)
+    summary = stopped(agent)  # the final export prints every metric once
+
+    def points(name):
+        return [p for p in agent.metric_points(name) if p["resource"].get("service.name") == "gym-tracer"]
+
+    received = points("gym_tracer.events.received")
+    assert received and received[-1]["value"] == summary["events_in"], agent.stdout_text()[-2000:]
+    assert received[-1]["unit"] == "{event}"
+    assert [p["value"] for p in points("gym_tracer.spans.exported")] == [summary["spans_exported"]]
+    lost = points("gym_tracer.events.lost")
+    assert lost and all(p["value"] == 0 and "cpu" in p["attributes"] for p in lost), lost
+    held = {p["attributes"]["stage"]: p["value"] for p in points("gym_tracer.spans.held")}
+    assert held == {"stitching": 0, "export_buffer": 0}, held
