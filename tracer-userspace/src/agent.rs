@@ -250,13 +250,9 @@ impl Pipeline {
 
     /// Hands the spans the stitcher let go of to the exporters.
     fn offer_released(&mut self) {
-        for span in self.released.drain(..) {
-            if self.spans.offer(span) {
-                self.stats.spans_queued += 1;
-            } else {
-                self.stats.spans_dropped_queue_full += 1;
-            }
-        }
+        let (queued, dropped) = self.spans.offer(&mut self.released);
+        self.stats.spans_queued += queued as u64;
+        self.stats.spans_dropped_queue_full += dropped as u64;
     }
 
     /// The agent's own route harvest arrives at the server like any client's request: its

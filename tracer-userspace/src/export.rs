@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -90,8 +90,14 @@ pub struct ExportTotals {
     pub tree: Option<TreeCounters>,
 }
 
+/// Spans cross to the export task in batches (one per release tick), not one by one: each
+/// send may wake the task on the other thread, and a wake-up per span cost the agent more
+/// than building the span.
 pub struct SpanPipeline {
-    sender: mpsc::Sender<SpanRecord>,
+    sender: mpsc::UnboundedSender<Vec<SpanRecord>>,
+    /// Spans sent and not yet taken by the export task; bounded by `queue_size`.
+    queued: Arc<AtomicUsize>,
+    queue_size: usize,
     task: tokio::task::JoinHandle<ExportTotals>,
     /// Set to the final export's deadline when shutdown begins: it also cuts short an
     /// attempt already waiting on a slow collector.
@@ -881,19 +887,45 @@ impl SpanPipeline {
                 shutdown: shutdown_receiver,
             })),
         };
-        let (sender, receiver) = mpsc::channel(limits.queue_size);
-        let task = tokio::spawn(run_span_export(sink, receiver, limits.batch_size, status));
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(run_span_export(
+            sink,
+            QueueReceiver {
+                receiver,
+                queued: queued.clone(),
+            },
+            limits.batch_size,
+            status,
+        ));
         Ok(Self {
             sender,
+            queued,
+            queue_size: limits.queue_size,
             task,
             shutdown,
             shutdown_timeout: limits.shutdown_timeout,
         })
     }
 
-    /// Queues a span; false when the queue is full (the caller counts the drop).
-    pub fn offer(&self, span: SpanRecord) -> bool {
-        self.sender.try_send(span).is_ok()
+    /// Queues the spans in `spans` (leaving it empty) as far as the queue has room; returns
+    /// how many were queued and how many dropped because it was full (the caller counts).
+    pub fn offer(&self, spans: &mut Vec<SpanRecord>) -> (usize, usize) {
+        let room = self
+            .queue_size
+            .saturating_sub(self.queued.load(Ordering::Relaxed));
+        let dropped = spans.len().saturating_sub(room);
+        spans.truncate(spans.len() - dropped);
+        let queued = spans.len();
+        if queued > 0 {
+            self.queued.fetch_add(queued, Ordering::Relaxed);
+            if let Err(unsent) = self.sender.send(std::mem::take(spans)) {
+                // The export task is gone (it only stops at shutdown).
+                self.queued.fetch_sub(queued, Ordering::Relaxed);
+                return (0, dropped + unsent.0.len());
+            }
+        }
+        (queued, dropped)
     }
 
     /// Exports everything queued (for OTLP within the shutdown timeout; what is left is
@@ -906,9 +938,15 @@ impl SpanPipeline {
     }
 }
 
+/// The export task's end of the span queue.
+struct QueueReceiver {
+    receiver: mpsc::UnboundedReceiver<Vec<SpanRecord>>,
+    queued: Arc<AtomicUsize>,
+}
+
 async fn run_span_export(
     mut sink: SpanSink,
-    mut receiver: mpsc::Receiver<SpanRecord>,
+    mut queue: QueueReceiver,
     batch_size: usize,
     status: Arc<ExportStatus>,
 ) -> ExportTotals {
@@ -918,9 +956,10 @@ async fn run_span_export(
         tokio::pin!(deadline);
         let open = loop {
             tokio::select! {
-                received = receiver.recv() => match received {
-                    Some(span) => {
-                        batch.push(span);
+                received = queue.receiver.recv() => match received {
+                    Some(spans) => {
+                        queue.queued.fetch_sub(spans.len(), Ordering::Relaxed);
+                        batch.extend(spans);
                         if batch.len() >= batch_size {
                             break true;
                         }
@@ -930,8 +969,9 @@ async fn run_span_export(
                 _ = &mut deadline => break true,
             }
         };
-        if !batch.is_empty() {
-            export_batch(&mut sink, std::mem::take(&mut batch), &status).await;
+        while !batch.is_empty() {
+            let rest = batch.split_off(batch.len().min(batch_size));
+            export_batch(&mut sink, std::mem::replace(&mut batch, rest), &status).await;
         }
         // Held spans are retried on this tick too, when their backoff is over.
         if let SpanSink::Otlp(otlp) = &mut sink
