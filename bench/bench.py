@@ -203,8 +203,12 @@ def wrk_script(workload):
         verify = {**run_body(task=1, rollout=0), "response": {"output_text": "The answer is 42."}}
         body = lua_string(json.dumps(verify))
         path = "/verify"
+    # `n` counts the requests each thread generated (sent), `summary.requests` the responses
+    # received: requests in flight when wrk stops are the difference.
     return f"""
 n = 0
+threads = {{}}
+setup = function(thread) table.insert(threads, thread) end
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 request = function()
@@ -213,9 +217,11 @@ request = function()
 end
 done = function(summary, latency, requests)
   local e = summary.errors
+  local sent = 0
+  for _, thread in ipairs(threads) do sent = sent + thread:get("n") end
   io.write(string.format(
-    'BENCH_JSON {{"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, "errors": %d, "status_errors": %d}}\\n',
-    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    'BENCH_JSON {{"requests": %d, "sent": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, "errors": %d, "status_errors": %d}}\\n',
+    summary.requests, sent, summary.duration, latency:percentile(50), latency:percentile(99),
     e.connect + e.read + e.write + e.timeout, e.status))
 end
 """
@@ -234,7 +240,7 @@ def run_wrk(url, script_path, connections, duration):
         raise BenchError(f"wrk failed ({out.returncode}): {out.stderr or out.stdout}")
     result = json.loads(match.group(1))
     seconds = result["duration_us"] / 1e6
-    return {"requests": result["requests"], "seconds": seconds, "rps": result["requests"] / seconds,
+    return {"requests": result["requests"], "sent": result["sent"], "seconds": seconds, "rps": result["requests"] / seconds,
             "p50_ms": result["p50_us"] / 1e3, "p99_ms": result["p99_us"] / 1e3,
             "errors": result["errors"], "non_2xx": result["status_errors"], "connections": connections}
 
@@ -295,10 +301,12 @@ def measure(workload, variant, params, receiver, scripts):
             spans = minus(receiver.wait_stable(pids), spans_before)
             entry_server_spans = minus(receiver.counts([entry.pid]), entry_before)
             result["spans"] = spans
-            result["spans_per_req"] = sum(spans.values()) / max(load["requests"], 1)
+            # Per request SENT: requests in flight when wrk stops are served (and traced) but
+            # not among the responses wrk counts.
+            result["spans_per_req"] = sum(spans.values()) / max(load["sent"], 1)
             result["entry_server_spans"] = entry_server_spans.get("SERVER", 0)
-            # Requests in flight when wrk stops are served (and traced) but not counted by wrk.
-            result["server_spans_minus_sent"] = result["entry_server_spans"] - load["requests"]
+            result["server_spans_per_sent"] = result["entry_server_spans"] / max(load["sent"], 1)
+            result["one_span_per_request"] = load["requests"] <= result["entry_server_spans"] <= load["sent"]
         return result
     finally:
         stop_agent(agent)
@@ -312,8 +320,8 @@ def measure(workload, variant, params, receiver, scripts):
 def saturation(params, receiver, scripts):
     """One server and one agent; per step of wrk connections: req/s, SERVER spans vs
     requests, the agent's loss counters (deltas of its /metrics). A step is complete when every
-    request has its SERVER span (requests still in flight when wrk stops at most add one each)
-    and nothing was lost."""
+    answered request has its SERVER span, no more spans than requests sent, and nothing was
+    lost."""
     run = gym_run("verify", "gym-tracer", receiver)
     entry = run.resources
     health_port = free_port()
@@ -332,11 +340,11 @@ def saturation(params, receiver, scripts):
             metrics_after = agent_metrics(health_port)
             lost = {name: metrics_after.get(f"gym_tracer_{name}_total", 0) - metrics_before.get(
                 f"gym_tracer_{name}_total", 0) for name in LOSS_COUNTERS}
-            complete = (load["requests"] <= spans <= load["requests"] + connections and not any(lost.values())
+            complete = (load["requests"] <= spans <= load["sent"] and not any(lost.values())
                         and load["errors"] == 0)
             steps.append(dict(load, server_spans=spans, lost=lost, complete=complete))
             print(f"  saturation: {connections:4d} connections: {load['rps']:8.0f} req/s, "
-                  f"{spans} SERVER spans for {load['requests']} requests, lost {sum(lost.values()):.0f}"
+                  f"{spans} SERVER spans for {load['requests']} answered / {load['sent']} sent, lost {sum(lost.values()):.0f}"
                   f" -> {'complete' if complete else 'INCOMPLETE'}", flush=True)
     finally:
         stop_agent(agent)
@@ -513,7 +521,7 @@ def soak(params, receiver, scripts):
 # ---------------------------------------------------------------------------------------
 
 MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_us_per_req", "agent_peak_rss_kib",
-                 "events_lost", "agent_drops", "spans_per_req", "server_spans_minus_sent", "requests", "errors",
+                 "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
                  "non_2xx")
 
 
@@ -536,13 +544,20 @@ def medians(runs):
 
 
 def headline(table, workload):
-    """gym-tracer's throughput cost as a fraction of in-process OpenTelemetry's."""
+    """gym-tracer's cost as a fraction of in-process OpenTelemetry's: in throughput, and in
+    server CPU per request (steadier on a shared machine), and with the agent's CPU added."""
     tracer, otel = table.get((workload, "gym-tracer")), table.get((workload, "otel"))
     if not tracer or not otel or "rps_vs_untraced" not in tracer:
         return None
     cost_tracer, cost_otel = 1 - tracer["rps_vs_untraced"], 1 - otel["rps_vs_untraced"]
+    cpu_tracer, cpu_otel = tracer["server_cpu_vs_untraced"] - 1, otel["server_cpu_vs_untraced"] - 1
+    base_cpu = table[(workload, "untraced")]["server_cpu_us_per_req"]
+    cpu_tracer_with_agent = cpu_tracer + tracer["agent_cpu_us_per_req"] / base_cpu
     return {"gym_tracer_throughput_cost": cost_tracer, "otel_throughput_cost": cost_otel,
-            "gym_tracer_cost_fraction_of_otel": cost_tracer / cost_otel if cost_otel > 0 else None}
+            "gym_tracer_cost_fraction_of_otel": cost_tracer / cost_otel if cost_otel > 0 else None,
+            "gym_tracer_server_cpu_cost": cpu_tracer, "gym_tracer_cpu_cost_with_agent": cpu_tracer_with_agent,
+            "otel_server_cpu_cost": cpu_otel,
+            "gym_tracer_cpu_cost_fraction_of_otel": cpu_tracer / cpu_otel if cpu_otel > 0 else None}
 
 
 def fmt(value, spec, missing="-"):
@@ -561,7 +576,7 @@ def render(report):
     if table:
         header = (f"{'workload':8} {'variant':10} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
                   f"{'agent µs/req':>12} {'agent RSS MiB':>13} {'lost':>5} {'drops':>5} {'spans/req':>9} "
-                  f"{'SERVER-sent':>11} {'req/s ×':>8} {'srv CPU ×':>9}")
+                  f"{'SERVER/sent':>11} {'req/s ×':>8} {'srv CPU ×':>9}")
         lines += ["", header, "-" * len(header)]
         for workload in WORKLOADS:
             for variant in VARIANTS:
@@ -574,19 +589,22 @@ def render(report):
                     f"{row['server_cpu_us_per_req']:10.0f} {fmt(row.get('agent_cpu_us_per_req'), '12.1f'):>12} "
                     f"{fmt(rss and rss / 1024, '13.1f'):>13} {fmt(row.get('events_lost'), '5.0f'):>5} "
                     f"{fmt(row.get('agent_drops'), '5.0f'):>5} {fmt(row.get('spans_per_req'), '9.3f'):>9} "
-                    f"{fmt(row.get('server_spans_minus_sent'), '+11.0f'):>11} "
+                    f"{fmt(row.get('server_spans_per_sent'), '11.3f'):>11} "
                     f"{fmt(row.get('rps_vs_untraced'), '8.3f'):>8} {fmt(row.get('server_cpu_vs_untraced'), '9.3f'):>9}")
         lines.append(f"lost: ring-buffer records lost; drops: lost + spans, requests, connections dropped + failed "
-                     f"exports; SERVER-sent: the entry server's SERVER spans minus the requests wrk completed, "
-                     f"0..+{p['connections']} is one span per request (requests in flight when wrk stops are "
-                     f"served but not counted by it), below 0 is loss; spans/req: all spans of all servers per "
-                     f"request; ×: against untraced")
+                     f"exports; SERVER/sent: the entry server's SERVER spans per request wrk sent (1.000: one "
+                     f"each; a request in flight when wrk stops may go unserved); spans/req: all spans of all "
+                     f"servers per request sent; ×: against untraced")
         for workload, h in report["headline"].items():
             if h:
-                fraction = h["gym_tracer_cost_fraction_of_otel"]
-                lines.append(f"{workload}: throughput cost gym-tracer {100 * h['gym_tracer_throughput_cost']:.1f}%, "
-                             f"in-process OTel {100 * h['otel_throughput_cost']:.1f}% -> gym-tracer costs "
-                             f"{fmt(fraction, '.3f', 'n/a')} of OTel's cost")
+                lines.append(
+                    f"{workload}: throughput cost gym-tracer {100 * h['gym_tracer_throughput_cost']:+.1f}%, in-process "
+                    f"OTel {100 * h['otel_throughput_cost']:+.1f}% (ratio "
+                    f"{fmt(h['gym_tracer_cost_fraction_of_otel'], '.3f', 'n/a')}); server CPU per request gym-tracer "
+                    f"{100 * h['gym_tracer_server_cpu_cost']:+.1f}% ({100 * h['gym_tracer_cpu_cost_with_agent']:+.1f}% "
+                    f"with the agent's), OTel {100 * h['otel_server_cpu_cost']:+.1f}% (ratio "
+                    f"{fmt(h['gym_tracer_cpu_cost_fraction_of_otel'], '.3f', 'n/a')})")
+        lines.append("(a negative cost is below this machine's noise: compare with the spread of the runs in the JSON)")
     if report.get("saturation"):
         s = report["saturation"]
         lines.append("")
