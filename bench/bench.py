@@ -478,14 +478,16 @@ def host_tax(params, binary, receiver):
 
 def soak(params, receiver, scripts):
     """/verify under steady load for --soak seconds; agent RSS sampled at an interval. The
-    slope is a least-squares fit over the second half (after warm-up allocations)."""
+    slope is a least-squares fit over the second half (after warm-up allocations). The agent's
+    gauges are sampled alongside, to tell what grows."""
     run = gym_run("verify", "gym-tracer", receiver)
     entry = run.resources
-    agent = None
+    health_port = free_port()
+    agent, summary = None, {}
     interval = max(5.0, params.soak / 60)
     samples = []
     try:
-        agent = start_agent([entry.pid], receiver.url)
+        agent = start_agent([entry.pid], receiver.url, health_port)
         script = scripts["verify"]
         with spawning_on(LOAD_CPU):
             load = CHILDREN.add(subprocess.Popen(
@@ -493,8 +495,11 @@ def soak(params, receiver, scripts):
                  f"{entry.base_url}/verify"], stdout=subprocess.PIPE, text=True))
         start = time.monotonic()
         while load.poll() is None:
+            gauges = agent_metrics(health_port)
             samples.append({"seconds": round(time.monotonic() - start, 1),
-                            "agent_rss_kib": status_kib(agent.process.pid, "VmRSS")})
+                            "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
+                            **{name: gauges.get(f"gym_tracer_{name}") for name in
+                               ("connections_tracked", "spans_pending", "processes_traced")}})
             print(f"  soak: {samples[-1]}", flush=True)
             try:
                 load.wait(interval)
@@ -502,6 +507,8 @@ def soak(params, receiver, scripts):
                 pass
         match = re.search(r"^BENCH_JSON (.*)$", load.stdout.read(), re.M)
         requests = json.loads(match.group(1))["requests"] if match else None
+        agent.stop()
+        summary = agent.summary()
     finally:
         stop_agent(agent)
         run.stop()
@@ -513,7 +520,7 @@ def soak(params, receiver, scripts):
         var = sum((s["seconds"] - mean_t) ** 2 for s in tail)
         slope = 60 * sum((s["seconds"] - mean_t) * (s["agent_rss_kib"] - mean_r) for s in tail) / var if var else 0.0
     return {"seconds": params.soak, "interval_s": interval, "requests": requests, "samples": samples,
-            "slope_kib_per_min": slope}
+            "slope_kib_per_min": slope, "agent_summary": summary}
 
 
 # ---------------------------------------------------------------------------------------
