@@ -68,11 +68,57 @@ enum Cmd {
     },
     /// Run setup, build the agent and run tests/demo.py against it (root needed).
     Demo,
+    /// Measure what tracing costs: untraced vs gym-tracer vs in-process OpenTelemetry on the
+    /// Gym-shaped servers, plus saturation, connection scale and the host-wide syscall tax.
+    /// Prints one table and writes target/bench/latest.json (root needed; installs wrk).
+    Bench(BenchArgs),
     /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
     Lint,
     /// Regenerate README.md's reference section (options, spans, metrics) from the code; a
     /// unit test fails while it is stale.
     Docs,
+}
+
+/// Options of `cargo xtask bench`, passed on to bench/bench.py.
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Short runs and one repeat: a smoke check (about 2 minutes).
+    #[arg(long)]
+    quick: bool,
+    /// Seconds of load per measured run (default 8; 3 with --quick).
+    #[arg(long)]
+    duration: Option<u32>,
+    /// Repeats per variant; the table shows the median of each figure (default 3; 1 with --quick).
+    #[arg(long)]
+    repeats: Option<u32>,
+    /// Also run a memory soak of this many seconds under steady load (600 = the 10-minute soak).
+    #[arg(long)]
+    soak: Option<u32>,
+    /// Only these sections, comma-separated: verify, run, saturation, connections, tax.
+    #[arg(long)]
+    only: Option<String>,
+}
+
+impl BenchArgs {
+    /// The arguments bench/bench.py takes for these options.
+    fn driver_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.quick {
+            args.push("--quick".to_string());
+        }
+        let options = [
+            ("--duration", self.duration.map(|v| v.to_string())),
+            ("--repeats", self.repeats.map(|v| v.to_string())),
+            ("--soak", self.soak.map(|v| v.to_string())),
+            ("--only", self.only.clone()),
+        ];
+        for (flag, value) in options {
+            if let Some(value) = value {
+                args.extend([flag.to_string(), value]);
+            }
+        }
+        args
+    }
 }
 
 fn main() -> ExitCode {
@@ -97,6 +143,7 @@ fn main() -> ExitCode {
             pytest_args,
         } => test(&ctx, unit_only, !no_gym_venv, &pytest_args),
         Cmd::Demo => demo(&ctx),
+        Cmd::Bench(args) => bench(&ctx, &args),
         Cmd::Lint => lint(&ctx),
         Cmd::Docs => docs(&ctx),
     };
@@ -765,6 +812,74 @@ fn demo(ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
+/// Setup (test venv, no real-Gym venv), wrk and a C compiler, the release build, then the
+/// driver bench/bench.py with the venv's Python.
+fn bench(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
+    require_root("the bench loads", "bench")?;
+    setup(ctx, false)?;
+    ensure_system_tool(ctx, "wrk", "wrk")?;
+    ensure_system_tool(ctx, "cc", "gcc")?;
+    let bin = build(ctx, true)?;
+    println!("xtask: running the benchmark against {}", bin.display());
+    let mut cmd = Command::new(ctx.venv_python());
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .env("PYTHONUNBUFFERED", "1")
+        .arg(ctx.root.join("bench/bench.py"))
+        .arg("--agent")
+        .arg(&bin)
+        .arg("--out-dir")
+        .arg(ctx.root.join("target/bench"))
+        .args(args.driver_args());
+    run_checked(&mut cmd, "the benchmark failed: see its output above")?;
+    println!("xtask: benchmark finished; results in target/bench/latest.json");
+    Ok(())
+}
+
+/// Installs `tool` from the distribution's `package` with apt-get when it is not on PATH.
+fn ensure_system_tool(ctx: &Ctx, tool: &str, package: &str) -> Result<()> {
+    println!("xtask: checking for {tool}");
+    if on_path(ctx, tool) {
+        return Ok(());
+    }
+    if !on_path(ctx, "apt-get") {
+        bail!(
+            "{tool} is not on PATH and there is no apt-get: install {tool} with your package manager and retry"
+        );
+    }
+    println!("xtask: installing {package} with apt-get");
+    let install = |ctx: &Ctx| {
+        ctx.cmd("apt-get")
+            .args(["install", "-y", "--no-install-recommends", package])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|status| status.success())
+    };
+    if !install(ctx) {
+        // A fresh image may have no package lists yet.
+        run_checked(
+            ctx.cmd("apt-get").arg("update"),
+            "apt-get update failed: check network access to the package mirrors",
+        )?;
+        run_checked(
+            ctx.cmd("apt-get")
+                .args(["install", "-y", "--no-install-recommends", package])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+            &format!("installing {package} failed: install {tool} yourself and retry"),
+        )?;
+    }
+    Ok(())
+}
+
+/// True when `program` is an executable file in one of ctx.path's directories.
+fn on_path(ctx: &Ctx, program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::split_paths(&ctx.path).any(|dir| {
+        fs::metadata(dir.join(program))
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
+}
+
 fn docs(ctx: &Ctx) -> Result<()> {
     let bin = build(ctx, true)?;
     let readme = ctx.root.join("README.md");
@@ -821,6 +936,28 @@ LLVM version: 22.1.4
         assert_eq!(info.soname(), "libLLVM.so.22.1-rust-1.97.0-nightly");
         assert_eq!(info.prefix_name(), "llvm-22.1-rust-1.97.0-nightly");
         assert_eq!(info.linker_feature(), "llvm-22");
+    }
+
+    #[test]
+    fn bench_options_reach_the_driver() {
+        let Cli {
+            command: Cmd::Bench(args),
+        } = Cli::parse_from([
+            "xtask",
+            "bench",
+            "--quick",
+            "--repeats",
+            "5",
+            "--only",
+            "tax",
+        ])
+        else {
+            panic!("not the bench command");
+        };
+        assert_eq!(
+            args.driver_args(),
+            ["--quick", "--repeats", "5", "--only", "tax"]
+        );
     }
 
     #[test]

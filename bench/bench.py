@@ -1,0 +1,772 @@
+"""`cargo xtask bench`: what tracing costs a Gym-shaped server, measured side by side.
+
+Method (also in README.md, "Performance"):
+- The traced servers run on CPU 0 (the three of the /run fan-out too); wrk, the agent and the
+  OTLP receiver run on CPU 1. Affinity is set on this process's thread around each spawn, so
+  every thread a child starts later inherits it.
+- Variants, each on freshly started servers, interleaved per repeat (A B C A B C ...) so that
+  drift on a shared machine hits them alike: `untraced`; `gym-tracer` (attached by --pid,
+  exporting OTLP/HTTP to the counting receiver); `otel` (the servers instrument themselves
+  with OpenTelemetry's FastAPI + aiohttp-client instrumentation, exporting OTLP/HTTP to the
+  same receiver). Each run: start servers, warm up with wrk (untimed; before the agent
+  attaches), attach, run wrk for --duration, let exports settle, read /proc, stop.
+- Every figure of a row is the median over the repeats, taken figure by figure.
+
+The results go to stdout (one table) and to target/bench/bench-<UTC time>.json and
+target/bench/latest.json (every run's raw figures, the medians, machine and parameters).
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from gym_launch import DEFAULT_SERVERS, RESOURCES, AGENT, GymRun, run_body  # noqa: E402
+from harness import Agent, free_port  # noqa: E402
+
+SERVER_CPU, LOAD_CPU = 0, 1
+VARIANTS = ("untraced", "gym-tracer", "otel")
+WORKLOADS = ("verify", "run")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# After wrk ends: the agent holds finished spans 500 ms (--stitch-delay-ms), then exports.
+SETTLE_SECONDS = 1.5
+# Counters of the agent whose growth means a request was not traced or a span not delivered.
+LOSS_COUNTERS = ("events_lost_in_kernel", "spans_dropped_queue_full", "requests_dropped_overflow",
+                 "connections_dropped", "spans_export_failed")
+
+
+class BenchError(Exception):
+    """A precondition or a step failed; the message says what to do."""
+
+
+# ---------------------------------------------------------------------------------------
+# processes: pinning, /proc figures, cleanup
+# ---------------------------------------------------------------------------------------
+
+@contextmanager
+def spawning_on(cpu):
+    """Children spawned inside inherit CPU `cpu` (and so do all their later threads)."""
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def cpu_seconds(pid):
+    """utime + stime of the whole process (every thread, live or exited), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def status_kib(pid, key):
+    """A `kB` line of /proc/<pid>/status: VmHWM (peak RSS) or VmRSS."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise BenchError(f"/proc/{pid}/status has no {key}")
+
+
+class Children:
+    """Every long-lived process the bench starts, killed on any exit (error, Ctrl-C)."""
+
+    def __init__(self):
+        self.processes = []
+
+    def add(self, process):
+        self.processes.append(process)
+        return process
+
+    def kill_all(self):
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+
+CHILDREN = Children()
+
+
+def stop_agent(agent):
+    if agent is not None and agent.process is not None and agent.process.poll() is None:
+        agent.stop()
+
+
+def start_agent(pids, receiver_url, health_port=None, servers=True):
+    """gym-tracer on the load CPU, attached to `pids`; for `servers`, returns once it has
+    harvested their routes (so every measured request is named as in production)."""
+    extra = ["--otlp-endpoint", receiver_url]
+    if health_port:
+        extra += ["--health-listen", str(health_port)]
+    agent = Agent(pids, extra_args=extra)
+    try:
+        with spawning_on(LOAD_CPU):
+            agent.start()
+    finally:
+        if agent.process is not None:
+            CHILDREN.add(agent.process)
+    for pid in pids if servers else ():
+        agent.wait_for_routes(pid)
+    return agent
+
+
+def agent_metrics(port):
+    """The agent's /metrics (Prometheus text) as {name: value}; refreshed by it every second."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+# ---------------------------------------------------------------------------------------
+# the receiver
+# ---------------------------------------------------------------------------------------
+
+class Receiver:
+    """bench/otlp_counter.py in its own process on the load CPU: spans per (pid, kind)."""
+
+    def __init__(self):
+        port_file = Path(tempfile.mkdtemp(prefix="gym-bench-")) / "port"
+        with spawning_on(LOAD_CPU):
+            self.process = CHILDREN.add(subprocess.Popen([sys.executable, str(BENCH_DIR / "otlp_counter.py"),
+                                                          str(port_file)]))
+        deadline = time.monotonic() + 20
+        while not (port_file.exists() and port_file.read_text()):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise BenchError("the OTLP receiver (bench/otlp_counter.py) did not start: see its error above")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}"
+
+    def counts(self, pids):
+        """{kind: spans} summed over `pids`."""
+        with urllib.request.urlopen(f"{self.url}/counts", timeout=5) as response:
+            by_pid = json.load(response)
+        total = {}
+        for pid in pids:
+            for kind, n in by_pid.get(str(pid), {}).items():
+                total[kind] = total.get(kind, 0) + n
+        return total
+
+    def wait_stable(self, pids, quiet_seconds=1.5, timeout=30):
+        """The counts once they have not changed for `quiet_seconds`."""
+        last, since = self.counts(pids), time.monotonic()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = self.counts(pids)
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_seconds:
+                break
+        return last
+
+
+def minus(after, before):
+    return {kind: n - before.get(kind, 0) for kind, n in after.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# load: wrk with a Lua script for the POST bodies
+# ---------------------------------------------------------------------------------------
+
+def lua_string(text):
+    return f"[==[{text}]==]"
+
+
+def wrk_script(workload):
+    """POST bodies as Gym sends them. /run: each request has its own task index (its own
+    rollout id, so one trace per rollout as in a real run); /verify: one fixed body."""
+    if workload == "run":
+        prefix, suffix = json.dumps(run_body(task=987654321, rollout=0)).split("987654321")
+        body = f"{lua_string(prefix)} .. n .. {lua_string(suffix)}"
+        path = "/run"
+    else:
+        verify = {**run_body(task=1, rollout=0), "response": {"output_text": "The answer is 42."}}
+        body = lua_string(json.dumps(verify))
+        path = "/verify"
+    # `n` counts the requests each thread generated (sent), `summary.requests` the responses
+    # received: requests in flight when wrk stops are the difference.
+    return f"""
+n = 0
+threads = {{}}
+setup = function(thread) table.insert(threads, thread) end
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+request = function()
+  n = n + 1
+  return wrk.format("POST", "{path}", nil, {body})
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  local sent = 0
+  for _, thread in ipairs(threads) do sent = sent + thread:get("n") end
+  io.write(string.format(
+    'BENCH_JSON {{"requests": %d, "sent": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, "errors": %d, "status_errors": %d}}\\n',
+    summary.requests, sent, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def run_wrk(url, script_path, connections, duration):
+    """wrk on the load CPU; returns requests, rps, p50/p99 (ms) and error counts."""
+    args = ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "10s",
+            "-s", str(script_path), url]
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=duration + 60)
+    except subprocess.TimeoutExpired as error:
+        raise BenchError(f"wrk did not finish within {duration + 60} s: {' '.join(args)}") from error
+    match = re.search(r"^BENCH_JSON (.*)$", out.stdout, re.M)
+    if out.returncode != 0 or not match:
+        raise BenchError(f"wrk failed ({out.returncode}): {out.stderr or out.stdout}")
+    result = json.loads(match.group(1))
+    seconds = result["duration_us"] / 1e6
+    return {"requests": result["requests"], "sent": result["sent"], "seconds": seconds, "rps": result["requests"] / seconds,
+            "p50_ms": result["p50_us"] / 1e3, "p99_ms": result["p99_us"] / 1e3,
+            "errors": result["errors"], "non_2xx": result["status_errors"], "connections": connections}
+
+
+# ---------------------------------------------------------------------------------------
+# one measured run of (workload, variant)
+# ---------------------------------------------------------------------------------------
+
+def gym_run(workload, variant, receiver):
+    servers = {"example_verifier": RESOURCES} if workload == "verify" else DEFAULT_SERVERS
+    env = {}
+    if variant == "otel":
+        otel = {"GYM_TEST_INPROCESS_OTEL": receiver.url, "GYM_TEST_INPROCESS_OTEL_CLIENT": "aiohttp"}
+        env = {name: otel for name in servers}
+    run = GymRun(servers=servers, env=env)
+    try:
+        with spawning_on(SERVER_CPU):
+            run.start()
+    finally:
+        CHILDREN.processes += [server.process for server in run.servers.values() if server.process]
+    return run
+
+
+def measure(workload, variant, params, receiver, scripts):
+    """One run on fresh servers. CPU figures are per completed request."""
+    run = gym_run(workload, variant, receiver)
+    entry = run.first(RESOURCES if workload == "verify" else AGENT)
+    url = f"{entry.base_url}/{workload}"
+    pids = [server.pid for server in run.servers.values()]
+    agent = None
+    try:
+        if variant == "gym-tracer":
+            # Before the warm-up: connections already open at attach are not traced, and the
+            # agent server's aiohttp pool keeps the ones it opens to its peers.
+            agent = start_agent(pids, receiver.url)
+        run_wrk(url, scripts[workload], params.connections, params.warmup)
+        spans_before = receiver.wait_stable(pids)  # the warm-up's spans, not counted
+        entry_before = receiver.counts([entry.pid])
+        server_cpu_before = sum(cpu_seconds(pid) for pid in pids)
+        agent_cpu_before = cpu_seconds(agent.process.pid) if agent else 0.0
+        load = run_wrk(url, scripts[workload], params.connections, params.duration)
+        time.sleep(SETTLE_SECONDS)
+        server_cpu = sum(cpu_seconds(pid) for pid in pids) - server_cpu_before
+        result = dict(load, workload=workload, variant=variant,
+                      server_cpu_us_per_req=1e6 * server_cpu / max(load["requests"], 1))
+        if agent:
+            result["agent_cpu_us_per_req"] = 1e6 * (cpu_seconds(agent.process.pid) - agent_cpu_before) / max(
+                load["requests"], 1)
+            result["agent_peak_rss_kib"] = status_kib(agent.process.pid, "VmHWM")
+            agent.stop()
+            summary = agent.summary()
+            result["agent_summary"] = summary
+            result["events_lost"] = summary.get("events_lost_in_kernel")
+            result["agent_drops"] = sum(summary.get(name, 0) for name in LOSS_COUNTERS)
+        elif variant == "otel":
+            run.stop()  # the SDK flushes its batch processor at exit
+        if variant != "untraced":
+            spans = minus(receiver.wait_stable(pids), spans_before)
+            entry_server_spans = minus(receiver.counts([entry.pid]), entry_before)
+            result["spans"] = spans
+            # Per request SENT: requests in flight when wrk stops are served (and traced) but
+            # not among the responses wrk counts.
+            result["spans_per_req"] = sum(spans.values()) / max(load["sent"], 1)
+            result["entry_server_spans"] = entry_server_spans.get("SERVER", 0)
+            result["server_spans_per_sent"] = result["entry_server_spans"] / max(load["sent"], 1)
+            result["one_span_per_request"] = load["requests"] <= result["entry_server_spans"] <= load["sent"]
+        return result
+    finally:
+        stop_agent(agent)
+        run.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# saturation: rising load on /verify traced by gym-tracer
+# ---------------------------------------------------------------------------------------
+
+def saturation(params, receiver, scripts):
+    """One server and one agent; per step of wrk connections: req/s, SERVER spans vs
+    requests, the agent's loss counters (deltas of its /metrics). A step is complete when every
+    answered request has its SERVER span, no more spans than requests sent, and nothing was
+    lost."""
+    run = gym_run("verify", "gym-tracer", receiver)
+    entry = run.resources
+    health_port = free_port()
+    agent = None
+    steps = []
+    try:
+        run_wrk(f"{entry.base_url}/verify", scripts["verify"], 4, params.warmup)
+        agent = start_agent([entry.pid], receiver.url, health_port)
+        for connections in params.saturation_connections:
+            spans_before = receiver.wait_stable([entry.pid])
+            time.sleep(1.1)  # the /metrics snapshot is refreshed every second
+            metrics_before = agent_metrics(health_port)
+            load = run_wrk(f"{entry.base_url}/verify", scripts["verify"], connections, params.step_duration)
+            spans = minus(receiver.wait_stable([entry.pid]), spans_before).get("SERVER", 0)
+            time.sleep(1.1)
+            metrics_after = agent_metrics(health_port)
+            lost = {name: metrics_after.get(f"gym_tracer_{name}_total", 0) - metrics_before.get(
+                f"gym_tracer_{name}_total", 0) for name in LOSS_COUNTERS}
+            complete = (load["requests"] <= spans <= load["sent"] and not any(lost.values())
+                        and load["errors"] == 0)
+            steps.append(dict(load, server_spans=spans, lost=lost, complete=complete))
+            print(f"  saturation: {connections:4d} connections: {load['rps']:8.0f} req/s, "
+                  f"{spans} SERVER spans for {load['requests']} answered / {load['sent']} sent, lost {sum(lost.values()):.0f}"
+                  f" -> {'complete' if complete else 'INCOMPLETE'}", flush=True)
+    finally:
+        stop_agent(agent)
+        run.stop()
+    complete = [step["rps"] for step in steps if step["complete"]]
+    return {"steps": steps, "max_complete_rps": max(complete) if complete else None}
+
+
+# ---------------------------------------------------------------------------------------
+# connection scale: thousands of idle keep-alive connections
+# ---------------------------------------------------------------------------------------
+
+def open_connections(port, sockets, target):
+    """Opens connections until there are `target`, each after one GET /health answered 200."""
+    while len(sockets) < target:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\n\r\n")
+        reply = sock.recv(4096)
+        if not reply.startswith(b"HTTP/1.1 200"):
+            raise BenchError(f"GET /health on connection {len(sockets)} answered {reply[:40]!r}")
+        sockets.append(sock)
+
+
+def connection_scale(params, receiver):
+    """The resources app under uvicorn with a long keep-alive (uvicorn closes idle connections
+    after 5 s by default); agent RSS and its connections-tracked gauge at each step."""
+    need = max(params.scale_connections) + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(need, soft), max(need, hard)))
+    port, health_port = free_port(), free_port()
+    with spawning_on(SERVER_CPU):
+        server = CHILDREN.add(subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "servers.gym_resources:app", "--host", "127.0.0.1", "--port", str(port),
+             "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
+             "--timeout-keep-alive", "3600", "--backlog", "4096"],
+            cwd=ROOT / "tests", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests"))))
+    sockets, agent, samples = [], None, []
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise BenchError("the connection-scale server did not start listening") from None
+                time.sleep(0.1)
+        agent = start_agent([server.pid], receiver.url, health_port)
+
+        def sample(label):
+            time.sleep(2.2)  # the agent handles the last events; /metrics refreshes every second
+            samples.append({"label": label, "connections_open": len(sockets),
+                            "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
+                            "connections_tracked": agent_metrics(health_port).get("gym_tracer_connections_tracked")})
+            print(f"  connections: {samples[-1]}", flush=True)
+
+        sample("attached")
+        for target in params.scale_connections:
+            open_connections(port, sockets, target)
+            sample(f"{target} open")
+        for sock in sockets:
+            sock.close()
+        sockets.clear()
+        sample("all closed")
+        peak = status_kib(agent.process.pid, "VmHWM")
+    finally:
+        for sock in sockets:
+            sock.close()
+        stop_agent(agent)
+        server.terminate()
+        server.wait(10)
+    base = samples[0]["agent_rss_kib"]
+    top = max(samples, key=lambda s: s["connections_open"])
+    per_connection = 1024 * (top["agent_rss_kib"] - base) / top["connections_open"]
+    return {"samples": samples, "agent_peak_rss_kib": peak, "max_connections": top["connections_open"],
+            "bytes_per_connection": per_connection}
+
+
+# ---------------------------------------------------------------------------------------
+# host-wide tax: an untraced process's syscalls with and without the agent
+# ---------------------------------------------------------------------------------------
+
+def build_tax_program(out_dir):
+    binary = out_dir / "syscall_tax"
+    source = BENCH_DIR / "syscall_tax.c"
+    if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
+        try:
+            subprocess.run(["cc", "-O2", "-o", str(binary), str(source)], check=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            raise BenchError(f"could not compile {source} with cc ({error}): install a C compiler "
+                             "(`apt-get install -y gcc`) and retry") from error
+    return binary
+
+
+def host_tax(params, binary, receiver):
+    """Alternating without/with the agent (attached to an idle `sleep`, so nothing it sees is
+    traced); the loop runs on the server CPU, now idle. Median ns per syscall of each."""
+    def loop(mode):
+        out = subprocess.run(["taskset", "-c", str(SERVER_CPU), str(binary), mode, str(params.tax_iterations)],
+                             capture_output=True, text=True, check=True, timeout=120)
+        return float(out.stdout)
+
+    with spawning_on(LOAD_CPU):
+        idle = CHILDREN.add(subprocess.Popen(["sleep", "infinity"]))
+    figures = {mode: {"without": [], "with": []} for mode in ("pipe", "socket", "getppid")}
+    try:
+        for _ in range(params.tax_repeats):
+            for mode in figures:
+                figures[mode]["without"].append(loop(mode))
+            agent = start_agent([idle.pid], receiver.url, servers=False)
+            try:
+                for mode in figures:
+                    figures[mode]["with"].append(loop(mode))
+            finally:
+                stop_agent(agent)
+    finally:
+        idle.kill()
+        idle.wait()
+    result = {}
+    for mode, runs in figures.items():
+        without, with_agent = statistics.median(runs["without"]), statistics.median(runs["with"])
+        result[mode] = {"runs": runs, "without_ns": without, "with_ns": with_agent,
+                        "delta_ns": with_agent - without, "delta_pct": 100 * (with_agent - without) / without}
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# soak: agent memory under steady load
+# ---------------------------------------------------------------------------------------
+
+def soak(params, receiver, scripts):
+    """/verify under steady load for --soak seconds; agent RSS sampled at an interval. The
+    slope is a least-squares fit over the second half (after warm-up allocations). The agent's
+    gauges are sampled alongside, to tell what grows."""
+    run = gym_run("verify", "gym-tracer", receiver)
+    entry = run.resources
+    health_port = free_port()
+    agent, summary = None, {}
+    interval = max(5.0, params.soak / 60)
+    samples = []
+    try:
+        agent = start_agent([entry.pid], receiver.url, health_port)
+        script = scripts["verify"]
+        with spawning_on(LOAD_CPU):
+            load = CHILDREN.add(subprocess.Popen(
+                ["wrk", "-t1", f"-c{params.connections}", f"-d{params.soak}s", "-s", str(script),
+                 f"{entry.base_url}/verify"], stdout=subprocess.PIPE, text=True))
+        start = time.monotonic()
+        while load.poll() is None:
+            gauges = agent_metrics(health_port)
+            samples.append({"seconds": round(time.monotonic() - start, 1),
+                            "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
+                            **{name: gauges.get(f"gym_tracer_{name}") for name in
+                               ("connections_tracked", "spans_pending", "processes_traced")}})
+            print(f"  soak: {samples[-1]}", flush=True)
+            try:
+                load.wait(interval)
+            except subprocess.TimeoutExpired:
+                pass
+        match = re.search(r"^BENCH_JSON (.*)$", load.stdout.read(), re.M)
+        requests = json.loads(match.group(1))["requests"] if match else None
+        agent.stop()
+        summary = agent.summary()
+    finally:
+        stop_agent(agent)
+        run.stop()
+    tail = samples[len(samples) // 2:]
+    slope = None
+    if len(tail) >= 2:
+        mean_t = statistics.mean(s["seconds"] for s in tail)
+        mean_r = statistics.mean(s["agent_rss_kib"] for s in tail)
+        var = sum((s["seconds"] - mean_t) ** 2 for s in tail)
+        slope = 60 * sum((s["seconds"] - mean_t) * (s["agent_rss_kib"] - mean_r) for s in tail) / var if var else 0.0
+    return {"seconds": params.soak, "interval_s": interval, "requests": requests, "samples": samples,
+            "slope_kib_per_min": slope, "agent_summary": summary}
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------
+
+MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_us_per_req", "agent_peak_rss_kib",
+                 "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
+                 "non_2xx")
+
+
+def medians(runs):
+    """{(workload, variant): {field: median over the repeats}}, figure by figure."""
+    rows = {}
+    for run in runs:
+        rows.setdefault((run["workload"], run["variant"]), []).append(run)
+    table = {}
+    for key, group in rows.items():
+        table[key] = {field: statistics.median(r[field] for r in group)
+                      for field in MEDIAN_FIELDS if all(field in r for r in group)}
+        table[key]["repeats"] = len(group)
+    for (workload, variant), row in table.items():
+        base = table.get((workload, "untraced"))
+        if base:
+            row["rps_vs_untraced"] = row["rps"] / base["rps"]
+            row["server_cpu_vs_untraced"] = row["server_cpu_us_per_req"] / base["server_cpu_us_per_req"]
+    return table
+
+
+def headline(table, workload):
+    """gym-tracer's cost as a fraction of in-process OpenTelemetry's: in throughput, and in
+    server CPU per request (steadier on a shared machine), and with the agent's CPU added."""
+    tracer, otel = table.get((workload, "gym-tracer")), table.get((workload, "otel"))
+    if not tracer or not otel or "rps_vs_untraced" not in tracer:
+        return None
+    cost_tracer, cost_otel = 1 - tracer["rps_vs_untraced"], 1 - otel["rps_vs_untraced"]
+    cpu_tracer, cpu_otel = tracer["server_cpu_vs_untraced"] - 1, otel["server_cpu_vs_untraced"] - 1
+    base_cpu = table[(workload, "untraced")]["server_cpu_us_per_req"]
+    cpu_tracer_with_agent = cpu_tracer + tracer["agent_cpu_us_per_req"] / base_cpu
+    return {"gym_tracer_throughput_cost": cost_tracer, "otel_throughput_cost": cost_otel,
+            "gym_tracer_cost_fraction_of_otel": cost_tracer / cost_otel if cost_otel > 0 else None,
+            "gym_tracer_server_cpu_cost": cpu_tracer, "gym_tracer_cpu_cost_with_agent": cpu_tracer_with_agent,
+            "otel_server_cpu_cost": cpu_otel,
+            "gym_tracer_cpu_cost_fraction_of_otel": cpu_tracer / cpu_otel if cpu_otel > 0 else None}
+
+
+def fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def render(report):
+    p, lines = report["parameters"], []
+    machine = report["machine"]
+    lines.append(f"gym-tracer bench  {report['started']}  commit {report['commit']}  kernel {machine['kernel']}  "
+                 f"{machine['cpu']} x{machine['cpus']}")
+    lines.append(f"servers on CPU {SERVER_CPU}; wrk (-t1 -c{p['connections']}), agent and OTLP receiver on CPU "
+                 f"{LOAD_CPU}; {p['duration']} s per run after a {p['warmup']} s warm-up; {p['repeats']} repeat(s) "
+                 f"interleaved; every figure is the median of the repeats")
+    table = report["table"]
+    if table:
+        header = (f"{'workload':8} {'variant':10} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
+                  f"{'agent µs/req':>12} {'agent RSS MiB':>13} {'lost':>5} {'drops':>5} {'spans/req':>9} "
+                  f"{'SERVER/sent':>11} {'req/s ×':>8} {'srv CPU ×':>9}")
+        lines += ["", header, "-" * len(header)]
+        for workload in WORKLOADS:
+            for variant in VARIANTS:
+                row = table.get(f"{workload}/{variant}")
+                if not row:
+                    continue
+                rss = row.get("agent_peak_rss_kib")
+                lines.append(
+                    f"{workload:8} {variant:10} {row['rps']:7.0f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                    f"{row['server_cpu_us_per_req']:10.0f} {fmt(row.get('agent_cpu_us_per_req'), '12.1f'):>12} "
+                    f"{fmt(rss and rss / 1024, '13.1f'):>13} {fmt(row.get('events_lost'), '5.0f'):>5} "
+                    f"{fmt(row.get('agent_drops'), '5.0f'):>5} {fmt(row.get('spans_per_req'), '9.3f'):>9} "
+                    f"{fmt(row.get('server_spans_per_sent'), '11.3f'):>11} "
+                    f"{fmt(row.get('rps_vs_untraced'), '8.3f'):>8} {fmt(row.get('server_cpu_vs_untraced'), '9.3f'):>9}")
+        lines.append(f"lost: ring-buffer records lost; drops: lost + spans, requests, connections dropped + failed "
+                     f"exports; SERVER/sent: the entry server's SERVER spans per request wrk sent (1.000: one "
+                     f"each; a request in flight when wrk stops may go unserved); spans/req: all spans of all "
+                     f"servers per request sent; ×: against untraced")
+        for workload, h in report["headline"].items():
+            if h:
+                lines.append(
+                    f"{workload}: throughput cost gym-tracer {100 * h['gym_tracer_throughput_cost']:+.1f}%, in-process "
+                    f"OTel {100 * h['otel_throughput_cost']:+.1f}% (ratio "
+                    f"{fmt(h['gym_tracer_cost_fraction_of_otel'], '.3f', 'n/a')}); server CPU per request gym-tracer "
+                    f"{100 * h['gym_tracer_server_cpu_cost']:+.1f}% ({100 * h['gym_tracer_cpu_cost_with_agent']:+.1f}% "
+                    f"with the agent's), OTel {100 * h['otel_server_cpu_cost']:+.1f}% (ratio "
+                    f"{fmt(h['gym_tracer_cpu_cost_fraction_of_otel'], '.3f', 'n/a')})")
+        lines.append("(a negative cost is below this machine's noise: compare with the spread of the runs in the JSON)")
+    if report.get("saturation"):
+        s = report["saturation"]
+        lines.append("")
+        steps = ", ".join(f"c={st['connections']}: {st['rps']:.0f} req/s {'ok' if st['complete'] else 'INCOMPLETE'}"
+                          for st in s["steps"])
+        lines.append(f"saturation (/verify, gym-tracer, {p['step_duration']} s per step): {steps}")
+        lines.append(f"  highest rate with one SERVER span per request and zero loss: "
+                     f"{fmt(s['max_complete_rps'], '.0f', 'none')} req/s")
+    if report.get("connections"):
+        c = report["connections"]
+        lines.append("")
+        lines.append("connection scale (idle keep-alive connections to a traced server, each after one request): "
+                     + ", ".join(f"{x['label']}: agent RSS {x['agent_rss_kib'] / 1024:.1f} MiB, tracked "
+                                 f"{fmt(x['connections_tracked'], '.0f')}" for x in c["samples"]))
+        lines.append(f"  {c['max_connections']} connections: {c['bytes_per_connection']:.0f} bytes of agent RSS per "
+                     f"connection; agent peak RSS {c['agent_peak_rss_kib'] / 1024:.1f} MiB")
+    if report.get("host_tax"):
+        lines.append("")
+        lines.append(f"host-wide tax (an untraced process on CPU {SERVER_CPU}, median of {p['tax_repeats']} "
+                     f"x {p['tax_iterations']} iterations):")
+        for mode, t in report["host_tax"].items():
+            what = {"pipe": "pipe write+read", "socket": "socketpair send+recv", "getppid": "getppid (no program)"}[mode]
+            lines.append(f"  {what:20} {t['without_ns']:7.1f} ns/syscall without the agent, {t['with_ns']:7.1f} with "
+                         f"({t['delta_ns']:+.1f} ns, {t['delta_pct']:+.1f}%)")
+    if report.get("soak"):
+        s = report["soak"]
+        first, last = s["samples"][0]["agent_rss_kib"], s["samples"][-1]["agent_rss_kib"]
+        lines.append("")
+        lines.append(f"soak ({s['seconds']} s of /verify, {fmt(s['requests'], 'd', '?')} requests): agent RSS "
+                     f"{first / 1024:.1f} -> {last / 1024:.1f} MiB, slope over the second half "
+                     f"{fmt(s['slope_kib_per_min'], '+.1f')} KiB/min")
+    return "\n".join(lines)
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"kernel": platform.release(), "cpu": cpu, "cpus": os.cpu_count()}
+
+
+def git_commit():
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+SECTIONS = ("verify", "run", "saturation", "connections", "tax")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agent", required=True, type=Path, help="the gym-tracer binary")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "target" / "bench")
+    parser.add_argument("--quick", action="store_true", help="short runs, one repeat: a smoke check (~2 min)")
+    parser.add_argument("--duration", type=int, help="seconds of load per measured run (default 8, quick 3)")
+    parser.add_argument("--repeats", type=int, help="repeats per variant; the table shows medians (default 3, quick 1)")
+    parser.add_argument("--connections", type=int, default=32, help="wrk connections of the measured runs")
+    parser.add_argument("--soak", type=int, default=0, help="also run a memory soak of this many seconds (600 = 10 min)")
+    parser.add_argument("--only", help=f"comma list of sections to run: {','.join(SECTIONS)} (default all)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.duration = args.duration or (3 if quick else 8)
+    args.repeats = args.repeats or (1 if quick else 3)
+    args.warmup = 1 if quick else 2
+    args.step_duration = 3 if quick else 5
+    args.saturation_connections = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
+    args.scale_connections = [500] if quick else [1000, 5000]
+    args.tax_repeats = 3 if quick else 5
+    args.tax_iterations = 50_000 if quick else 200_000
+    args.sections = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown section(s) {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+    return args
+
+
+def preflight(args):
+    if os.geteuid() != 0:
+        raise BenchError("the bench loads eBPF programs: run it as root (sudo -E cargo xtask bench)")
+    if len(os.sched_getaffinity(0)) < 2 or not {SERVER_CPU, LOAD_CPU} <= os.sched_getaffinity(0):
+        raise BenchError(f"the bench pins servers to CPU {SERVER_CPU} and load to CPU {LOAD_CPU}: it needs both")
+    for tool, package in (("wrk", "wrk"), ("taskset", "util-linux")):
+        if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
+            raise BenchError(f"{tool} is not on PATH: install it (`apt-get install -y {package}`; "
+                             "`cargo xtask bench` does this) and retry")
+    if not args.agent.exists():
+        raise BenchError(f"{args.agent} does not exist: build it with `cargo xtask build --release`")
+    os.environ["GYM_TRACER_BIN"] = str(args.agent.resolve())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    started = time.monotonic()
+    report = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(),
+              "machine": machine(), "parameters": {k: v for k, v in vars(args).items() if k not in ("agent", "out_dir")},
+              "runs": [], "table": {}, "headline": {}}
+    report["parameters"]["sections"] = list(args.sections)
+    try:
+        preflight(args)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        os.sched_setaffinity(0, {LOAD_CPU})  # this driver keeps off the servers' CPU
+        receiver = Receiver()
+        workdir = Path(tempfile.mkdtemp(prefix="gym-bench-"))
+        scripts = {}
+        for workload in WORKLOADS:
+            scripts[workload] = workdir / f"{workload}.lua"
+            scripts[workload].write_text(wrk_script(workload))
+        workloads = [w for w in WORKLOADS if w in args.sections]
+        for repeat in range(args.repeats):
+            for workload in workloads:
+                for variant in VARIANTS:
+                    result = measure(workload, variant, args, receiver, scripts)
+                    result["repeat"] = repeat
+                    report["runs"].append(result)
+                    print(f"  {workload}/{variant} repeat {repeat + 1}/{args.repeats}: {result['rps']:.0f} req/s, "
+                          f"server {result['server_cpu_us_per_req']:.0f} µs/req, agent "
+                          f"{fmt(result.get('agent_cpu_us_per_req'), '.1f')} µs/req, spans/req "
+                          f"{fmt(result.get('spans_per_req'), '.3f')}", flush=True)
+        table = medians(report["runs"])
+        report["table"] = {f"{w}/{v}": row for (w, v), row in table.items()}
+        report["headline"] = {w: headline(table, w) for w in workloads}
+        if "saturation" in args.sections:
+            report["saturation"] = saturation(args, receiver, scripts)
+        if "connections" in args.sections:
+            report["connections"] = connection_scale(args, receiver)
+        if "tax" in args.sections:
+            report["host_tax"] = host_tax(args, build_tax_program(args.out_dir), receiver)
+        if args.soak:
+            report["soak"] = soak(args, receiver, scripts)
+    except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:
+        # RuntimeError/AssertionError: a server or the agent did not start (tests/harness.py).
+        print(f"bench: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench: interrupted; stopping everything it started", file=sys.stderr)
+        return 130
+    finally:
+        CHILDREN.kill_all()
+    report["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    text = render(report)
+    print("\n" + text + f"\n\n(whole run: {report['elapsed_seconds']:.0f} s)")
+    stamp = report["started"].replace(":", "").replace("-", "")
+    report["text"] = text
+    for path in (args.out_dir / f"bench-{stamp}.json", args.out_dir / "latest.json"):
+        path.write_text(json.dumps(report, indent=1))
+    print(f"written: {args.out_dir / f'bench-{stamp}.json'} and latest.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
