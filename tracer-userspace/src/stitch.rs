@@ -28,12 +28,18 @@ use crate::gym::rollout_id::RolloutId;
 use crate::spans::{AttributeValue, SpanId, SpanRecord, TraceId, parse_traceparent};
 
 /// How long the graph keeps a finished request: a call that outlives its caller (fire and
-/// forget) still finds its parent within this.
-const FINISHED_LINGER: Duration = Duration::from_secs(30);
+/// forget) still finds its parent within this. The graph's memory is the request rate times
+/// this (about 300 bytes a request), so it is kept short: Gym awaits its calls.
+const FINISHED_LINGER: Duration = Duration::from_secs(10);
 
 /// A one-sided connection entry (the other end is not traced, or is another host) is given up
-/// after this.
-const UNMATCHED_LINGER: Duration = Duration::from_secs(30);
+/// after this. Both ends of a connection on one host reach the same ring buffer within
+/// milliseconds; this also covers a server that reads a request seconds after it was sent.
+const UNMATCHED_LINGER: Duration = Duration::from_secs(10);
+
+/// A table whose capacity is more than this many times its length gives the memory back (a
+/// burst of requests leaves its high-water mark otherwise).
+const SHRINK_FACTOR: usize = 4;
 
 /// Parent chains longer than this are cut (they cannot happen in a real call graph; the
 /// bound keeps a corrupted graph from looping).
@@ -108,6 +114,12 @@ struct Node {
     /// Used if the request turns out to be a root without a rollout id.
     random_trace: TraceId,
     finished: bool,
+}
+
+fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > SHRINK_FACTOR * map.len() + 1024 {
+        map.shrink_to(2 * map.len());
+    }
 }
 
 /// One request on one TCP connection, named the same from both ends.
@@ -435,6 +447,15 @@ impl Stitcher {
         {
             let (_, id) = self.finished.pop_front().expect("checked");
             self.nodes.remove(&id);
+        }
+        shrink_if_sparse(&mut self.nodes);
+        shrink_if_sparse(&mut self.waiting_clients);
+        shrink_if_sparse(&mut self.waiting_servers);
+        if self.key_expiry.capacity() > SHRINK_FACTOR * self.key_expiry.len() + 1024 {
+            self.key_expiry.shrink_to(2 * self.key_expiry.len());
+        }
+        if self.finished.capacity() > SHRINK_FACTOR * self.finished.len() + 1024 {
+            self.finished.shrink_to(2 * self.finished.len());
         }
     }
 
