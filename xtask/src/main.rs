@@ -73,6 +73,21 @@ enum Cmd {
     /// Regenerate README.md's reference section (options, spans, metrics) from the code; a
     /// unit test fails while it is stale.
     Docs,
+    /// Fuzz the HTTP reassembly path (cargo-fuzz target `http_reassembly`) for a bounded
+    /// time, starting from the committed corpus; installs cargo-fuzz when missing.
+    Fuzz {
+        /// How long to fuzz.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Build without AddressSanitizer (`cargo fuzz -s none`): faster, still catches
+        /// panics, overflows (debug assertions are on), leaks of time and memory.
+        #[arg(long)]
+        no_sanitizer: bool,
+        /// Afterwards, add to fuzz/corpus/http_reassembly the new inputs that reach code
+        /// the committed corpus does not (libFuzzer's -merge=1: it stays small).
+        #[arg(long)]
+        update_corpus: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -99,6 +114,11 @@ fn main() -> ExitCode {
         Cmd::Demo => demo(&ctx),
         Cmd::Lint => lint(&ctx),
         Cmd::Docs => docs(&ctx),
+        Cmd::Fuzz {
+            seconds,
+            no_sanitizer,
+            update_corpus,
+        } => fuzz(&ctx, seconds, !no_sanitizer, update_corpus),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -775,6 +795,77 @@ fn docs(ctx: &Ctx) -> Result<()> {
         "regenerating the README reference failed: see the error above",
     )?;
     println!("xtask: updated {}", readme.display());
+    Ok(())
+}
+
+/// The one fuzz target: arbitrary event sequences through the agent's reassembly path.
+const FUZZ_TARGET: &str = "http_reassembly";
+
+/// Per-input limits: an input that takes longer or uses more is reported as a find (a
+/// quadratic path, a table that is not bounded), not waited for.
+const FUZZ_TIMEOUT_SECONDS: u64 = 10;
+const FUZZ_RSS_LIMIT_MB: u64 = 1024;
+/// Scripts longer than libFuzzer's default (4096) so that heads past the capture budget
+/// and long pipelines are reachable.
+const FUZZ_MAX_LEN: u64 = 65536;
+
+fn fuzz(ctx: &Ctx, seconds: u64, sanitizer: bool, update_corpus: bool) -> Result<()> {
+    ensure_nightly(ctx)?;
+    if capture(ctx.cmd("cargo").args(["+nightly", "fuzz", "--version"])).is_none() {
+        println!("xtask: installing cargo-fuzz");
+        run_checked(
+            ctx.cmd("cargo").args(["install", "cargo-fuzz", "--locked"]),
+            "installing cargo-fuzz failed: see the error above, or install it yourself \
+             (`cargo install cargo-fuzz --locked`) and retry",
+        )?;
+    }
+    let fuzz_dir = ctx.root.join("fuzz");
+    let committed = fuzz_dir.join("corpus").join(FUZZ_TARGET);
+    // New inputs go to a scratch corpus, so a run leaves the committed one as it was.
+    let scratch = fuzz_dir.join("target/corpus").join(FUZZ_TARGET);
+    fs::create_dir_all(&scratch)
+        .with_context(|| format!("creating the scratch corpus {}", scratch.display()))?;
+    let cargo_fuzz = |extra: &[&str]| {
+        let mut cmd = ctx.cmd("cargo");
+        cmd.current_dir(&fuzz_dir)
+            // The target never loads eBPF: skip building it (see tracer-userspace/build.rs).
+            .env("AYA_BUILD_SKIP", "1")
+            .args(["+nightly", "fuzz", "run", FUZZ_TARGET]);
+        if !sanitizer {
+            cmd.args(["--sanitizer", "none"]);
+        }
+        cmd.args(extra);
+        cmd
+    };
+    println!(
+        "xtask: fuzzing {FUZZ_TARGET} for {seconds} s (new inputs in {}; finds in {})",
+        scratch.display(),
+        fuzz_dir.join("artifacts").join(FUZZ_TARGET).display()
+    );
+    let scratch_arg = scratch.to_string_lossy().into_owned();
+    let committed_arg = committed.to_string_lossy().into_owned();
+    run_checked(
+        &mut cargo_fuzz(&[
+            &scratch_arg,
+            &committed_arg,
+            "--",
+            &format!("-max_total_time={seconds}"),
+            &format!("-timeout={FUZZ_TIMEOUT_SECONDS}"),
+            &format!("-rss_limit_mb={FUZZ_RSS_LIMIT_MB}"),
+            &format!("-max_len={FUZZ_MAX_LEN}"),
+        ]),
+        "the fuzzer found a failing input (saved under fuzz/artifacts/; replay it with \
+         `cargo +nightly fuzz run http_reassembly <file>` in fuzz/), or could not build: \
+         see above. Fix the bug, add a regression test, then rerun",
+    )?;
+    if update_corpus {
+        println!("xtask: merging new coverage into {}", committed.display());
+        run_checked(
+            &mut cargo_fuzz(&[&committed_arg, &scratch_arg, "--", "-merge=1"]),
+            "merging the corpus failed: see the error above",
+        )?;
+    }
+    println!("xtask: fuzzing found nothing in {seconds} s");
     Ok(())
 }
 
