@@ -17,7 +17,7 @@ use crate::stats::Stats;
 
 /// Requests a single connection may have in flight (pipelining depth) before the oldest is
 /// given up as lost.
-const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
+pub(crate) const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
 
 /// Bytes of request heads (method, path, the headers kept) one connection may hold for its
 /// requests in flight; past it the oldest is given up as lost. Together with
@@ -478,16 +478,17 @@ impl ConnectionTable {
         if is_request {
             connection
                 .requests
-                .feed(transfer, RequestContext::default, events, errors);
+                .feed(transfer, |_| RequestContext::default(), events, errors);
         } else {
-            let front_is_head = connection
-                .in_flight
-                .front()
-                .is_some_and(|r| r.head.method == "HEAD");
+            // One write can answer several pipelined requests: each response head is
+            // matched with its own request (a HEAD's response has no body).
+            let in_flight = &connection.in_flight;
             connection.responses.feed(
                 transfer,
-                || RequestContext {
-                    is_head: front_is_head,
+                |answered| RequestContext {
+                    is_head: in_flight
+                        .get(answered)
+                        .is_some_and(|r| r.head.method == "HEAD"),
                 },
                 events,
                 errors,
@@ -1060,5 +1061,30 @@ mod tests {
             Outcome::Response(response) if response.status == 500
         ));
         assert_eq!(exchanges[0].end_ns, 30);
+    }
+
+    #[test]
+    fn responses_in_one_write_each_answer_their_own_request() {
+        // Pipelined GET, HEAD, GET answered in one write: the HEAD's response has a
+        // content-length but no body, which only the request it answers can tell.
+        const TWO_GETS_AND_A_HEAD: &[u8] =
+            b"GET /a HTTP/1.1\r\n\r\nHEAD /b HTTP/1.1\r\n\r\nGET /c HTTP/1.1\r\n\r\n";
+        const THREE_RESPONSES: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok\
+            HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n\
+            HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n";
+        let (exchanges, stats, _) = run(&[
+            open(5, 100, Role::Server),
+            data(5, 100, Direction::Read, 110, TWO_GETS_AND_A_HEAD),
+            data(5, 100, Direction::Write, 120, THREE_RESPONSES),
+        ]);
+        let statuses: Vec<_> = exchanges
+            .iter()
+            .map(|e| match &e.outcome {
+                Outcome::Response(response) => (e.request.path.as_str(), response.status),
+                Outcome::Aborted(_) => (e.request.path.as_str(), 0),
+            })
+            .collect();
+        assert_eq!(statuses, [("/a", 200), ("/b", 200), ("/c", 404)]);
+        assert_eq!(stats.parse_not_http, 0);
     }
 }

@@ -183,6 +183,11 @@ pub struct MessageStream {
     state: State,
     wants_body: Option<WantsBody>,
     prefix: Option<PrefixCollector>,
+    /// The message being read is a final (non-1xx) response: its end answers a request.
+    final_response: bool,
+    /// Final responses ended during the current [`feed`](Self::feed): a head parsed now
+    /// answers the request after the ones they answered.
+    answered_in_feed: usize,
 }
 
 impl MessageStream {
@@ -192,6 +197,8 @@ impl MessageStream {
             state: State::Idle,
             wants_body: None,
             prefix: None,
+            final_response: false,
+            answered_in_feed: 0,
         }
     }
 
@@ -221,12 +228,13 @@ impl MessageStream {
             .map_or(0, |prefix| prefix.bytes.capacity())
     }
 
-    /// Feeds one transfer. `request` is consulted when a response head is parsed (HEAD
-    /// requests have no response body).
+    /// Feeds one transfer. `request(n)` is consulted when a response head is parsed (HEAD
+    /// requests have no response body): the head answers the `n`-th request (from 0) that was
+    /// unanswered when this call began, as one write can carry several pipelined responses.
     pub fn feed(
         &mut self,
         transfer: Transfer<'_>,
-        request: impl Fn() -> RequestContext,
+        request: impl Fn(usize) -> RequestContext,
         out: &mut Vec<MessageEvent>,
         errors: &mut Vec<ParseError>,
     ) {
@@ -237,6 +245,7 @@ impl MessageStream {
             timestamp_ns,
         } = transfer;
         let captured = &captured[..captured.len().min(total_len as usize)];
+        self.answered_in_feed = 0;
         if matches!(self.state, State::Desynced) {
             if captured.is_empty() || !looks_like_message_start(self.kind, captured) {
                 return;
@@ -271,6 +280,9 @@ impl MessageStream {
 
     /// Reports the end of the current message, preceded by its body prefix if one was kept.
     fn end_message(&mut self, last_byte_ns: u64, body_bytes: u64, out: &mut Vec<MessageEvent>) {
+        if std::mem::take(&mut self.final_response) {
+            self.answered_in_feed += 1;
+        }
         if let Some(prefix) = self.prefix.take() {
             let complete = !prefix.missed && prefix.bytes.len() as u64 == body_bytes;
             out.push(MessageEvent::BodyPrefix(BodyPrefix {
@@ -289,7 +301,7 @@ impl MessageStream {
         &mut self,
         bytes: &[u8],
         timestamp_ns: u64,
-        request: &impl Fn() -> RequestContext,
+        request: &impl Fn(usize) -> RequestContext,
         out: &mut Vec<MessageEvent>,
         errors: &mut Vec<ParseError>,
     ) -> usize {
@@ -314,10 +326,12 @@ impl MessageStream {
                 let before = buffer.len();
                 let take = bytes.len().min(MAX_HEAD_BYTES + 1 - before);
                 buffer.extend_from_slice(&bytes[..take]);
-                // A head arriving a few bytes at a time is parsed when it can be complete
-                // (and once at its start, to refuse what is not HTTP early): re-parsing it on
-                // every read would cost quadratic time in its length.
-                let parse = if before == 0 || ends_head(&buffer[before.saturating_sub(3)..]) {
+                // A head ends at a line feed: a later piece without one cannot complete it,
+                // and re-parsing the whole buffer for every small read of a long head would
+                // cost time quadratic in its length (with at most MAX_HEADERS lines, the
+                // parses per head are bounded). The first piece is always parsed, so that
+                // garbage is recognised at once.
+                let parse = if before == 0 || bytes[..take].contains(&b'\n') {
                     parse_head(self.kind, buffer)
                 } else {
                     HeadParse::Partial
@@ -339,7 +353,12 @@ impl MessageStream {
                                 body
                             }
                             Head::Response(response_head) => {
-                                response_body(response_head, request(), framing)
+                                self.final_response = response_head.status >= 200;
+                                response_body(
+                                    response_head,
+                                    request(self.answered_in_feed),
+                                    framing,
+                                )
                             }
                         };
                         out.push(MessageEvent::Head {
@@ -375,7 +394,13 @@ impl MessageStream {
                 }
             }
             State::Body { body, bytes: count } => {
+                let was_framed = matches!(body, Body::Chunked(_));
                 let (used, done) = advance_body(body, bytes);
+                if was_framed && matches!(body, Body::ChunkedBlind) {
+                    // Bytes that are not chunk framing: the end is now a guess (the tail
+                    // of a transfer), so the loss of framing is counted.
+                    errors.push(ParseError::LostChunkFraming);
+                }
                 *count += used as u64;
                 if let Some(prefix) = &mut self.prefix {
                     let room = MAX_BODY_PREFIX - prefix.bytes.len();
@@ -488,11 +513,6 @@ impl MessageStream {
             State::Desynced => {}
         }
     }
-}
-
-/// Whether `bytes` hold the empty line that ends a head (httparse also accepts bare LF).
-fn ends_head(bytes: &[u8]) -> bool {
-    bytes.windows(2).any(|pair| pair == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
 }
 
 /// The kernel resets its capture budget on the same tokens, so a transfer that begins with
@@ -800,7 +820,7 @@ mod tests {
         ) {
             let transfer = t(captured, total_len, tail, timestamp_ns);
             self.stream
-                .feed(transfer, || request, &mut self.out, &mut self.errors);
+                .feed(transfer, |_| request, &mut self.out, &mut self.errors);
         }
     }
 
@@ -812,7 +832,12 @@ mod tests {
         let mut errors = Vec::new();
         for (i, chunk) in chunks.iter().enumerate() {
             let transfer = t(chunk, chunk.len() as u64, &[], i as u64 + 1);
-            stream.feed(transfer, RequestContext::default, &mut out, &mut errors);
+            stream.feed(
+                transfer,
+                |_| RequestContext::default(),
+                &mut out,
+                &mut errors,
+            );
         }
         (out, errors)
     }
@@ -863,6 +888,30 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             assert_eq!(ends(&events), vec![(2, 13)], "split {split}");
             assert!(stream.is_idle());
         }
+    }
+
+    #[test]
+    fn request_read_one_byte_at_a_time() {
+        // A head arriving in many small reads is parsed once per line, not once per read.
+        let pieces: Vec<&[u8]> = REQUEST.chunks(1).collect();
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (events, errors) = feed_all(&mut stream, &pieces);
+        assert!(errors.is_empty(), "{errors:?}");
+        let heads = heads(&events);
+        assert_eq!(heads.len(), 1);
+        let Head::Request(head) = &heads[0] else {
+            panic!("not a request")
+        };
+        assert_eq!(
+            (head.method.as_str(), head.path.as_str()),
+            ("POST", "/verify")
+        );
+        assert!(head.traceparent.is_some());
+        assert_eq!(ends(&events).len(), 1);
+        // Garbage after a valid start is still caught at the end of its line.
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (_, errors) = feed_all(&mut stream, &[b"GET", b" /\x00\x01", b"\r\n"]);
+        assert_eq!(errors, [ParseError::NotHttp]);
     }
 
     #[test]

@@ -18,7 +18,8 @@ use tracer_abi::{KernelOffsets, SocketKey, SocketState};
 
 use crate::btf::Btf;
 
-/// The eBPF object built by `build.rs` from `tracer-ebpf`.
+/// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
+/// `AYA_BUILD_SKIP=1`, such as the fuzz target's, which never loads it).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer-ebpf"));
 
 /// Where the agent mounts tracefs when the host has not; aya also looks under debugfs.
@@ -458,6 +459,12 @@ pub fn socket_offsets() -> Result<KernelOffsets, String> {
 
 /// Loads the object and every program (maps created, verifier passed), attaching nothing.
 fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
+    if EBPF_OBJECT.is_empty() {
+        bail!(
+            "this gym-tracer was built without its eBPF programs (AYA_BUILD_SKIP was set); \
+             rebuild it without AYA_BUILD_SKIP (`cargo xtask build`)"
+        );
+    }
     // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; later ones to the memory
     // cgroup, so failing to raise it (no CAP_SYS_RESOURCE) does not matter there.
     let unlimited = libc::rlimit {

@@ -1,47 +1,10 @@
-//! gym-tracer: attaches to NeMo Gym's HTTP server processes from the kernel and exports the
-//! spans and metrics their own telemetry would have produced.
-//!
-//! Data flow, one module per stage: `discovery` (which processes) → `loader` (kernel
-//! programs, PID filter) → ring buffer → `events` (decode) → `connections` (per-connection
-//! state, `http` reassembly) → `classify` (Gym meaning: routes, rollout ids, `gym.*` spans,
-//! from `gym` and the per-process state in `processes`, fed by `harvest`) → `spans` /
-//! `metrics` → `export` (with `retry`: the buffer and backoff for collector outages).
-//! `agent` assembles it. Around it: `config` (flags, environment and
-//! the config file), `logging` (the agent's own log), `health` (/healthz, /metrics),
-//! `telemetry` (the agent's own counters as `gym_tracer.*` OTel metrics),
-//! `doctor` (what this host supports) and `reference` (the generated docs).
-
-mod agent;
-mod btf;
-mod classify;
-mod cli;
-mod clock;
-mod config;
-mod connections;
-mod discovery;
-mod doctor;
-mod events;
-mod export;
-mod gym;
-mod harvest;
-mod health;
-mod http;
-mod identity;
-mod loader;
-mod logging;
-mod metrics;
-mod processes;
-mod reference;
-mod retry;
-mod spans;
-mod stats;
-mod stitch;
-mod telemetry;
-mod tree;
+//! The `gym-tracer` command: parses the command line and runs one of its commands; the
+//! agent itself is the `gym_tracer` library (`lib.rs`).
 
 use std::process::ExitCode;
 
-use cli::Command;
+use gym_tracer::cli::{self, Command};
+use gym_tracer::{agent, config, doctor, logging, reference};
 
 fn main() -> ExitCode {
     let loaded = match config::load() {
