@@ -25,7 +25,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Install what a fresh machine lacks: nightly + rust-src, bpf-linker, the test
-    /// venv, the real-Gym venv; mount tracefs when root. Idempotent.
+    /// venv, the real-Gym venv; as root also wrk and cc (the bench) and mount tracefs.
+    /// Idempotent.
     Setup {
         /// Do not create the real-Gym venv (target/gym-venv, about 900 MB); the real-Gym
         /// integration test is then skipped.
@@ -314,6 +315,14 @@ fn setup(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     }
     setup_toolchain(ctx)?;
     ensure_venv(ctx)?;
+    // The benchmark's load generator and the compiler of its syscall loop: `cargo xtask
+    // bench` and tests/test_bench.py (run by `cargo xtask test`) need them.
+    if is_root() {
+        ensure_system_tool(ctx, "wrk", "wrk")?;
+        ensure_system_tool(ctx, "cc", "gcc")?;
+    } else {
+        println!("xtask: not root: wrk and cc are not installed (the bench needs them)");
+    }
     if gym_venv {
         ensure_gym_venv(ctx)?;
     } else {
@@ -837,8 +846,6 @@ fn demo(ctx: &Ctx) -> Result<()> {
 fn bench(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
     require_root("the bench loads", "bench")?;
     setup(ctx, false)?;
-    ensure_system_tool(ctx, "wrk", "wrk")?;
-    ensure_system_tool(ctx, "cc", "gcc")?;
     let bin = build(ctx, true)?;
     println!("xtask: running the benchmark against {}", bin.display());
     let mut cmd = Command::new(ctx.venv_python());
