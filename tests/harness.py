@@ -175,6 +175,17 @@ class Agent:
         return {}
 
 
+def wait_for_health(port, timeout=30):
+    """Polls GET /health on 127.0.0.1:`port` until it answers; returns the answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return http_get(f"http://127.0.0.1:{port}/health", timeout=1)
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing answered GET /health on port {port} within {timeout} s")
+
+
 def http_get(url, timeout=10):
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.status, response.read()

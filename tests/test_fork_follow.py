@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import TESTS_DIR, Agent, free_port, http_get
+from harness import TESTS_DIR, Agent, free_port, http_get, wait_for_health
 
 WORKERS = 2
 REQUESTS = 40
@@ -25,15 +25,6 @@ def start_gated_uvicorn(port, gate):
     return subprocess.Popen([sys.executable, "-c", waiter], cwd=TESTS_DIR, env=dict(env, PYTHONPATH=str(TESTS_DIR)))
 
 
-def wait_listening(port, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return http_get(f"http://127.0.0.1:{port}/health", timeout=1)
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"uvicorn did not answer on port {port} within {timeout} s")
-
 
 def test_workers_forked_after_attach_are_traced_with_the_parent_identity(tmp_path):
     port, gate = free_port(), Path(tmp_path) / "go"
@@ -43,7 +34,7 @@ def test_workers_forked_after_attach_are_traced_with_the_parent_identity(tmp_pat
         agent = Agent([launcher.pid], extra_args=["--server-name", "forked_server", "--server-type", "resources"])
         agent.start()
         gate.touch()
-        wait_listening(port)  # one /health, served by some worker
+        wait_for_health(port)  # one /health, served by some worker
         for i in range(REQUESTS):
             status, _ = http_get(f"http://127.0.0.1:{port}/health")
             assert status == 200

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from harness import TESTS_DIR, Agent, free_port, http_get
+from harness import TESTS_DIR, Agent, free_port, http_get, wait_for_health
 
 SECRET = "hostile-secret-7f3a9c"
 
@@ -67,18 +67,9 @@ def start_server(env=None):
          "--no-access-log", "--log-level", "critical", "--backlog", "4096"],
         env=dict(os.environ, PYTHONPATH=str(TESTS_DIR), **(env or {})), cwd=TESTS_DIR,
     )
-    wait_listening(port)
+    wait_for_health(port)
     return process, port
 
-
-def wait_listening(port, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return http_get(f"http://127.0.0.1:{port}/health", timeout=1)
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing answers on port {port} within {timeout} s")
 
 
 class Server:
@@ -347,7 +338,7 @@ def test_a_reused_pid_is_not_traced_under_the_old_identity():
              "--no-access-log", "--log-level", "warning"],
             env=dict(os.environ, PYTHONPATH=str(TESTS_DIR)), cwd=TESTS_DIR,
         ), port)
-        wait_listening(port)
+        wait_for_health(port)
         assert reused.pid == victim_pid
         for _ in range(5):
             http_get(f"http://127.0.0.1:{port}/health")

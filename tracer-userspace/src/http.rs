@@ -371,17 +371,14 @@ impl MessageStream {
                     HeadParse::Partial if buffer.len() > MAX_HEAD_BYTES => {
                         // As for a head longer than the capture: its complete lines still
                         // name the request, and its response pairs with it.
-                        errors.push(ParseError::HeadTooLarge);
-                        if let Some(head) = parse_truncated_head(self.kind, buffer) {
-                            out.push(MessageEvent::Head {
-                                head,
-                                first_byte_ns,
-                            });
-                            out.push(MessageEvent::End {
-                                last_byte_ns: timestamp_ns,
-                                body_bytes: 0,
-                            });
-                        }
+                        report_truncated_head(
+                            self.kind,
+                            buffer,
+                            first_byte_ns,
+                            timestamp_ns,
+                            out,
+                            errors,
+                        );
                         self.state = State::Desynced;
                         bytes.len()
                     }
@@ -461,18 +458,7 @@ impl MessageStream {
                 else {
                     unreachable!()
                 };
-                errors.push(ParseError::HeadTooLarge);
-                if let Some(head) = parse_truncated_head(self.kind, &buffer) {
-                    out.push(MessageEvent::Head {
-                        head,
-                        first_byte_ns,
-                    });
-                    // The body framing is unknown; the message ends where the next one starts.
-                    out.push(MessageEvent::End {
-                        last_byte_ns: timestamp_ns,
-                        body_bytes: 0,
-                    });
-                }
+                report_truncated_head(self.kind, &buffer, first_byte_ns, timestamp_ns, out, errors);
             }
             State::Body { body, bytes } => {
                 *bytes += gap;
@@ -629,6 +615,30 @@ fn parse_head(kind: StreamKind, buffer: &[u8]) -> HeadParse {
 }
 
 /// Parses the complete lines of a head that was cut off by the capture budget.
+/// A head too long to keep (past the capture or past MAX_HEAD_BYTES) is counted, and its
+/// complete lines are still reported: the request line and the first headers are worth a
+/// span. The body framing is unknown, so the message ends where the next one starts.
+fn report_truncated_head(
+    kind: StreamKind,
+    buffer: &[u8],
+    first_byte_ns: u64,
+    timestamp_ns: u64,
+    out: &mut Vec<MessageEvent>,
+    errors: &mut Vec<ParseError>,
+) {
+    errors.push(ParseError::HeadTooLarge);
+    if let Some(head) = parse_truncated_head(kind, buffer) {
+        out.push(MessageEvent::Head {
+            head,
+            first_byte_ns,
+        });
+        out.push(MessageEvent::End {
+            last_byte_ns: timestamp_ns,
+            body_bytes: 0,
+        });
+    }
+}
+
 fn parse_truncated_head(kind: StreamKind, buffer: &[u8]) -> Option<Head> {
     let end = buffer.windows(2).rposition(|w| w == b"\r\n")?;
     let mut complete = buffer[..end + 2].to_vec();
