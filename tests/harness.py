@@ -1,6 +1,7 @@
 """Processes the integration tests and the demo drive: Gym-shaped uvicorn servers and the
 real gym-tracer agent."""
 
+import http.client
 import json
 import os
 import signal
@@ -173,6 +174,19 @@ class Agent:
                 # Numbers, and a few lists such as events_lost_by_cpu=0:0,1:0 (kept as text).
                 return {k: int(v) if v.isdigit() else v for k, v in pairs}
         return {}
+
+
+def post_verify(port, count, pause_s=0.0):
+    """Sends `count` POST /verify requests over one keep-alive connection; each must be a 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for i in range(count):
+        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}),
+                           headers={"content-type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200
+        time.sleep(pause_s)
+    connection.close()
 
 
 def wait_for_health(port, timeout=30):

@@ -6,15 +6,13 @@ fit once the collector is back, and stops within --shutdown-timeout when it neve
 
 Also the agent's self-telemetry: its own counters arrive as `gym_tracer.*` metrics."""
 
-import http.client
-import json
 import re
 import time
 import urllib.request
 
 import pytest
 
-from harness import Agent
+from harness import Agent, post_verify
 from otlp_receiver import OtlpReceiver
 
 PROTOCOLS = ["grpc", "http/protobuf"]
@@ -64,15 +62,7 @@ def start_agent(agents, server, receiver, protocol, *args, metric_interval=3600,
 
 
 def send_verify(server, count, pause_s=0.0):
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    for i in range(count):
-        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}),
-                           headers={"content-type": "application/json"})
-        response = connection.getresponse()
-        response.read()
-        assert response.status == 200
-        time.sleep(pause_s)
-    connection.close()
+    post_verify(server.port, count, pause_s)
 
 
 def wait_until(condition, timeout, what):

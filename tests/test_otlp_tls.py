@@ -3,14 +3,12 @@ the real OTLP receiver over TLS (a CA, server and client certificates made with 
 CLI), with mutual TLS, an authorization header and gzip, and to a collector it cannot trust."""
 
 import collections
-import http.client
-import json
 import subprocess
 import time
 
 import pytest
 
-from harness import Agent
+from harness import Agent, post_verify
 from otlp_receiver import OtlpReceiver, Tls
 
 PROTOCOLS = ["grpc", "http/protobuf"]
@@ -78,14 +76,7 @@ def trace_with_otlp(server, receiver, protocol, *otlp_args):
         extra_args=["--otlp-endpoint", endpoint_of(receiver, protocol), "--otlp-protocol", protocol, *otlp_args],
     ).start()
     agent.wait_for_routes(server.pid)
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    for i in range(REQUESTS):
-        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}),
-                           headers={"content-type": "application/json"})
-        response = connection.getresponse()
-        response.read()
-        assert response.status == 200
-    connection.close()
+    post_verify(server.port, REQUESTS)
     return agent
 
 

@@ -30,9 +30,9 @@ use crate::identity::{AgentResource, GymLabels};
 use crate::loader::{LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
 use crate::processes::ProcessTable;
-use crate::spans::{RequestView, SpanId, SpanKind, SpanRecord, request_spans};
+use crate::spans::{RequestView, SpanId, SpanRecord, request_spans};
 use crate::stats::Stats;
-use crate::stitch::{SpanRole, StartFacts, StitchConfig, Stitcher};
+use crate::stitch::{StartFacts, StitchConfig, Stitcher};
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
@@ -212,15 +212,12 @@ impl Pipeline {
             peer_service,
         };
         request_spans(&view, self.groups, self.clock, &mut self.span_batch);
-        for span in self.span_batch.drain(..) {
-            let role = if span.kind == SpanKind::Internal {
-                SpanRole::Semantic
-            } else {
-                SpanRole::Own
-            };
-            self.stitcher
-                .hold(exchange.span_id, role, span, now, &mut self.released);
-        }
+        self.stitcher.hold_all(
+            exchange.span_id,
+            &mut self.span_batch,
+            now,
+            &mut self.released,
+        );
         self.stitcher.finish(exchange.span_id, now);
         self.offer_released();
     }

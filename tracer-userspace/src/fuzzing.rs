@@ -47,9 +47,9 @@ use crate::gym::routes::strip_rollout_prefix;
 use crate::gym::span_groups::SpanGroups;
 use crate::identity::{AgentResource, GymLabels};
 use crate::processes::ProcessTable;
-use crate::spans::{RequestView, SpanId, SpanKind, SpanRecord, request_spans};
+use crate::spans::{RequestView, SpanId, SpanRecord, request_spans};
 use crate::stats::Stats;
-use crate::stitch::{SpanRole, StartFacts, StitchConfig, Stitcher};
+use crate::stitch::{StartFacts, StitchConfig, Stitcher};
 
 /// Sockets a script can name: three processes with three fds each.
 pub const SLOTS: usize = 9;
@@ -636,19 +636,18 @@ impl Replay {
             peer_service: None,
         };
         request_spans(&view, self.groups, self.clock, &mut self.span_batch);
-        for span in self.span_batch.drain(..) {
+        for span in &self.span_batch {
             assert!(
                 span.start_unix_ns <= span.end_unix_ns,
                 "a span that ends before it starts: {span:?}"
             );
-            let role = if span.kind == SpanKind::Internal {
-                SpanRole::Semantic
-            } else {
-                SpanRole::Own
-            };
-            self.stitcher
-                .hold(exchange.span_id, role, span, now, &mut self.released);
         }
+        self.stitcher.hold_all(
+            exchange.span_id,
+            &mut self.span_batch,
+            now,
+            &mut self.released,
+        );
         self.stitcher.finish(exchange.span_id, now);
         self.offer_released();
     }

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use crate::connections::RequestStart;
 use crate::events::Role;
 use crate::gym::rollout_id::RolloutId;
-use crate::spans::{AttributeValue, SpanId, SpanRecord, TraceId, parse_traceparent};
+use crate::spans::{AttributeValue, SpanId, SpanKind, SpanRecord, TraceId, parse_traceparent};
 
 /// How long the graph keeps a finished request: a call that outlives its caller (fire and
 /// forget) still finds its parent within this. The graph's memory is the request rate times
@@ -400,6 +400,25 @@ impl Stitcher {
             }
         }
         self.finished.push_back((now, request));
+    }
+
+    /// Holds the spans one finished request produced (draining `spans`), each in the role
+    /// its kind says: INTERNAL is the `gym.*` span, anything else the request's own.
+    pub fn hold_all(
+        &mut self,
+        request: SpanId,
+        spans: &mut Vec<SpanRecord>,
+        now: Instant,
+        out: &mut Vec<SpanRecord>,
+    ) {
+        for span in spans.drain(..) {
+            let role = if span.kind == SpanKind::Internal {
+                SpanRole::Semantic
+            } else {
+                SpanRole::Own
+            };
+            self.hold(request, role, span, now, out);
+        }
     }
 
     /// Holds a finished span until its delay has passed.
