@@ -82,7 +82,9 @@ class Agent:
         self.ready_file = Path(self.workdir) / "ready"
         self.stdout_path = Path(self.workdir) / "stdout.jsonl"
         self.stderr_path = Path(self.workdir) / "stderr.log"
+        self.summary_path = Path(self.workdir) / "summary.json"
         args = [str(agent_binary()), "run", "--ready-file", str(self.ready_file),
+                "--summary-file", str(self.summary_path),
                 "--metric-interval", str(metric_interval)]
         for pid in pids:
             args += ["--pid", str(pid)]
@@ -166,14 +168,12 @@ class Agent:
         return [line for line in self.lines() if line.get("metric") == name]
 
     def summary(self):
-        """The counters from the agent's last log message, as a dict."""
-        for line in reversed(self.log_messages()):
-            if line.startswith("stopped."):
-                fields = line.split("stopped.", 1)[1].replace("(", " ").replace(")", " ").split()
-                pairs = (f.split("=", 1) for f in fields if "=" in f)
-                # Numbers, and a few lists such as events_lost_by_cpu=0:0,1:0 (kept as text).
-                return {k: int(v) if v.isdigit() else v for k, v in pairs}
-        return {}
+        """Every counter the agent wrote to its --summary-file at exit, by name (plus
+        `events_lost_by_cpu`, a list). Fails if the agent has not exited or wrote none."""
+        if not self.summary_path.exists():
+            raise AssertionError(f"gym-tracer wrote no summary file (has it stopped?):\n{self.stderr()}")
+        summary = json.loads(self.summary_path.read_text())
+        return dict(summary["counters"], events_lost_by_cpu=summary["events_lost_by_cpu"])
 
 
 def post_verify(port, count, pause_s=0.0):

@@ -301,6 +301,19 @@ impl Pipeline {
     }
 }
 
+/// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.
+fn write_summary(path: &std::path::Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> Result<()> {
+    let counters: serde_json::Map<String, serde_json::Value> = counters
+        .iter()
+        .map(|(name, value)| ((*name).to_string(), (*value).into()))
+        .collect();
+    let summary = serde_json::json!({ "counters": counters, "events_lost_by_cpu": lost_by_cpu });
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, format!("{summary}\n"))
+        .and_then(|()| std::fs::rename(&partial, path))
+        .with_context(|| format!("writing the summary file {}", path.display()))
+}
+
 /// The agent's resident set size (VmRSS), 0 if /proc cannot say.
 fn resident_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -743,6 +756,19 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     }
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
+    }
+    if let Some(path) = &args.summary_file {
+        let mut counters: Vec<(&str, u64)> = stats.counters().to_vec();
+        counters.extend(health.export.counters());
+        counters.extend([
+            ("metric_exports_failed", health.export.metric_exports_failed()),
+            ("requests_in_flight_at_exit", in_flight as u64),
+            ("connections_open_at_exit", open_connections as u64),
+        ]);
+        if let Some(tree) = &totals.tree {
+            counters.extend(tree.counters());
+        }
+        write_summary(path, &counters, &stats.events_lost_by_cpu)?;
     }
     let tree_summary = totals.tree.map(|t| format!(" {t}")).unwrap_or_default();
     let export_counters: String = health

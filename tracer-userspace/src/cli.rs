@@ -214,6 +214,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH", env = "GYM_TRACER_READY_FILE")]
     pub ready_file: Option<PathBuf>,
 
+    /// At exit, write every counter (events, parse errors, drops by reason, exports) as one
+    /// JSON object to this file: `{"counters": {name: value, ...}, "events_lost_by_cpu": [...]}`.
+    /// The same names as the `stopped.` log line and `/metrics`; for scripts and tests.
+    #[arg(long, value_name = "PATH", env = "GYM_TRACER_SUMMARY_FILE")]
+    pub summary_file: Option<PathBuf>,
+
     /// Bytes captured from the start of each HTTP message (head and first body bytes).
     /// Larger bodies are followed by length only. At most 8192.
     #[arg(long, value_name = "N", env = "GYM_TRACER_CAPTURE_BYTES",

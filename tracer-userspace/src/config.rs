@@ -451,6 +451,7 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ),
         ("no_route_harvest", Some(args.no_route_harvest.to_string())),
         ("ready_file", path(&args.ready_file)),
+        ("summary_file", path(&args.summary_file)),
         ("capture_bytes", Some(args.capture_bytes.to_string())),
         (
             "ring_buffer_bytes",

@@ -49,18 +49,29 @@ pub struct TreeCounters {
     pub spans_unwritten: u64,
 }
 
+impl TreeCounters {
+    /// By name, as the closing line and the summary file print them.
+    pub fn counters(&self) -> [(&'static str, u64); 5] {
+        [
+            ("trees_printed", self.trees_printed),
+            ("trees_incomplete", self.trees_incomplete),
+            (
+                "trees_evicted_at_trace_limit",
+                self.trees_evicted_at_trace_limit,
+            ),
+            ("trees_split_at_span_limit", self.trees_split_at_span_limit),
+            ("tree_spans_unwritten", self.spans_unwritten),
+        ]
+    }
+}
+
 impl fmt::Display for TreeCounters {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "trees_printed={} trees_incomplete={} trees_evicted_at_trace_limit={} \
-             trees_split_at_span_limit={} tree_spans_unwritten={}",
-            self.trees_printed,
-            self.trees_incomplete,
-            self.trees_evicted_at_trace_limit,
-            self.trees_split_at_span_limit,
-            self.spans_unwritten,
-        )
+        for (index, (name, value)) in self.counters().iter().enumerate() {
+            let separator = if index == 0 { "" } else { " " };
+            write!(f, "{separator}{name}={value}")?;
+        }
+        Ok(())
     }
 }
 
