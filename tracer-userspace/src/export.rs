@@ -27,12 +27,15 @@ use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, watch};
 
-use crate::cli::OtlpCompression;
 use crate::config::HeaderList;
-use crate::health::{ExportStatus, SpanDrop};
-use crate::identity::ServiceIdentity;
+use crate::config::cli::OtlpCompression;
+use crate::model::service::ServiceIdentity;
+use crate::model::span::AttributeValue;
+use crate::model::span::SpanKind;
+use crate::model::span::SpanRecord;
+use crate::model::span::SpanStatus;
+use crate::ops::health::{ExportStatus, SpanDrop};
 use crate::retry::{Backoff, FailureKind, PendingBatch, RetryBuffer, classify};
-use crate::spans::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 use crate::tree::{TreeCounters, TreeOptions, TreePrinter};
 
 /// OTLP transport, as `OTEL_EXPORTER_OTLP_PROTOCOL` names it.
@@ -1398,7 +1401,8 @@ pub fn meter_provider(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spans::{SpanId, TraceId};
+    use crate::model::ids::SpanId;
+    use crate::model::ids::TraceId;
 
     #[test]
     fn span_json_has_the_documented_fields() {

@@ -15,30 +15,16 @@
 //! that the fuzz target (`fuzz/`) and its corpus replay ([`fuzzing`]) drive the same code.
 
 pub mod agent;
-mod btf;
-mod classify;
-pub mod cli;
-mod clock;
 pub mod config;
-mod connections;
-mod discovery;
-pub mod doctor;
-mod events;
 mod export;
-pub mod fuzzing;
 mod gym;
-mod harvest;
-mod health;
-mod http;
-mod identity;
-mod loader;
-pub mod logging;
-mod metrics;
+mod kernel;
+mod model;
+pub mod ops;
+pub mod pipeline;
 mod processes;
-pub mod reference;
+mod reassembly;
 mod retry;
-mod spans;
-mod stats;
+mod signals;
 mod stitch;
-mod telemetry;
 mod tree;

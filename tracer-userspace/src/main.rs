@@ -3,8 +3,9 @@
 
 use std::process::ExitCode;
 
-use gym_tracer::cli::{self, Command};
-use gym_tracer::{agent, config, doctor, logging, reference};
+use gym_tracer::config::cli::{self, Command};
+use gym_tracer::ops::{doctor, logging, reference};
+use gym_tracer::{agent, config};
 
 fn main() -> ExitCode {
     let loaded = match config::load() {

@@ -12,7 +12,17 @@ use std::fmt::{self, Write as _};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::spans::{AttributeValue, SpanId, SpanKind, SpanRecord, SpanStatus, TraceId};
+use crate::model::span::AttributeValue;
+
+use crate::model::ids::SpanId;
+
+use crate::model::span::SpanKind;
+
+use crate::model::span::SpanRecord;
+
+use crate::model::span::SpanStatus;
+
+use crate::model::ids::TraceId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeOptions {
@@ -450,7 +460,8 @@ mod tests {
     use opentelemetry_sdk::Resource;
 
     use super::*;
-    use crate::identity::{GymLabels, ServiceIdentity};
+    use crate::model::service::GymLabels;
+    use crate::model::service::ServiceIdentity;
 
     const TRACE: TraceId = TraceId([
         0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6, 0xa3, 0xce, 0x92, 0x9d, 0x0e, 0x0e, 0x47,

@@ -8,6 +8,8 @@
 
 use thiserror::Error;
 
+use crate::model::exchange::{RequestHead, ResponseHead};
+
 /// Longest message head the parser buffers per direction of a connection; a longer one is
 /// reported as oversized (its captured lines still name the request). uvicorn's h11 refuses
 /// heads past 16 KiB too, so nothing a Gym server answers is cut; it bounds what a peer that
@@ -20,39 +22,6 @@ const MAX_HEADERS: usize = 64;
 pub enum StreamKind {
     Requests,
     Responses,
-}
-
-/// The parts of a request head the tracer uses. Bodies are never kept.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RequestHead {
-    pub method: String,
-    /// Path without the query string: queries can carry secrets and are never exported.
-    pub path: String,
-    pub version_minor: u8,
-    pub host: Option<String>,
-    pub user_agent: Option<String>,
-    pub traceparent: Option<String>,
-    pub expects_continue: bool,
-    /// The head did not fit in the capture: some headers may be missing.
-    pub truncated: bool,
-}
-
-impl RequestHead {
-    /// Bytes it holds on the heap, for the per-connection bound on requests in flight.
-    pub fn heap_bytes(&self) -> usize {
-        let optional = |value: &Option<String>| value.as_ref().map_or(0, String::len);
-        self.method.len()
-            + self.path.len()
-            + optional(&self.host)
-            + optional(&self.user_agent)
-            + optional(&self.traceparent)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResponseHead {
-    pub status: u16,
-    pub version_minor: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

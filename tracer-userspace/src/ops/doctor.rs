@@ -13,12 +13,12 @@ use std::path::Path;
 use anyhow::Result;
 use aya::{maps::MapType, programs::ProgramType};
 
-use crate::cli::DoctorArgs;
-use crate::discovery::{executable_path, gym_server_from_env, read_process_env};
-use crate::loader::{
+use crate::config::cli::DoctorArgs;
+use crate::kernel::loader::{
     self, Attachment, BTF_PATH, Capability, CapabilitySet, LoadOptions, REQUIRED_CAPABILITIES,
     TRACEFS, Tracefs,
 };
+use crate::processes::discovery::{executable_path, gym_server_from_env, read_process_env};
 
 /// The first kernel with the BPF ring buffer (and `CAP_BPF`/`CAP_PERFMON`).
 const MIN_KERNEL: (u32, u32) = (5, 8);
@@ -404,7 +404,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
     let trial = loader::trial_load(&LoadOptions {
         capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
         // What `run` allocates by default (the memory cgroup is charged for it).
-        ring_buffer_bytes: crate::cli::DEFAULT_RING_BUFFER_BYTES,
+        ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
     });
     let tracing: Result<(), String> = match &trial {
         Ok((_, Ok(attached))) => {

@@ -1,12 +1,14 @@
 //! What one inbound request means to Gym: its route template, its rollout id and the
 //! `gym.*` span it stands for. Spans and metrics are both built from this, so they agree.
 
-use crate::connections::{HttpExchange, Outcome};
-use crate::events::Role;
+use crate::model::exchange::HttpExchange;
+
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::routes::{RouteName, strip_rollout_prefix};
 use crate::gym::semantics::{SemanticSpan, semantic_span};
-use crate::http::RequestHead;
+use crate::model::exchange::Outcome;
+use crate::model::exchange::RequestHead;
+use crate::model::exchange::Role;
 use crate::processes::TracedProcess;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,13 +73,13 @@ pub fn semantic_at_start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::connections::AbortReason;
     use crate::gym::ServerType;
     use crate::gym::span_groups::SpanGroup;
-    use crate::http::ResponseHead;
-    use crate::identity::GymLabels;
+    use crate::model::exchange::AbortReason;
+    use crate::model::exchange::ResponseHead;
+    use crate::model::ids::SpanId;
+    use crate::model::service::GymLabels;
     use crate::processes::ProcessTable;
-    use crate::spans::SpanId;
 
     const PID: u32 = 4242;
 
@@ -116,7 +118,8 @@ mod tests {
         server_type: Option<ServerType>,
         key: Option<&str>,
     ) -> ProcessTable {
-        let mut table = ProcessTable::new(Vec::new(), crate::identity::AgentResource::default());
+        let mut table =
+            ProcessTable::new(Vec::new(), crate::model::service::AgentResource::default());
         table.attach(
             PID,
             GymLabels {

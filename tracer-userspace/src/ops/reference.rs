@@ -8,19 +8,27 @@ use std::fmt::Write as _;
 
 use anyhow::Context as _;
 
-use crate::classify::classify;
-use crate::cli::ReferenceArgs;
-use crate::clock::WallClock;
-use crate::connections::{HttpExchange, Outcome};
-use crate::events::Role;
+use crate::config::cli::ReferenceArgs;
 use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::span_groups::SpanGroups;
-use crate::http::{RequestHead, ResponseHead};
-use crate::identity::{AgentResource, GymLabels};
-use crate::metrics::INSTRUMENTS;
+use crate::model::attributes as attr;
+use crate::model::exchange::HttpExchange;
+use crate::model::exchange::Outcome;
+use crate::model::exchange::RequestHead;
+use crate::model::exchange::ResponseHead;
+use crate::model::exchange::Role;
+use crate::model::ids::SpanId;
+use crate::model::service::AgentResource;
+use crate::model::service::GymLabels;
+use crate::model::span::AttributeValue;
+use crate::model::span::SpanKind;
+use crate::model::span::SpanRecord;
 use crate::processes::ProcessTable;
-use crate::spans::{AttributeValue, RequestView, SpanId, SpanKind, SpanRecord, request_spans};
+use crate::signals::clock::WallClock;
+use crate::signals::meaning::classify;
+use crate::signals::metrics::INSTRUMENTS;
+use crate::signals::spans::{RequestView, request_spans};
 
 /// Markers around the generated part of README.md.
 pub const BEGIN_MARKER: &str =
@@ -65,7 +73,7 @@ pub fn markdown() -> String {
          `process.pid`), every `--metric-interval`:\n\n",
     );
     out.push_str("| metric | instrument | unit | description |\n|---|---|---|---|\n");
-    for instrument in crate::telemetry::instruments() {
+    for instrument in crate::ops::telemetry::instruments() {
         let _ = writeln!(
             out,
             "| `{}` | {} | {} | {} |",
@@ -235,9 +243,9 @@ fn attribute_list(span: &SpanRecord) -> String {
         .iter()
         .map(|(key, value)| match (key, value) {
             (key, AttributeValue::Str(text))
-                if key.starts_with("nemo.gym.")
+                if key.starts_with(attr::GYM_PREFIX)
                     || key.starts_with("http.")
-                    || *key == "error.type" =>
+                    || *key == attr::ERROR_TYPE =>
             {
                 format!("`{key}`=`{text}`")
             }

@@ -16,16 +16,23 @@
 //! applies. A trace with a rollout id gets a trace id derived from it ([`rollout_trace_id`]),
 //! so agents on different hosts agree without talking.
 
+use crate::model::counters::counters;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-use crate::connections::RequestStart;
-use crate::events::Role;
 use crate::gym::rollout_id::RolloutId;
-use crate::spans::{AttributeValue, SpanId, SpanKind, SpanRecord, TraceId, parse_traceparent};
+use crate::model::attributes as attr;
+use crate::model::exchange::RequestStart;
+use crate::model::exchange::Role;
+use crate::model::ids::SpanId;
+use crate::model::ids::TraceId;
+use crate::model::ids::parse_traceparent;
+use crate::model::span::AttributeValue;
+use crate::model::span::SpanKind;
+use crate::model::span::SpanRecord;
 
 /// How long the graph keeps a finished request: a call that outlives its caller (fire and
 /// forget) still finds its parent within this. The graph's memory is the request rate times
@@ -64,27 +71,28 @@ pub enum SpanRole {
     Semantic,
 }
 
-/// What the stitcher counts; added to the agent's summary.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StitchStats {
-    /// Outbound calls with more than one candidate parent and nothing to tell them apart.
-    pub parents_ambiguous: u64,
-    /// Outbound calls made while no inbound request of the process was in flight.
-    pub parents_none: u64,
-    /// Outbound calls whose rollout id contradicts the only in-flight inbound request.
-    pub parents_contradicted: u64,
-    /// Server spans linked to the client span of a caller on this host.
-    pub cross_process_links: u64,
-    /// Server spans released before their caller's client span was seen: the edge came
-    /// later than `--stitch-delay-ms` and is lost.
-    pub spans_flushed_unmatched: u64,
-    /// Spans released before their delay because too many were held.
-    pub spans_released_early: u64,
-    /// Requests dropped from the graph because it was full.
-    pub nodes_evicted: u64,
-    /// One-sided connection keys (a call or a request waiting for its other end) forgotten
-    /// before their linger because `max_nodes` of them were waiting.
-    pub keys_evicted: u64,
+counters! {
+    /// What the stitcher counts: every edge it could not decide, by reason.
+    pub struct StitchCounters {
+        /// Server spans linked to the client span of a caller on this host.
+        cross_process_links,
+        /// Outbound calls with more than one candidate parent and nothing to tell them apart.
+        parents_ambiguous,
+        /// Outbound calls whose rollout id contradicts the only in-flight inbound request.
+        parents_contradicted,
+        /// Outbound calls made while no inbound request of the process was in flight.
+        parents_none,
+        /// Server spans released before their caller's client span was seen: the edge came
+        /// later than `--stitch-delay-ms` and is lost.
+        spans_flushed_unmatched,
+        /// Spans released before their delay because too many were held.
+        spans_released_early,
+        /// Requests dropped from the graph because it was full.
+        stitch_nodes_evicted,
+        /// One-sided connection keys (a call or a request waiting for its other end) forgotten
+        /// before their linger because `max_nodes` of them were waiting.
+        stitch_keys_evicted,
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +171,7 @@ pub struct Stitcher {
     key_expiry: VecDeque<(Instant, ConnectionKey)>,
     finished: VecDeque<(Instant, SpanId)>,
     held: VecDeque<Held>,
-    pub stats: StitchStats,
+    pub counters: StitchCounters,
 }
 
 /// What the caller knows about a starting request besides the table's [`RequestStart`].
@@ -187,7 +195,7 @@ impl Stitcher {
             key_expiry: VecDeque::new(),
             finished: VecDeque::new(),
             held: VecDeque::new(),
-            stats: StitchStats::default(),
+            counters: StitchCounters::default(),
         }
     }
 
@@ -237,7 +245,7 @@ impl Stitcher {
                 node.parent = match (remote, client) {
                     (Some((trace, span)), _) => Parent::Remote(trace, span),
                     (None, Some(client)) => {
-                        self.stats.cross_process_links += 1;
+                        self.counters.cross_process_links += 1;
                         Parent::Local(client)
                     }
                     (None, None) => {
@@ -297,7 +305,7 @@ impl Stitcher {
                 many => {
                     let nested = self.innermost_of_chain(many);
                     if nested.is_none() {
-                        self.stats.parents_ambiguous += 1;
+                        self.counters.parents_ambiguous += 1;
                     }
                     return nested;
                 }
@@ -305,7 +313,7 @@ impl Stitcher {
         }
         match candidates {
             [] => {
-                self.stats.parents_none += 1;
+                self.counters.parents_none += 1;
                 None
             }
             [only] => {
@@ -313,7 +321,7 @@ impl Stitcher {
                 match (rollout, self.effective_rollout(only)) {
                     (Some(_), Some(_)) => {
                         // The only candidate belongs to another rollout.
-                        self.stats.parents_contradicted += 1;
+                        self.counters.parents_contradicted += 1;
                         None
                     }
                     (Some(rollout), None) => {
@@ -329,7 +337,7 @@ impl Stitcher {
                 let many = many.to_vec();
                 let nested = self.innermost_of_chain(&many);
                 if nested.is_none() {
-                    self.stats.parents_ambiguous += 1;
+                    self.counters.parents_ambiguous += 1;
                 }
                 nested
             }
@@ -379,10 +387,10 @@ impl Stitcher {
         };
         if node.trace.is_some() {
             // Its spans are out already, under a trace of their own.
-            self.stats.spans_flushed_unmatched += 1;
+            self.counters.spans_flushed_unmatched += 1;
         } else if node.parent == Parent::None {
             node.parent = Parent::Local(client);
-            self.stats.cross_process_links += 1;
+            self.counters.cross_process_links += 1;
         }
     }
 
@@ -433,7 +441,7 @@ impl Stitcher {
         if self.held.len() >= self.config.max_pending
             && let Some(oldest) = self.held.pop_front()
         {
-            self.stats.spans_released_early += 1;
+            self.counters.spans_released_early += 1;
             out.push(self.resolve(oldest));
         }
         self.held.push_back(Held {
@@ -494,14 +502,14 @@ impl Stitcher {
             };
             let forgotten = self.waiting_clients.remove(&key).is_some()
                 | self.waiting_servers.remove(&key).is_some();
-            self.stats.keys_evicted += u64::from(forgotten);
+            self.counters.stitch_keys_evicted += u64::from(forgotten);
         }
     }
 
     fn evict_one(&mut self) {
         if let Some((_, id)) = self.finished.pop_front() {
             self.nodes.remove(&id);
-            self.stats.nodes_evicted += 1;
+            self.counters.stitch_nodes_evicted += 1;
         }
     }
 
@@ -532,11 +540,11 @@ impl Stitcher {
         if !span
             .attributes
             .iter()
-            .any(|(k, _)| *k == "nemo.gym.rollout.id")
+            .any(|(k, _)| *k == attr::GYM_ROLLOUT_ID)
             && let Some(rollout) = self.effective_rollout(id).cloned()
         {
             span.attributes.push((
-                "nemo.gym.rollout.id",
+                attr::GYM_ROLLOUT_ID,
                 AttributeValue::Str(rollout.as_str().to_string()),
             ));
         }
@@ -631,8 +639,9 @@ impl Stitcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::identity::ServiceIdentity;
-    use crate::spans::{SpanKind, SpanStatus};
+    use crate::model::service::ServiceIdentity;
+    use crate::model::span::SpanKind;
+    use crate::model::span::SpanStatus;
     use std::sync::Arc;
 
     const AGENT: u32 = 1;
@@ -697,7 +706,7 @@ mod tests {
 
     /// One rollout: agent /run (8000) → model (9000) over one connection (client port 40000).
     /// `server_first`: the model's read is seen before the agent's write.
-    fn rollout(server_first: bool) -> (Vec<SpanRecord>, StitchStats) {
+    fn rollout(server_first: bool) -> (Vec<SpanRecord>, StitchCounters) {
         let mut stitcher = Stitcher::new(config());
         let now = Instant::now();
         let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
@@ -771,7 +780,7 @@ mod tests {
         stitcher.release(now, &mut out);
         assert!(out.is_empty(), "held for the delay");
         stitcher.release(now + Duration::from_millis(100), &mut out);
-        (out, stitcher.stats)
+        (out, stitcher.counters)
     }
 
     fn by_name<'a>(spans: &'a [SpanRecord], name: &str) -> &'a SpanRecord {
@@ -818,8 +827,8 @@ mod tests {
         stitcher.release(now + Duration::from_secs(1), &mut out);
         let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
         stitcher.start(&call, facts(None, false), now + Duration::from_secs(1));
-        assert_eq!(stitcher.stats.spans_flushed_unmatched, 1);
-        assert_eq!(stitcher.stats.cross_process_links, 0);
+        assert_eq!(stitcher.counters.spans_flushed_unmatched, 1);
+        assert_eq!(stitcher.counters.cross_process_links, 0);
     }
 
     #[test]
@@ -837,13 +846,13 @@ mod tests {
         let anonymous = start(AGENT, Role::Client, 40001, 9000, 0, "/verify");
         stitcher.start(&anonymous, facts(None, false), now);
         assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
-        assert_eq!(stitcher.stats.parents_ambiguous, 1);
+        assert_eq!(stitcher.counters.parents_ambiguous, 1);
         // One in flight but of another rollout: contradicting evidence, no edge.
         stitcher.finish(a.span_id, now);
         let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
         stitcher.start(&for_c, facts(Some("c"), false), now);
         assert_eq!(stitcher.parent_span_of(for_c.span_id), None);
-        assert_eq!(stitcher.stats.parents_contradicted, 1);
+        assert_eq!(stitcher.counters.parents_contradicted, 1);
     }
 
     #[test]
@@ -895,7 +904,7 @@ mod tests {
         let anonymous = start(AGENT, Role::Client, 40003, 7000, 0, "/get_weather");
         stitcher.start(&anonymous, facts(None, false), now);
         assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
-        assert_eq!(stitcher.stats.parents_ambiguous, 1);
+        assert_eq!(stitcher.counters.parents_ambiguous, 1);
     }
 
     #[test]
@@ -931,7 +940,7 @@ mod tests {
         let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
         stitcher.start(&call, facts(None, false), now);
         assert_eq!(stitcher.trace_of(served.span_id).0[0], 0x0a);
-        assert_eq!(stitcher.stats.cross_process_links, 0);
+        assert_eq!(stitcher.counters.cross_process_links, 0);
         // The client's entry waits for a server that never comes, then goes.
         assert_eq!(stitcher.waiting_clients.len(), 1);
         stitcher.release(now + UNMATCHED_LINGER, &mut Vec::new());
@@ -959,7 +968,7 @@ mod tests {
         }
         assert_eq!(out.len(), 1);
         assert_eq!(stitcher.held(), 2);
-        assert_eq!(stitcher.stats.spans_released_early, 1);
+        assert_eq!(stitcher.counters.spans_released_early, 1);
     }
 
     #[test]
@@ -993,6 +1002,6 @@ mod tests {
         }
         assert!(stitcher.waiting_clients.len() <= 50);
         assert!(stitcher.key_expiry.len() <= 50);
-        assert_eq!(stitcher.stats.keys_evicted, 150);
+        assert_eq!(stitcher.counters.stitch_keys_evicted, 150);
     }
 }

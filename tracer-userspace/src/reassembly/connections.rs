@@ -6,14 +6,60 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 
-use crate::events::{ConnOpen, DataTransfer, Direction, KernelEvent, Role};
+use crate::kernel::events::{ConnOpen, DataTransfer, Direction, KernelEvent};
+
 use crate::gym::rollout_id::{RolloutId, rollout_id_from_run_body};
-use crate::http::{
-    Head, MessageEvent, MessageStream, ParseError, RequestContext, RequestHead, ResponseHead,
-    StreamKind, Transfer, WantsBody,
+use crate::model::counters::counters;
+use crate::model::exchange::RequestHead;
+use crate::model::exchange::ResponseHead;
+use crate::model::exchange::Role;
+use crate::model::exchange::{AbortReason, HttpExchange, Outcome, RequestStart, SocketId};
+use crate::model::ids::SpanId;
+use crate::reassembly::http::{
+    Head, MessageEvent, MessageStream, ParseError, RequestContext, StreamKind, Transfer, WantsBody,
 };
-use crate::spans::SpanId;
-use crate::stats::Stats;
+
+counters! {
+    /// What reassembly could not follow, by reason: every request it drops is counted here.
+    pub struct ReassemblyCounters {
+        parse_not_http,
+        parse_head_too_large,
+        parse_uncaptured_start,
+        parse_lost_chunk_framing,
+        data_without_connection,
+        responses_without_request,
+        requests_dropped_overflow,
+        /// Connections not tracked because the table had nothing to evict (`--max-connections 0`).
+        connections_dropped,
+        /// Connections evicted, least recently active first, to make room in a full table.
+        connections_evicted,
+        /// Of those, evicted because all connections together buffered too many bytes
+        /// (partial heads): `MAX_BUFFERED_BYTES`.
+        connections_evicted_for_memory,
+        /// Requests in flight on evicted connections, exported as aborted (`tracer_evicted`).
+        requests_evicted,
+        connections_not_http,
+    }
+}
+
+impl ReassemblyCounters {
+    pub fn count_parse_error(&mut self, error: ParseError) {
+        match error {
+            ParseError::NotHttp => self.parse_not_http += 1,
+            ParseError::HeadTooLarge => self.parse_head_too_large += 1,
+            ParseError::UncapturedStart => self.parse_uncaptured_start += 1,
+            ParseError::LostChunkFraming => self.parse_lost_chunk_framing += 1,
+        }
+    }
+
+    /// Heads that could not be parsed, whatever the reason.
+    pub fn parse_errors(&self) -> u64 {
+        self.parse_not_http
+            + self.parse_head_too_large
+            + self.parse_uncaptured_start
+            + self.parse_lost_chunk_framing
+    }
+}
 
 /// Requests a single connection may have in flight (pipelining depth) before the oldest is
 /// given up as lost.
@@ -21,7 +67,7 @@ pub(crate) const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
 
 /// Bytes of request heads (method, path, the headers kept) one connection may hold for its
 /// requests in flight; past it the oldest is given up as lost. Together with
-/// [`MAX_HEAD_BYTES`](crate::http::MAX_HEAD_BYTES) per direction and the body prefix, this
+/// [`MAX_HEAD_BYTES`](crate::reassembly::http::MAX_HEAD_BYTES) per direction and the body prefix, this
 /// bounds what one connection can make the agent hold, whatever its peer sends.
 const MAX_IN_FLIGHT_HEAD_BYTES: usize = 64 * 1024;
 
@@ -36,84 +82,6 @@ const MAX_BUFFERED_BYTES: usize = 256 << 20;
 /// the table and kept as a queue of eviction candidates: this fraction of the table per
 /// scan, so that a flood of new connections costs a scan per this many opens, not per open.
 const EVICTION_SCAN_FRACTION: usize = 16;
-
-/// A connection in one traced process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SocketId {
-    pub pid: u32,
-    pub fd: i32,
-}
-
-/// Why an exchange ended without a response.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AbortReason {
-    /// The connection closed before the response was complete.
-    ConnectionClosed,
-    /// The traced process exited.
-    ProcessExited,
-    /// The traced process replaced its program (`execve`), closing its sockets.
-    ProcessExec,
-    /// Too many requests were in flight on the connection.
-    Overflow,
-    /// The connection table was full and this connection was the least recently active.
-    Evicted,
-}
-
-impl AbortReason {
-    /// The `error.type` value exported for it.
-    pub fn as_error_type(self) -> &'static str {
-        match self {
-            AbortReason::ConnectionClosed => "connection_closed",
-            AbortReason::ProcessExited => "process_exited",
-            AbortReason::ProcessExec => "process_exec",
-            AbortReason::Overflow => "tracer_overflow",
-            AbortReason::Evicted => "tracer_evicted",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Response(ResponseHead),
-    Aborted(AbortReason),
-}
-
-/// One request and what became of it: the unit from which spans and metrics are built.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HttpExchange {
-    pub pid: u32,
-    pub role: Role,
-    pub local: Option<SocketAddr>,
-    pub peer: Option<SocketAddr>,
-    pub request: RequestHead,
-    pub outcome: Outcome,
-    /// Monotonic ns when the request's first byte moved.
-    pub start_ns: u64,
-    /// Monotonic ns when the response's last byte moved (or the abort was seen).
-    pub end_ns: u64,
-    /// The rollout id named by the request body, for requests whose body was kept (see
-    /// [`ConnectionTable::new`]).
-    pub run_rollout_id: Option<RolloutId>,
-    /// Given when the request started (see [`TableAction::Started`]).
-    pub span_id: SpanId,
-}
-
-/// A request whose head was just seen. Its span id exists from now on, so that the calls it
-/// makes and the server that receives it can refer to it before it ends.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RequestStart {
-    pub pid: u32,
-    pub role: Role,
-    pub local: Option<SocketAddr>,
-    pub peer: Option<SocketAddr>,
-    /// Which request of its connection this is (0 for the first): the client and the server
-    /// of one connection count the same requests in the same order.
-    pub sequence: u64,
-    pub span_id: SpanId,
-    pub method: String,
-    pub path: String,
-    pub traceparent: Option<String>,
-}
 
 #[derive(Debug)]
 struct InFlight {
@@ -181,6 +149,7 @@ const MAX_PARSE_ERRORS: u32 = 3;
 /// Every connection of the traced processes, at most `max_connections`; when full, a new
 /// connection evicts the least recently active one (see [`Connection::eviction_rank`]).
 pub struct ConnectionTable {
+    pub counters: ReassemblyCounters,
     connections: HashMap<SocketId, Connection>,
     max_connections: usize,
     /// Stalest last, so `pop` gives the next to evict.
@@ -219,6 +188,7 @@ impl ConnectionTable {
             wants_body: None,
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
+            counters: ReassemblyCounters::default(),
         }
     }
 
@@ -242,13 +212,25 @@ impl ConnectionTable {
     pub fn apply(
         &mut self,
         event: &KernelEvent<'_>,
-        stats: &mut Stats,
+        exchanges: &mut Vec<HttpExchange>,
+        actions: &mut Vec<TableAction>,
+    ) {
+        // Copied out and back (a few words) so the helpers below can borrow `self` whole.
+        let mut counters = self.counters;
+        self.apply_counted(event, &mut counters, exchanges, actions);
+        self.counters = counters;
+    }
+
+    fn apply_counted(
+        &mut self,
+        event: &KernelEvent<'_>,
+        counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
         actions: &mut Vec<TableAction>,
     ) {
         match event {
-            KernelEvent::Open(open) => self.open(open, stats, exchanges, actions),
-            KernelEvent::Data(data) => self.data(data, stats, exchanges, actions),
+            KernelEvent::Open(open) => self.open(open, counters, exchanges, actions),
+            KernelEvent::Data(data) => self.data(data, counters, exchanges, actions),
             KernelEvent::Close {
                 pid,
                 fd,
@@ -267,7 +249,7 @@ impl ConnectionTable {
                         connection,
                         *timestamp_ns,
                         AbortReason::ConnectionClosed,
-                        stats,
+                        counters,
                         exchanges,
                     );
                 }
@@ -278,7 +260,7 @@ impl ConnectionTable {
                     *pid,
                     *timestamp_ns,
                     AbortReason::ProcessExited,
-                    stats,
+                    counters,
                     exchanges,
                 );
             }
@@ -295,7 +277,7 @@ impl ConnectionTable {
                     *pid,
                     *timestamp_ns,
                     AbortReason::ProcessExec,
-                    stats,
+                    counters,
                     exchanges,
                 );
             }
@@ -308,7 +290,7 @@ impl ConnectionTable {
         pid: u32,
         timestamp_ns: u64,
         reason: AbortReason,
-        stats: &mut Stats,
+        counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
     ) {
         let ids: Vec<SocketId> = self
@@ -319,7 +301,14 @@ impl ConnectionTable {
             .collect();
         for id in ids {
             if let Some(connection) = self.remove(&id) {
-                finish(id.pid, connection, timestamp_ns, reason, stats, exchanges);
+                finish(
+                    id.pid,
+                    connection,
+                    timestamp_ns,
+                    reason,
+                    counters,
+                    exchanges,
+                );
             }
         }
     }
@@ -327,7 +316,7 @@ impl ConnectionTable {
     fn open(
         &mut self,
         open: &ConnOpen,
-        stats: &mut Stats,
+        counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
         actions: &mut Vec<TableAction>,
     ) {
@@ -342,14 +331,14 @@ impl ConnectionTable {
                 stale,
                 open.timestamp_ns,
                 AbortReason::ConnectionClosed,
-                stats,
+                counters,
                 exchanges,
             );
         }
         if self.connections.len() >= self.max_connections
-            && !self.evict_stalest(open.timestamp_ns, stats, exchanges, actions)
+            && !self.evict_stalest(open.timestamp_ns, counters, exchanges, actions)
         {
-            stats.connections_dropped += 1;
+            counters.connections_dropped += 1;
             return;
         }
         self.connections.insert(
@@ -380,7 +369,7 @@ impl ConnectionTable {
     fn evict_stalest(
         &mut self,
         timestamp_ns: u64,
-        stats: &mut Stats,
+        counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
         actions: &mut Vec<TableAction>,
     ) -> bool {
@@ -402,8 +391,8 @@ impl ConnectionTable {
                     break;
                 }
                 let connection = self.remove(&candidate.id).expect("checked");
-                stats.connections_evicted += 1;
-                stats.requests_evicted += connection.in_flight.len() as u64;
+                counters.connections_evicted += 1;
+                counters.requests_evicted += connection.in_flight.len() as u64;
                 actions.push(TableAction::Untrack {
                     id: candidate.id,
                     conn_id: candidate.conn_id,
@@ -413,7 +402,7 @@ impl ConnectionTable {
                     connection,
                     timestamp_ns,
                     AbortReason::Evicted,
-                    stats,
+                    counters,
                     exchanges,
                 );
                 return true;
@@ -445,7 +434,7 @@ impl ConnectionTable {
     fn data(
         &mut self,
         data: &DataTransfer<'_>,
-        stats: &mut Stats,
+        counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
         actions: &mut Vec<TableAction>,
     ) {
@@ -454,11 +443,11 @@ impl ConnectionTable {
             fd: data.fd,
         };
         let Some(connection) = self.connections.get_mut(&id) else {
-            stats.data_without_connection += 1;
+            counters.data_without_connection += 1;
             return;
         };
         if connection.conn_id != data.conn_id {
-            stats.data_without_connection += 1;
+            counters.data_without_connection += 1;
             return;
         }
         connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
@@ -495,12 +484,12 @@ impl ConnectionTable {
             );
         }
         for error in errors.iter() {
-            stats.count_parse_error(*error);
+            counters.count_parse_error(*error);
         }
         connection.parse_errors += errors.len() as u32;
         for event in events.drain(..) {
             on_message_event(
-                id.pid, connection, is_request, event, stats, exchanges, actions,
+                id.pid, connection, is_request, event, counters, exchanges, actions,
             );
         }
         self.buffered_bytes = self.buffered_bytes - buffered_before + connection.buffered_bytes();
@@ -510,12 +499,12 @@ impl ConnectionTable {
                 conn_id: connection.conn_id,
             });
             self.remove(&id);
-            stats.connections_not_http += 1;
+            counters.connections_not_http += 1;
         }
         while self.buffered_bytes > self.max_buffered_bytes
-            && self.evict_stalest(data.timestamp_ns, stats, exchanges, actions)
+            && self.evict_stalest(data.timestamp_ns, counters, exchanges, actions)
         {
-            stats.connections_evicted_for_memory += 1;
+            counters.connections_evicted_for_memory += 1;
         }
     }
 
@@ -538,7 +527,7 @@ fn on_message_event(
     connection: &mut Connection,
     is_request: bool,
     event: MessageEvent,
-    stats: &mut Stats,
+    counters: &mut ReassemblyCounters,
     exchanges: &mut Vec<HttpExchange>,
     actions: &mut Vec<TableAction>,
 ) {
@@ -555,7 +544,7 @@ fn on_message_event(
                 || connection.in_flight_head_bytes + head_bytes > MAX_IN_FLIGHT_HEAD_BYTES)
                 && let Some(oldest) = connection.pop_request()
             {
-                stats.requests_dropped_overflow += 1;
+                counters.requests_dropped_overflow += 1;
                 exchanges.push(exchange(
                     pid,
                     connection,
@@ -607,7 +596,7 @@ fn on_message_event(
                     last_byte_ns,
                 )),
                 // The request was sent before the connection was traced.
-                None => stats.responses_without_request += 1,
+                None => counters.responses_without_request += 1,
             }
         }
         (true, MessageEvent::BodyPrefix(prefix)) => {
@@ -656,7 +645,7 @@ fn finish(
     mut connection: Connection,
     timestamp_ns: u64,
     reason: AbortReason,
-    stats: &mut Stats,
+    counters: &mut ReassemblyCounters,
     exchanges: &mut Vec<HttpExchange>,
 ) {
     let mut events = Vec::new();
@@ -668,7 +657,7 @@ fn finish(
             &mut connection,
             false,
             event,
-            stats,
+            counters,
             exchanges,
             &mut Vec::new(),
         );
@@ -734,15 +723,16 @@ mod tests {
         })
     }
 
-    fn run(events: &[KernelEvent<'static>]) -> (Vec<HttpExchange>, Stats, Vec<TableAction>) {
+    fn run(
+        events: &[KernelEvent<'static>],
+    ) -> (Vec<HttpExchange>, ReassemblyCounters, Vec<TableAction>) {
         let mut table = ConnectionTable::new(16);
-        let mut stats = Stats::default();
         let mut exchanges = Vec::new();
         let mut actions = Vec::new();
         for event in events {
-            table.apply(event, &mut stats, &mut exchanges, &mut actions);
+            table.apply(event, &mut exchanges, &mut actions);
         }
-        (exchanges, stats, actions)
+        (exchanges, table.counters, actions)
     }
 
     const GET: &[u8] = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n";
@@ -968,25 +958,22 @@ mod tests {
     #[test]
     fn a_flood_of_opens_keeps_the_table_at_its_bound() {
         let mut table = ConnectionTable::new(100);
-        let mut stats = Stats::default();
         let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
         for fd in 0..10_000 {
             table.apply(
                 &open(fd, 10 + fd as u64, Role::Server),
-                &mut stats,
                 &mut exchanges,
                 &mut actions,
             );
             assert!(table.open_connections() <= 100);
         }
-        assert_eq!(stats.connections_evicted, 9_900);
+        assert_eq!(table.counters.connections_evicted, 9_900);
         assert_eq!(actions.len(), 9_900);
     }
 
     #[test]
     fn partial_heads_on_many_connections_are_bounded_in_bytes() {
         let mut table = ConnectionTable::new(16).with_max_buffered_bytes(10_000);
-        let mut stats = Stats::default();
         let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
         let partial: &'static [u8] = format!("GET / HTTP/1.1\r\nX-Slow: {}", "a".repeat(4000))
             .leak()
@@ -997,11 +984,11 @@ mod tests {
                 open(fd, conn_id, Role::Server),
                 data(fd, conn_id, Direction::Read, 200 + fd as u64, partial),
             ] {
-                table.apply(&event, &mut stats, &mut exchanges, &mut actions);
+                table.apply(&event, &mut exchanges, &mut actions);
             }
             assert!(table.buffered_bytes <= 10_000, "{}", table.buffered_bytes);
         }
-        assert_eq!(stats.connections_evicted_for_memory, 4);
+        assert_eq!(table.counters.connections_evicted_for_memory, 4);
         assert_eq!(untracked(&actions), [0, 1, 2, 3], "the stalest go first");
         let close = KernelEvent::Close {
             pid: 7,
@@ -1009,7 +996,7 @@ mod tests {
             conn_id: 105,
             timestamp_ns: 300,
         };
-        table.apply(&close, &mut stats, &mut exchanges, &mut actions);
+        table.apply(&close, &mut exchanges, &mut actions);
         assert!(
             table.buffered_bytes < 5_000,
             "a closed connection gives its bytes back"

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use crate::gym::ServerType;
 use crate::gym::routes::{RouteNamer, RouteTable, RouteTemplate};
 use crate::gym::semantics::infer_server_type;
-use crate::identity::{AgentResource, GymLabels, ServiceIdentity};
+use crate::model::service::AgentResource;
+use crate::model::service::GymLabels;
+use crate::model::service::ServiceIdentity;
 
 pub struct TracedProcess {
     pub identity: Arc<ServiceIdentity>,
@@ -46,6 +48,10 @@ impl ProcessTable {
 
     pub fn contains(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
+    }
+
+    pub fn get(&self, pid: u32) -> Option<&TracedProcess> {
+        self.processes.get(&pid)
     }
 
     pub fn get_mut(&mut self, pid: u32) -> Option<&mut TracedProcess> {
@@ -112,7 +118,7 @@ impl ProcessTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spans::AttributeValue;
+    use crate::model::span::AttributeValue;
 
     fn labels(name: &str, server_type: Option<ServerType>) -> GymLabels {
         GymLabels {

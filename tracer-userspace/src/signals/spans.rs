@@ -3,140 +3,17 @@
 
 use std::sync::Arc;
 
-use rand::Rng;
-
-use crate::classify::RequestMeaning;
-use crate::clock::WallClock;
-use crate::connections::{HttpExchange, Outcome};
-use crate::events::Role;
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
-use crate::http::RequestHead;
-use crate::identity::ServiceIdentity;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpanKind {
-    Server,
-    Client,
-    Internal,
-}
-
-impl SpanKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SpanKind::Server => "SERVER",
-            SpanKind::Client => "CLIENT",
-            SpanKind::Internal => "INTERNAL",
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SpanStatus {
-    Unset,
-    Error,
-}
-
-impl SpanStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SpanStatus::Unset => "UNSET",
-            SpanStatus::Error => "ERROR",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum AttributeValue {
-    Str(String),
-    Int(i64),
-}
-
-pub type Attributes = Vec<(&'static str, AttributeValue)>;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct TraceId(pub [u8; 16]);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct SpanId(pub [u8; 8]);
-
-impl TraceId {
-    pub fn random() -> Self {
-        loop {
-            let id: [u8; 16] = rand::rng().random();
-            if id != [0; 16] {
-                return Self(id);
-            }
-        }
-    }
-}
-
-impl SpanId {
-    pub fn random() -> Self {
-        loop {
-            let id: [u8; 8] = rand::rng().random();
-            if id != [0; 8] {
-                return Self(id);
-            }
-        }
-    }
-}
-
-/// A finished span: it has an end time by construction.
-#[derive(Clone, Debug)]
-pub struct SpanRecord {
-    pub service: Arc<ServiceIdentity>,
-    pub name: String,
-    pub kind: SpanKind,
-    pub trace_id: TraceId,
-    pub span_id: SpanId,
-    pub parent_span_id: Option<SpanId>,
-    /// The parent came from an inbound `traceparent` header (another process's span).
-    pub parent_is_remote: bool,
-    pub start_unix_ns: u64,
-    pub end_unix_ns: u64,
-    pub attributes: Attributes,
-    pub status: SpanStatus,
-}
-
-/// A W3C `traceparent` header: `00-<trace-id>-<parent-id>-<flags>`.
-pub fn parse_traceparent(value: &str) -> Option<(TraceId, SpanId)> {
-    let mut parts = value.trim().split('-');
-    let version = parts.next()?;
-    let trace = parts.next()?;
-    let parent = parts.next()?;
-    let flags = parts.next()?;
-    let mut version_byte = [0u8; 1];
-    decode_hex(version, &mut version_byte)?;
-    if version.len() != 2
-        || version == "ff"
-        || trace.len() != 32
-        || parent.len() != 16
-        || flags.len() != 2
-    {
-        return None;
-    }
-    let mut trace_id = [0u8; 16];
-    let mut span_id = [0u8; 8];
-    decode_hex(trace, &mut trace_id)?;
-    decode_hex(parent, &mut span_id)?;
-    if trace_id == [0; 16] || span_id == [0; 8] {
-        return None;
-    }
-    Some((TraceId(trace_id), SpanId(span_id)))
-}
-
-fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
-    let bytes = text.as_bytes();
-    if bytes.len() != out.len() * 2 {
-        return None;
-    }
-    for (i, byte) in out.iter_mut().enumerate() {
-        let high = (bytes[2 * i] as char).to_digit(16)?;
-        let low = (bytes[2 * i + 1] as char).to_digit(16)?;
-        *byte = (high * 16 + low) as u8;
-    }
-    Some(())
-}
+use crate::model::attributes as attr;
+use crate::model::exchange::HttpExchange;
+use crate::model::exchange::Outcome;
+use crate::model::exchange::RequestHead;
+use crate::model::exchange::Role;
+use crate::model::ids::{SpanId, TraceId, parse_traceparent};
+use crate::model::service::ServiceIdentity;
+use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus};
+use crate::signals::clock::WallClock;
+use crate::signals::meaning::RequestMeaning;
 
 /// What the spans of one finished request are built from.
 pub struct RequestView<'a> {
@@ -214,19 +91,22 @@ fn client_span(
     if let Some(peer) = exchange.peer {
         // The query string was never kept: `path` has none.
         attributes.push((
-            "url.full",
+            attr::URL_FULL,
             AttributeValue::Str(format!("http://{peer}{}", request.path)),
         ));
-        attributes.push(("server.address", AttributeValue::Str(peer.ip().to_string())));
-        attributes.push(("server.port", AttributeValue::Int(peer.port() as i64)));
+        attributes.push((
+            attr::SERVER_ADDRESS,
+            AttributeValue::Str(peer.ip().to_string()),
+        ));
+        attributes.push((attr::SERVER_PORT, AttributeValue::Int(peer.port() as i64)));
     }
     if let Some(name) = peer_service {
-        attributes.push(("peer.service", AttributeValue::Str(name.to_string())));
+        attributes.push((attr::PEER_SERVICE, AttributeValue::Str(name.to_string())));
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
-            "nemo.gym.rollout.id",
+            attr::GYM_ROLLOUT_ID,
             AttributeValue::Str(id.as_str().into()),
         ));
     }
@@ -249,11 +129,11 @@ fn client_span(
 fn request_attributes(request: &RequestHead) -> Attributes {
     vec![
         (
-            "http.request.method",
+            attr::HTTP_REQUEST_METHOD,
             AttributeValue::Str(request.method.clone()),
         ),
         (
-            "network.protocol.version",
+            attr::NETWORK_PROTOCOL_VERSION,
             AttributeValue::Str(format!("1.{}", request.version_minor)),
         ),
     ]
@@ -264,12 +144,12 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
     match outcome {
         Outcome::Response(response) => {
             attributes.push((
-                "http.response.status_code",
+                attr::HTTP_RESPONSE_STATUS_CODE,
                 AttributeValue::Int(response.status as i64),
             ));
             if response.status >= 500 {
                 attributes.push((
-                    "error.type",
+                    attr::ERROR_TYPE,
                     AttributeValue::Str(response.status.to_string()),
                 ));
                 SpanStatus::Error
@@ -279,7 +159,7 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
         }
         Outcome::Aborted(reason) => {
             attributes.push((
-                "error.type",
+                attr::ERROR_TYPE,
                 AttributeValue::Str(reason.as_error_type().into()),
             ));
             SpanStatus::Error
@@ -291,11 +171,11 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
 fn gym_attributes(service: &ServiceIdentity, meaning: &RequestMeaning) -> Attributes {
     let mut attributes = Attributes::new();
     if let Some(name) = service.server_name() {
-        attributes.push(("nemo.gym.server.name", AttributeValue::Str(name.into())));
+        attributes.push((attr::GYM_SERVER_NAME, AttributeValue::Str(name.into())));
     }
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
-            "nemo.gym.rollout.id",
+            attr::GYM_ROLLOUT_ID,
             AttributeValue::Str(id.as_str().into()),
         ));
     }
@@ -311,12 +191,12 @@ fn server_span(
 ) -> SpanRecord {
     let request = &exchange.request;
     let mut attributes = request_attributes(request);
-    attributes.push(("url.path", AttributeValue::Str(request.path.clone())));
-    attributes.push(("url.scheme", AttributeValue::Str("http".into())));
+    attributes.push((attr::URL_PATH, AttributeValue::Str(request.path.clone())));
+    attributes.push((attr::URL_SCHEME, AttributeValue::Str("http".into())));
     // A guessed template is fine for a name, not for `http.route`, which dashboards group
     // by: that must be the server's own.
     if let Some(route) = meaning.route.http_route() {
-        attributes.push(("http.route", AttributeValue::Str(route.to_string())));
+        attributes.push((attr::HTTP_ROUTE, AttributeValue::Str(route.to_string())));
     }
     let name = meaning.route.span_name(&request.method);
     // server.address is the host the client asked for (the Host header), else the local
@@ -332,17 +212,26 @@ fn server_span(
         ),
     };
     if let Some(host) = host {
-        attributes.push(("server.address", AttributeValue::Str(host)));
+        attributes.push((attr::SERVER_ADDRESS, AttributeValue::Str(host)));
     }
     if let Some(port) = port {
-        attributes.push(("server.port", AttributeValue::Int(port as i64)));
+        attributes.push((attr::SERVER_PORT, AttributeValue::Int(port as i64)));
     }
     if let Some(peer) = exchange.peer {
-        attributes.push(("client.address", AttributeValue::Str(peer.ip().to_string())));
-        attributes.push(("network.peer.port", AttributeValue::Int(peer.port() as i64)));
+        attributes.push((
+            attr::CLIENT_ADDRESS,
+            AttributeValue::Str(peer.ip().to_string()),
+        ));
+        attributes.push((
+            attr::NETWORK_PEER_PORT,
+            AttributeValue::Int(peer.port() as i64),
+        ));
     }
     if let Some(agent) = &request.user_agent {
-        attributes.push(("user_agent.original", AttributeValue::Str(agent.clone())));
+        attributes.push((
+            attr::USER_AGENT_ORIGINAL,
+            AttributeValue::Str(agent.clone()),
+        ));
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     attributes.extend(gym_attributes(service, meaning));
@@ -380,12 +269,13 @@ fn split_host_port(value: &str) -> (&str, Option<u16>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::connections::AbortReason;
     use crate::gym::rollout_id::RolloutId;
     use crate::gym::routes::RouteName;
     use crate::gym::semantics::SemanticSpan;
-    use crate::http::{RequestHead, ResponseHead};
-    use crate::identity::GymLabels;
+    use crate::model::exchange::AbortReason;
+    use crate::model::exchange::RequestHead;
+    use crate::model::exchange::ResponseHead;
+    use crate::model::service::GymLabels;
 
     fn exchange(outcome: Outcome, traceparent: Option<&str>) -> HttpExchange {
         HttpExchange {
@@ -436,7 +326,7 @@ mod tests {
                 server_name: Some("math".into()),
                 ..GymLabels::default()
             },
-            &crate::identity::AgentResource::default(),
+            &crate::model::service::AgentResource::default(),
             None,
         ))
     }

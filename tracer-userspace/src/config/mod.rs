@@ -6,6 +6,8 @@
 //! parser then decides everything, and `value_source` tells `check-config` where each
 //! effective value came from.
 
+pub mod cli;
+
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fmt;
@@ -17,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches};
 
-use crate::cli::{Cli, Command, RunArgs};
+use crate::config::cli::{Cli, Command, RunArgs};
 use crate::export::OtlpOptions;
 
 /// `key=value,key2=value2`, as OTEL_EXPORTER_OTLP_HEADERS and OTEL_RESOURCE_ATTRIBUTES

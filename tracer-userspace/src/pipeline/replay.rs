@@ -6,9 +6,8 @@
 //! buffer: what breaks reassembly is an order of events — a head split across reads, a close
 //! in the middle of a body, a late record of a connection whose fd was reused. Each operation
 //! is encoded as the kernel sends it (the ABI record bytes) and goes through the same code the
-//! agent runs: [`decode`], [`ConnectionTable::apply`], then what `agent.rs` does with the
-//! table's output (the stitcher, classification, span building). After every operation the
-//! replay checks the bounds and invariants the agent relies on, and panics when one fails so
+//! agent runs: the pipeline core ([`Pipeline::handle_record`]), as the agent drives it.
+//! After every operation the replay checks the bounds and invariants the agent relies on, and panics when one fails so
 //! that the fuzzer reports it.
 //!
 //! The script format, one operation after another (an operation cut short ends the script):
@@ -35,21 +34,19 @@ use tracer_abi::{
     EventKind, MAX_CAPTURE_BYTES, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
 };
 
-use crate::classify::{classify, semantic_at_start, wants_run_body};
-use crate::clock::WallClock;
-use crate::connections::{
-    ConnectionTable, HttpExchange, MAX_IN_FLIGHT_PER_CONNECTION, RequestStart, SocketId,
-    TableAction,
-};
-use crate::events::{DataTransfer, KernelEvent, Role, decode};
 use crate::gym::ServerType;
-use crate::gym::routes::strip_rollout_prefix;
 use crate::gym::span_groups::SpanGroups;
-use crate::identity::{AgentResource, GymLabels};
-use crate::processes::ProcessTable;
-use crate::spans::{RequestView, SpanId, SpanRecord, request_spans};
-use crate::stats::Stats;
-use crate::stitch::{StartFacts, StitchConfig, Stitcher};
+use crate::kernel::events::{DataTransfer, KernelEvent};
+use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId};
+use crate::model::ids::SpanId;
+use crate::model::service::{AgentResource, GymLabels};
+use crate::model::span::SpanRecord;
+use crate::pipeline::{Lifecycle, Observer, Pipeline, PipelineConfig, PipelineCounters};
+use crate::reassembly::connections::{
+    ConnectionTable, MAX_IN_FLIGHT_PER_CONNECTION, ReassemblyCounters, TableAction,
+};
+use crate::signals::meaning::wants_run_body;
+use crate::stitch::{StitchConfig, StitchCounters};
 
 /// Sockets a script can name: three processes with three fds each.
 pub const SLOTS: usize = 9;
@@ -82,7 +79,9 @@ const DATA_REPEAT: u8 = 16;
 /// What a replay saw, for tests that check more than "no panic".
 #[derive(Debug, Default)]
 pub struct ReplaySummary {
-    pub stats: Stats,
+    pub pipeline: PipelineCounters,
+    pub reassembly: ReassemblyCounters,
+    pub stitch: StitchCounters,
     /// Exchanges that ended with a response.
     pub responses: u64,
     /// Exchanges that ended without one (closed, exited, overflow).
@@ -242,30 +241,78 @@ fn header(kind: EventKind, socket: SocketId, conn_id: u64, timestamp_ns: u64) ->
     }
 }
 
-/// The agent's pipeline minus the kernel and the exporters, plus the bookkeeping that the
-/// invariants are checked against.
+/// The agent's pipeline core, driven by the script instead of the ring buffer, with the
+/// bookkeeping that the invariants are checked against.
 struct Replay {
-    table: ConnectionTable,
-    processes: ProcessTable,
-    stitcher: Stitcher,
-    stats: Stats,
-    clock: WallClock,
-    groups: SpanGroups,
+    pipeline: Pipeline<()>,
+    checks: Checks,
     /// `Instant` of monotonic time 0, for the stitcher's delays.
     epoch: Instant,
     now_ns: u64,
     /// Connections opened per slot so far: the current conn id derives from it.
     generations: [u64; SLOTS],
+}
+
+/// What the replay checks as the pipeline runs (its [`Observer`]).
+struct Checks {
     /// Requests the table started and has not ended: each must end exactly once.
     in_flight: HashSet<SpanId>,
-    exchanges: Vec<HttpExchange>,
-    actions: Vec<TableAction>,
-    span_batch: Vec<SpanRecord>,
-    released: Vec<SpanRecord>,
     summary: ReplaySummary,
     /// The same events with every transfer split in two: reassembly must not depend on
     /// how the bytes were cut into reads.
     split: SplitReplay,
+}
+
+impl Observer for Checks {
+    fn event(&mut self, event: &KernelEvent<'_>) {
+        self.split.apply(event);
+    }
+
+    fn started(&mut self, start: &RequestStart) {
+        self.summary.started.push(describe_start(start));
+        assert!(
+            self.in_flight.insert(start.span_id),
+            "span id {:?} started twice",
+            start.span_id
+        );
+        assert!(PIDS.contains(&start.pid), "a request of an unknown process");
+    }
+
+    fn body_rollout(&mut self, request: SpanId) {
+        assert!(
+            self.in_flight.contains(&request),
+            "a body for a request that is not in flight"
+        );
+    }
+
+    fn untracked(&mut self, socket: SocketId) {
+        assert!(PIDS.contains(&socket.pid), "untracking an unknown socket");
+    }
+
+    fn ended(&mut self, exchange: &HttpExchange) {
+        self.summary.ended.push(describe_exchange(exchange));
+        assert!(
+            self.in_flight.remove(&exchange.span_id),
+            "an exchange that never started or ended twice: {exchange:?}"
+        );
+        assert!(
+            exchange.start_ns <= exchange.end_ns,
+            "an exchange that ends before it starts: {exchange:?}"
+        );
+        match exchange.outcome {
+            Outcome::Response(_) => self.summary.responses += 1,
+            Outcome::Aborted(_) => self.summary.aborts += 1,
+        }
+    }
+
+    fn built(&mut self, spans: &[SpanRecord]) {
+        for span in spans {
+            assert!(
+                span.start_unix_ns <= span.end_unix_ns,
+                "a span that ends before it starts: {span:?}"
+            );
+        }
+    }
 }
 
 /// A second connection table fed the same events, each transfer cut in two at a point the
@@ -274,7 +321,6 @@ struct Replay {
 /// end the same way.
 struct SplitReplay {
     table: ConnectionTable,
-    stats: Stats,
     exchanges: Vec<HttpExchange>,
     actions: Vec<TableAction>,
     ended: Vec<String>,
@@ -306,12 +352,8 @@ impl SplitReplay {
     }
 
     fn apply_whole(&mut self, event: &KernelEvent<'_>) {
-        self.table.apply(
-            event,
-            &mut self.stats,
-            &mut self.exchanges,
-            &mut self.actions,
-        );
+        self.table
+            .apply(event, &mut self.exchanges, &mut self.actions);
         for action in self.actions.drain(..) {
             if let TableAction::Started(start) = action {
                 self.started.push(describe_start(&start));
@@ -344,25 +386,28 @@ fn describe_exchange(exchange: &HttpExchange) -> String {
     )
 }
 
-fn parse_errors(stats: &Stats) -> u64 {
-    stats.parse_not_http
-        + stats.parse_head_too_large
-        + stats.parse_uncaptured_start
-        + stats.parse_lost_chunk_framing
-}
-
 impl Replay {
     fn new() -> Self {
-        let mut processes = ProcessTable::new(
-            Vec::new(),
-            AgentResource::new(Some("fuzz".to_string()), Vec::new()),
-        );
+        let config = PipelineConfig {
+            max_connections: MAX_CONNECTIONS,
+            routes: Vec::new(),
+            agent_resource: AgentResource::new(Some("fuzz".to_string()), Vec::new()),
+            groups: SpanGroups::ALL,
+            stitch: StitchConfig {
+                delay: Duration::from_millis(50),
+                max_pending: MAX_PENDING_SPANS,
+                max_nodes: MAX_PENDING_SPANS * 4,
+            },
+            // No real process has the script's PIDs: every forked child is one.
+            child_is_process: |_| true,
+        };
+        let mut pipeline = Pipeline::new(config, ());
         // A Gym agent server, a resources server and (only once forked) a plain process.
         for (pid, server_type) in [
             (PIDS[0], ServerType::Agent),
             (PIDS[1], ServerType::Resources),
         ] {
-            processes.attach(
+            pipeline.processes.attach(
                 pid,
                 GymLabels {
                     server_name: Some(format!("{}_server", server_type.short_name())),
@@ -372,33 +417,21 @@ impl Replay {
             );
         }
         Self {
-            table: ConnectionTable::new(MAX_CONNECTIONS).reading_run_bodies(wants_run_body),
-            processes,
-            stitcher: Stitcher::new(StitchConfig {
-                delay: Duration::from_millis(50),
-                max_pending: MAX_PENDING_SPANS,
-                max_nodes: MAX_PENDING_SPANS * 4,
-            }),
-            stats: Stats::default(),
-            clock: WallClock::measure(),
-            groups: SpanGroups::ALL,
+            pipeline,
+            checks: Checks {
+                in_flight: HashSet::new(),
+                summary: ReplaySummary::default(),
+                split: SplitReplay {
+                    table: ConnectionTable::new(MAX_CONNECTIONS).reading_run_bodies(wants_run_body),
+                    exchanges: Vec::new(),
+                    actions: Vec::new(),
+                    ended: Vec::new(),
+                    started: Vec::new(),
+                },
+            },
             epoch: Instant::now(),
             now_ns: 1_000_000,
             generations: [0; SLOTS],
-            in_flight: HashSet::new(),
-            exchanges: Vec::new(),
-            actions: Vec::new(),
-            span_batch: Vec::new(),
-            released: Vec::new(),
-            summary: ReplaySummary::default(),
-            split: SplitReplay {
-                table: ConnectionTable::new(MAX_CONNECTIONS).reading_run_bodies(wants_run_body),
-                stats: Stats::default(),
-                exchanges: Vec::new(),
-                actions: Vec::new(),
-                ended: Vec::new(),
-                started: Vec::new(),
-            },
         }
     }
 
@@ -529,139 +562,37 @@ impl Replay {
             }
             OP_TICK => {
                 self.now_ns += u64::from(script.u16()?) * 1_000_000;
-                self.stitcher.release(self.now(), &mut self.released);
-                self.offer_released();
+                self.pipeline.release(self.now());
+                self.apply_output();
                 return Some(());
             }
             _ => unreachable!("opcode taken modulo OPS"),
         };
-        self.handle_record(&record);
+        self.pipeline
+            .handle_record(&record, self.now(), &mut self.checks);
+        self.apply_output();
         Some(())
     }
 
-    /// `Pipeline::handle_record` in `agent.rs`, without the kernel and the exporters.
-    fn handle_record(&mut self, bytes: &[u8]) {
-        self.stats.events_in += 1;
-        let Ok(event) = decode(bytes) else {
-            self.stats.events_undecodable += 1;
-            return;
-        };
-        match event {
-            KernelEvent::ProcessExit { pid, .. } => {
-                self.processes.remove(pid);
-            }
-            // The agent adopts a child that is a process (it reads /proc); here every one is.
-            KernelEvent::ProcessFork { parent, child } if !self.processes.contains(child) => {
-                self.processes.adopt_child(parent, child);
-            }
-            _ => {}
-        }
-        self.split.apply(&event);
-        self.table.apply(
-            &event,
-            &mut self.stats,
-            &mut self.exchanges,
-            &mut self.actions,
-        );
-        let now = self.now();
-        for action in std::mem::take(&mut self.actions) {
-            match action {
-                TableAction::Started(start) => {
-                    self.summary.started.push(describe_start(&start));
-                    assert!(
-                        self.in_flight.insert(start.span_id),
-                        "span id {:?} started twice",
-                        start.span_id
-                    );
-                    assert!(PIDS.contains(&start.pid), "a request of an unknown process");
-                    let Some(process) = self.processes.get_mut(start.pid) else {
-                        continue;
-                    };
-                    let stripped = strip_rollout_prefix(&start.path);
-                    let semantic = semantic_at_start(process, &start.method, stripped.route_path);
-                    let facts = StartFacts {
-                        rollout_id: stripped.rollout_id,
-                        emits_own: true,
-                        emits_semantic: start.role == Role::Server
-                            && semantic.is_some_and(|s| self.groups.contains(s.group)),
-                    };
-                    self.stitcher.start(&start, facts, now);
-                }
-                TableAction::RolloutFromBody {
-                    span_id,
-                    rollout_id,
-                } => {
-                    assert!(
-                        self.in_flight.contains(&span_id),
-                        "a body for a request that is not in flight"
-                    );
-                    self.stitcher.set_rollout(span_id, rollout_id);
-                }
-                TableAction::Untrack { id, .. } => {
-                    assert!(PIDS.contains(&id.pid), "untracking an unknown socket");
-                }
+    /// What the agent does with the pipeline's output, minus the kernel: exits are
+    /// forgotten, released spans counted.
+    fn apply_output(&mut self) {
+        let output = &mut self.pipeline.output;
+        self.checks.summary.spans_released += output.released.len() as u64;
+        output.released.clear();
+        output.untrack.clear();
+        for change in std::mem::take(&mut output.lifecycle) {
+            if let Lifecycle::Exited(pid) = change {
+                self.pipeline.forget(pid);
             }
         }
-        for exchange in std::mem::take(&mut self.exchanges) {
-            self.handle_exchange(&exchange, now);
-        }
-    }
-
-    /// `Pipeline::handle_exchange` in `agent.rs`, minus metrics.
-    fn handle_exchange(&mut self, exchange: &HttpExchange, now: Instant) {
-        self.summary.ended.push(describe_exchange(exchange));
-        assert!(
-            self.in_flight.remove(&exchange.span_id),
-            "an exchange that never started or ended twice: {exchange:?}"
-        );
-        assert!(
-            exchange.start_ns <= exchange.end_ns,
-            "an exchange that ends before it starts: {exchange:?}"
-        );
-        match exchange.outcome {
-            crate::connections::Outcome::Response(_) => self.summary.responses += 1,
-            crate::connections::Outcome::Aborted(_) => self.summary.aborts += 1,
-        }
-        let Some(process) = self.processes.get_mut(exchange.pid) else {
-            self.stitcher.finish(exchange.span_id, now);
-            return;
-        };
-        let meaning = classify(process, exchange);
-        let identity = process.identity.clone();
-        let view = RequestView {
-            exchange,
-            service: &identity,
-            meaning: &meaning,
-            semantic_span_id: self.stitcher.semantic_span_id(exchange.span_id),
-            peer_service: None,
-        };
-        request_spans(&view, self.groups, self.clock, &mut self.span_batch);
-        for span in &self.span_batch {
-            assert!(
-                span.start_unix_ns <= span.end_unix_ns,
-                "a span that ends before it starts: {span:?}"
-            );
-        }
-        self.stitcher.hold_all(
-            exchange.span_id,
-            &mut self.span_batch,
-            now,
-            &mut self.released,
-        );
-        self.stitcher.finish(exchange.span_id, now);
-        self.offer_released();
-    }
-
-    fn offer_released(&mut self) {
-        self.summary.spans_released += self.released.len() as u64;
-        self.released.clear();
     }
 
     /// The bounds the agent's memory depends on, and no request lost without a trace.
     fn check(&self) {
-        let open = self.table.open_connections();
+        let open = self.pipeline.table.open_connections();
         assert!(open <= MAX_CONNECTIONS, "{open} connections tracked");
-        let in_flight = self.table.in_flight_requests();
+        let in_flight = self.pipeline.table.in_flight_requests();
         assert!(
             in_flight <= open * MAX_IN_FLIGHT_PER_CONNECTION,
             "{in_flight} requests in flight on {open} connections"
@@ -669,37 +600,42 @@ impl Replay {
         // Every request the table started is either still in flight or became an exchange.
         assert_eq!(
             in_flight,
-            self.in_flight.len(),
+            self.checks.in_flight.len(),
             "requests vanished without an exchange"
         );
-        assert!(self.stitcher.held() <= MAX_PENDING_SPANS);
+        assert!(self.pipeline.stitcher.held() <= MAX_PENDING_SPANS);
     }
 
     fn finish(mut self) -> ReplaySummary {
-        if parse_errors(&self.stats) == 0 && parse_errors(&self.split.stats) == 0 {
+        let checks = &mut self.checks;
+        if self.pipeline.table.counters.parse_errors() == 0
+            && checks.split.table.counters.parse_errors() == 0
+        {
             for list in [
-                &mut self.summary.started,
-                &mut self.summary.ended,
-                &mut self.split.started,
-                &mut self.split.ended,
+                &mut checks.summary.started,
+                &mut checks.summary.ended,
+                &mut checks.split.started,
+                &mut checks.split.ended,
             ] {
                 // Exits end connections in hash order, which differs between the tables.
                 list.sort_unstable();
             }
             assert_eq!(
-                self.summary.started, self.split.started,
+                checks.summary.started, checks.split.started,
                 "requests started differently when reads were split"
             );
             assert_eq!(
-                self.summary.ended, self.split.ended,
+                checks.summary.ended, checks.split.ended,
                 "requests ended differently when reads were split"
             );
         }
-        self.stitcher.release_all(&mut self.released);
-        self.offer_released();
-        self.stats.stitch = self.stitcher.stats;
-        self.summary.stats = self.stats;
-        self.summary
+        self.pipeline.release_all();
+        self.apply_output();
+        let mut summary = std::mem::take(&mut self.checks.summary);
+        summary.pipeline = self.pipeline.counters;
+        summary.reassembly = self.pipeline.table.counters;
+        summary.stitch = self.pipeline.stitcher.counters;
+        summary
     }
 }
 
@@ -859,15 +795,15 @@ mod tests {
         assert_eq!((chunked.responses, chunked.aborts), (1, 0));
         let run = replay(&seeds["run_with_rollout_body_and_calls"]);
         assert_eq!((run.responses, run.aborts), (3, 0));
-        assert_eq!(run.stats.stitch.cross_process_links, 1);
+        assert_eq!(run.stitch.cross_process_links, 1);
         let half = replay(&seeds["half_request_then_close"]);
         assert_eq!((half.responses, half.aborts), (0, 0));
         let reuse = replay(&seeds["fd_reuse_and_exit"]);
         assert_eq!((reuse.responses, reuse.aborts), (0, 2));
-        assert_eq!(reuse.stats.data_without_connection, 1);
+        assert_eq!(reuse.reassembly.data_without_connection, 1);
         let garbage = replay(&seeds["not_http"]);
-        assert_eq!(garbage.stats.events_undecodable, 1);
-        assert!(garbage.stats.parse_not_http >= 1);
+        assert_eq!(garbage.pipeline.events_undecodable, 1);
+        assert!(garbage.reassembly.parse_not_http >= 1);
     }
 
     /// Whatever read boundaries the split replay picks, a chunked body whose framing is
@@ -885,7 +821,10 @@ mod tests {
                 .tick(ms)
                 .write(1, BAD_CHUNKS);
             let summary = replay(&script.into_bytes());
-            assert_eq!(summary.stats.parse_lost_chunk_framing, 1, "after {ms} ms");
+            assert_eq!(
+                summary.reassembly.parse_lost_chunk_framing, 1,
+                "after {ms} ms"
+            );
         }
     }
 

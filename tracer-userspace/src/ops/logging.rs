@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
-use crate::cli::LogFormat;
+use crate::config::cli::LogFormat;
 
 /// Installs the global subscriber. `auto` picks text on a terminal and JSON otherwise (a
 /// pipe, a file, journald, a container log).

@@ -16,7 +16,7 @@ use aya::{
 };
 use tracer_abi::{KernelOffsets, SocketKey, SocketState};
 
-use crate::btf::Btf;
+use crate::kernel::btf::Btf;
 
 /// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
 /// `AYA_BUILD_SKIP=1`, such as the fuzz target's, which never loads it).

@@ -11,13 +11,7 @@ use tracer_abi::{
     EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
 };
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// The traced process accepted the connection.
-    Server,
-    /// The traced process connected out.
-    Client,
-}
+use crate::model::exchange::Role;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {

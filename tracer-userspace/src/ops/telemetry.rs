@@ -15,16 +15,16 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use rand::Rng;
 
 use crate::export::{ExportTarget, meter_provider};
-use crate::health::{Gauges, Health, SpanDrop};
-use crate::identity::AgentResource;
-use crate::metrics::Instrument;
-use crate::stats::Stats;
+use crate::model::service::AgentResource;
+use crate::ops::counters::CounterSnapshot;
+use crate::ops::health::{Gauges, Health, SpanDrop};
+use crate::signals::metrics::Instrument;
 
 /// `service.name` of the agent's own resource.
 pub const SERVICE_NAME: &str = "gym-tracer";
 
 /// What one instrument reports from a snapshot: values with their attributes.
-type Observe = fn(&Health, &Stats, &Gauges) -> Vec<(u64, Vec<KeyValue>)>;
+type Observe = fn(&Health, &CounterSnapshot, &Gauges) -> Vec<(u64, Vec<KeyValue>)>;
 
 /// One self-telemetry instrument: its reference entry and how it reads the snapshot.
 struct SelfInstrument {
@@ -54,7 +54,7 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             unit: "{event}",
             description: "Records read from the kernel's ring buffer.",
         },
-        observe: |_, stats, _| one(stats.events_in),
+        observe: |_, stats, _| one(stats.pipeline.events_in),
     },
     SelfInstrument {
         doc: Instrument {
@@ -79,7 +79,7 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             unit: "{event}",
             description: "Records that did not decode (a kernel/agent version mismatch).",
         },
-        observe: |_, stats, _| one(stats.events_undecodable),
+        observe: |_, stats, _| one(stats.pipeline.events_undecodable),
     },
     SelfInstrument {
         doc: Instrument {
@@ -102,7 +102,7 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
         },
         observe: |health, stats, _| {
             let mut points = vec![(
-                stats.spans_dropped_queue_full,
+                stats.agent.spans_dropped_queue_full,
                 vec![KeyValue::new("reason", "queue_full")],
             )];
             points.extend(SpanDrop::ALL.iter().map(|&drop| {
@@ -145,10 +145,13 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             by(
                 "reason",
                 &[
-                    ("not_http", stats.parse_not_http),
-                    ("head_too_large", stats.parse_head_too_large),
-                    ("uncaptured_start", stats.parse_uncaptured_start),
-                    ("lost_chunk_framing", stats.parse_lost_chunk_framing),
+                    ("not_http", stats.reassembly.parse_not_http),
+                    ("head_too_large", stats.reassembly.parse_head_too_large),
+                    ("uncaptured_start", stats.reassembly.parse_uncaptured_start),
+                    (
+                        "lost_chunk_framing",
+                        stats.reassembly.parse_lost_chunk_framing,
+                    ),
                 ],
             )
         },
@@ -164,7 +167,10 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
         observe: |_, stats, _| {
             by(
                 "reason",
-                &[("in_flight_limit", stats.requests_dropped_overflow)],
+                &[(
+                    "in_flight_limit",
+                    stats.reassembly.requests_dropped_overflow,
+                )],
             )
         },
     },
@@ -176,7 +182,12 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             description: "Connections not traced, by `reason`: `table_full` \
                           (--max-connections).",
         },
-        observe: |_, stats, _| by("reason", &[("table_full", stats.connections_dropped)]),
+        observe: |_, stats, _| {
+            by(
+                "reason",
+                &[("table_full", stats.reassembly.connections_dropped)],
+            )
+        },
     },
     SelfInstrument {
         doc: Instrument {
@@ -240,7 +251,7 @@ fn resource(agent: &AgentResource) -> Resource {
         KeyValue::new("service.name", SERVICE_NAME),
         KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
         KeyValue::new("service.instance.id", instance),
-        KeyValue::new("host.name", crate::identity::host_name()),
+        KeyValue::new("host.name", crate::processes::identity::host_name()),
         KeyValue::new("process.pid", i64::from(std::process::id())),
     ];
     for (key, value) in &agent.extra {
@@ -339,13 +350,13 @@ mod tests {
     #[test]
     fn every_value_comes_from_the_snapshot() {
         let health = Health::default();
-        let stats = Stats {
-            events_in: 5,
+        let mut stats = CounterSnapshot {
             events_lost_by_cpu: vec![0, 3],
-            parse_not_http: 2,
-            spans_dropped_queue_full: 1,
-            ..Stats::default()
+            ..CounterSnapshot::default()
         };
+        stats.pipeline.events_in = 5;
+        stats.reassembly.parse_not_http = 2;
+        stats.agent.spans_dropped_queue_full = 1;
         health.export.record_dropped(SpanDrop::ExportBufferFull, 4);
         let gauges = Gauges {
             connections_tracked: 7,

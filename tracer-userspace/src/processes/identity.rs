@@ -7,65 +7,14 @@ use std::collections::BTreeMap;
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::Resource;
 
-use crate::discovery::executable_path;
 use crate::gym::ServerType;
-use crate::spans::AttributeValue;
+use crate::model::attributes as attr;
+use crate::model::service::{AgentResource, GymLabels, ServiceIdentity};
+use crate::model::span::AttributeValue;
+use crate::processes::discovery::executable_path;
 
 /// Gym's group when neither the server nor the agent names one (`nemo_gym.telemetry`).
 pub const DEFAULT_SERVICE_GROUP: &str = "nemo";
-
-/// What a process is to Gym, when known: from its environment (`NEMO_GYM_CONFIG_PATH`,
-/// `NEMO_GYM_CONFIG_DICT`, `OTEL_SERVICE_NAME`) or from `--server-name`/`--server-type`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GymLabels {
-    pub server_name: Option<String>,
-    pub server_type: Option<ServerType>,
-    /// The type as the config spells it, also when it is a kind the tracer has no `gym.*`
-    /// spans for (`environment_servers`).
-    pub server_type_key: Option<String>,
-    /// The traced process's own `OTEL_SERVICE_NAME`.
-    pub service_group: Option<String>,
-}
-
-/// What the agent's configuration adds to every traced process's resource.
-#[derive(Clone, Debug, Default)]
-pub struct AgentResource {
-    /// The agent's own `OTEL_SERVICE_NAME`/`--service-name`: the group of Gym servers that
-    /// do not set one, the name of processes that are not Gym servers.
-    pub service_name: Option<String>,
-    /// `--resource-attributes` / OTEL_RESOURCE_ATTRIBUTES: added to every resource, and
-    /// override `host.name` & co., never `service.name`, `nemo.gym.*` or `process.*`. Keys are leaked once at start
-    /// (a handful, for the agent's lifetime) so resources keep `&'static str` keys.
-    pub extra: Vec<(&'static str, String)>,
-}
-
-impl AgentResource {
-    pub fn new(service_name: Option<String>, extra: Vec<(String, String)>) -> Self {
-        let extra = extra
-            .into_iter()
-            .map(|(key, value)| (&*Box::leak(key.into_boxed_str()), value))
-            .collect();
-        Self {
-            service_name,
-            extra,
-        }
-    }
-
-    #[cfg(test)]
-    pub fn named(service_name: &str) -> Self {
-        Self::new(Some(service_name.to_owned()), Vec::new())
-    }
-}
-
-/// The resource of one traced process, in both the JSON-lines and the OTLP shape.
-#[derive(Debug)]
-pub struct ServiceIdentity {
-    pub pid: u32,
-    pub labels: GymLabels,
-    /// Flat resource attributes, sorted for stable output.
-    pub attributes: BTreeMap<&'static str, AttributeValue>,
-    pub resource: Resource,
-}
 
 fn read_trimmed(path: String) -> Option<String> {
     std::fs::read_to_string(path)
@@ -99,21 +48,21 @@ impl ServiceIdentity {
                     .or(agent_service_name)
                     .unwrap_or(DEFAULT_SERVICE_GROUP);
                 attributes.insert("service.name", text(&format!("{group}/{server_name}")));
-                attributes.insert("nemo.gym.service_group", text(group));
-                attributes.insert("nemo.gym.server.name", text(server_name));
+                attributes.insert(attr::GYM_SERVICE_GROUP, text(group));
+                attributes.insert(attr::GYM_SERVER_NAME, text(server_name));
             }
             None => {
                 let name = agent_service_name.unwrap_or(&executable);
-                attributes.insert("service.name", text(name));
+                attributes.insert(attr::SERVICE_NAME, text(name));
             }
         }
         let type_key = labels.server_type.map(ServerType::config_key);
         if let Some(key) = type_key.or(labels.server_type_key.as_deref()) {
-            attributes.insert("nemo.gym.server.type", text(key));
+            attributes.insert(attr::GYM_SERVER_TYPE, text(key));
         }
-        attributes.insert("process.pid", AttributeValue::Int(pid as i64));
+        attributes.insert(attr::PROCESS_PID, AttributeValue::Int(pid as i64));
         if let Some(parent) = parent {
-            attributes.insert("process.parent_pid", AttributeValue::Int(parent as i64));
+            attributes.insert(attr::PROCESS_PARENT_PID, AttributeValue::Int(parent as i64));
         }
         // The conventions: the base name of /proc/<pid>/exe's target, not `comm`.
         let path = executable_path(pid);
@@ -123,17 +72,20 @@ impl ServiceIdentity {
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_else(|| executable.clone());
         if let Some(path) = &path {
-            attributes.insert("process.executable.path", text(&path.to_string_lossy()));
+            attributes.insert(attr::PROCESS_EXECUTABLE_PATH, text(&path.to_string_lossy()));
         }
-        attributes.insert("process.executable.name", text(&executable_name));
-        attributes.insert("host.name", text(&host_name()));
-        attributes.insert("telemetry.distro.name", text("gym-tracer"));
-        attributes.insert("telemetry.distro.version", text(env!("CARGO_PKG_VERSION")));
+        attributes.insert(attr::PROCESS_EXECUTABLE_NAME, text(&executable_name));
+        attributes.insert(attr::HOST_NAME, text(&host_name()));
+        attributes.insert(attr::TELEMETRY_DISTRO_NAME, text("gym-tracer"));
+        attributes.insert(
+            attr::TELEMETRY_DISTRO_VERSION,
+            text(env!("CARGO_PKG_VERSION")),
+        );
         for (key, value) in &agent.extra {
             // What identifies the traced process is the agent's to say; the rest (host.name
             // in a pod, which sees the pod's hostname) the operator may correct.
-            let per_process = *key == "service.name"
-                || key.starts_with("nemo.gym.")
+            let per_process = *key == attr::SERVICE_NAME
+                || key.starts_with(attr::GYM_PREFIX)
                 || key.starts_with("process.");
             if per_process {
                 attributes.entry(*key).or_insert_with(|| text(value));
@@ -171,7 +123,7 @@ impl ServiceIdentity {
     #[cfg(test)]
     pub fn for_test(name: &str) -> Self {
         let mut attributes = BTreeMap::new();
-        attributes.insert("service.name", AttributeValue::Str(name.to_string()));
+        attributes.insert(attr::SERVICE_NAME, AttributeValue::Str(name.to_string()));
         Self::from_attributes(1, GymLabels::default(), attributes)
     }
 }

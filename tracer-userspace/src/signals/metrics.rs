@@ -11,14 +11,15 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use crate::classify::RequestMeaning;
-use crate::connections::{HttpExchange, Outcome};
-use crate::events::Role;
 use crate::export::{ExportTarget, meter_provider};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
-use crate::health::ExportStatus;
-use crate::identity::ServiceIdentity;
+use crate::model::exchange::HttpExchange;
+use crate::model::exchange::Outcome;
+use crate::model::exchange::Role;
+use crate::model::service::ServiceIdentity;
+use crate::ops::health::ExportStatus;
+use crate::signals::meaning::RequestMeaning;
 
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
@@ -127,6 +128,34 @@ struct ServiceMetrics {
     verify_succeeded: u64,
 }
 
+/// Where the per-request metrics go: the agent's OTel instruments, or nothing (the fuzzer).
+pub trait RequestMetrics {
+    fn record(
+        &mut self,
+        service: &ServiceIdentity,
+        exchange: &HttpExchange,
+        meaning: &RequestMeaning,
+        peer_service: Option<&str>,
+    );
+
+    /// The process exited: its instruments can go.
+    fn remove_service(&mut self, pid: u32);
+}
+
+/// Records nothing.
+impl RequestMetrics for () {
+    fn record(
+        &mut self,
+        _: &ServiceIdentity,
+        _: &HttpExchange,
+        _: &RequestMeaning,
+        _: Option<&str>,
+    ) {
+    }
+
+    fn remove_service(&mut self, _: u32) {}
+}
+
 pub struct Metrics {
     target: ExportTarget,
     interval: Duration,
@@ -215,7 +244,7 @@ impl Metrics {
 
     /// Stops a process's provider after one last export, off the runtime's workers: the
     /// process has exited, and nothing of it is kept.
-    pub fn remove_service(&mut self, pid: u32) {
+    fn remove_service_now(&mut self, pid: u32) {
         if let Some(service) = self.services.remove(&pid) {
             self.runtime.spawn_blocking(move || {
                 if let Err(error) = service.provider.shutdown() {
@@ -226,7 +255,7 @@ impl Metrics {
     }
 
     /// `peer_service`: the Gym server name of a call's peer, when known.
-    pub fn record(
+    fn record_now(
         &mut self,
         identity: &ServiceIdentity,
         exchange: &HttpExchange,
@@ -338,5 +367,21 @@ pub async fn shutdown_providers(providers: Vec<SdkMeterProvider>, timeout: Durat
              {count} meter provider(s); their last values are not exported",
             timeout.as_millis()
         );
+    }
+}
+
+impl RequestMetrics for Metrics {
+    fn record(
+        &mut self,
+        service: &ServiceIdentity,
+        exchange: &HttpExchange,
+        meaning: &RequestMeaning,
+        peer_service: Option<&str>,
+    ) {
+        self.record_now(service, exchange, meaning, peer_service);
+    }
+
+    fn remove_service(&mut self, pid: u32) {
+        self.remove_service_now(pid);
     }
 }

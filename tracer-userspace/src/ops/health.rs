@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-use crate::stats::Stats;
+use crate::ops::counters::CounterSnapshot;
 
 /// Requests served at once; more connections are closed at once.
 const MAX_CONNECTIONS: usize = 16;
@@ -184,7 +184,7 @@ pub struct Gauges {
 #[derive(Debug, Default)]
 pub struct Health {
     probes_attached: AtomicBool,
-    snapshot: Mutex<(Stats, Gauges)>,
+    snapshot: Mutex<(CounterSnapshot, Gauges)>,
     pub export: Arc<ExportStatus>,
 }
 
@@ -193,7 +193,7 @@ impl Health {
         self.probes_attached.store(attached, Ordering::Relaxed);
     }
 
-    pub fn publish(&self, stats: &Stats, gauges: Gauges) {
+    pub fn publish(&self, stats: &CounterSnapshot, gauges: Gauges) {
         let mut snapshot = self
             .snapshot
             .lock()
@@ -203,7 +203,7 @@ impl Health {
     }
 
     /// The last published counters and levels.
-    pub fn snapshot(&self) -> (Stats, Gauges) {
+    pub fn snapshot(&self) -> (CounterSnapshot, Gauges) {
         self.snapshot
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
@@ -419,10 +419,8 @@ mod tests {
     #[test]
     fn prometheus_text_has_every_counter_once() {
         let health = Health::default();
-        let stats = Stats {
-            events_in: 42,
-            ..Stats::default()
-        };
+        let mut stats = CounterSnapshot::default();
+        stats.pipeline.events_in = 42;
         health.publish(
             &stats,
             Gauges {

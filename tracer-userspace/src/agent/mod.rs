@@ -1,0 +1,532 @@
+//! The running agent: loads the probes, assembles the pipeline with its exporters, keeps the
+//! set of traced processes up to date (named PIDs, discovery, forks, exits), and handles
+//! signals and shutdown. The work itself is the pipeline core's ([`crate::pipeline`]).
+
+mod attach;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use aya::maps::MapData;
+use aya::maps::RingBuf;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use tokio::io::unix::AsyncFd;
+use tokio::runtime::Handle;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+
+use crate::config::cli::{Discover, Output, RunArgs};
+use crate::export::{ExportLimits, ExportTarget, SpanPipeline};
+use crate::kernel::loader::{LoadOptions, LoadedProbes, preflight};
+use crate::model::service::{AgentResource, GymLabels};
+use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
+use crate::ops::health::{Gauges, Health};
+use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
+use crate::processes::discovery::{GymServer, ProcScanner};
+use crate::processes::harvest::connect_address;
+use crate::signals::metrics::Metrics;
+use crate::stitch::StitchConfig;
+
+use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
+
+/// How often `--discover` rescans /proc: servers that start are traced within this.
+const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// How often held spans are checked for release.
+const RELEASE_TICK: Duration = Duration::from_millis(100);
+/// How often the counters behind /metrics and the self-telemetry are refreshed.
+const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
+/// The final export of the agent's own metrics, after the spans' and the servers' metrics'
+/// (each bounded by --shutdown-timeout): one attempt's worth.
+const SELF_TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
+
+type Ring = AsyncFd<RingBuf<MapData>>;
+
+/// The pipeline with what the agent adds around it: the kernel, the exporters, discovery and
+/// route harvests, and its own counters.
+struct Agent {
+    pipeline: Pipeline<Metrics>,
+    spans: SpanPipeline,
+    counters: AgentCounters,
+    scanner: Option<ProcScanner>,
+    health: Arc<Health>,
+    exporters: Handle,
+    /// Route harvests run on the exporters' runtime and report here.
+    harvests: mpsc::UnboundedSender<Result<Harvest, String>>,
+    harvest_routes: bool,
+}
+
+/// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
+/// talks to the network or stdout is spawned on (see `main::run_agent`).
+pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
+    check_pids(&args.pids)?;
+    let health = Arc::new(Health::default());
+    serve_health(&args, &exporters, &health).await?;
+    preflight()?;
+    let mut probes = LoadedProbes::load(&LoadOptions {
+        capture_bytes: args.capture_bytes,
+        ring_buffer_bytes: args.ring_buffer_bytes,
+    })?;
+    if let Err(why) = &probes.features.socket_addresses {
+        tracing::warn!("connection addresses are off ({why}); spans will lack client.address");
+    }
+    // SAFETY: the ring buffer owns its map fd and keeps it open until it is dropped, which
+    // happens only when the AsyncFd is.
+    let mut ring = unsafe { AsyncFd::register(probes.take_ring_buffer()?) }
+        .map_err(|error| anyhow::anyhow!("polling the ring buffer: {error}"))?;
+    let target = export_target(&args);
+    let agent_resource = AgentResource::new(
+        args.service_name.clone(),
+        args.resource_attributes
+            .clone()
+            .map(|list| list.0)
+            .unwrap_or_default(),
+    );
+    let self_telemetry = crate::ops::telemetry::start(
+        &exporters,
+        &target,
+        &agent_resource,
+        Duration::from_secs(args.metric_interval),
+        health.clone(),
+    )?;
+    let (harvests, mut harvest_results) = mpsc::unbounded_channel();
+    let mut agent = Agent {
+        pipeline: Pipeline::new(
+            pipeline_config(&args, agent_resource),
+            Metrics::new(
+                target.clone(),
+                Duration::from_secs(args.metric_interval),
+                exporters.clone(),
+                health.export.clone(),
+            ),
+        ),
+        spans: SpanPipeline::start(
+            &exporters,
+            &target,
+            export_limits(&args),
+            health.export.clone(),
+        )?,
+        counters: AgentCounters::default(),
+        scanner: args
+            .discover
+            .map(|Discover::Gym| ProcScanner::new(PathBuf::from("/proc"))),
+        health,
+        exporters,
+        harvests,
+        harvest_routes: !args.no_route_harvest,
+    };
+    for &pid in &args.pids {
+        let (labels, server) = labels_of_named(pid, &args);
+        agent.attach(&mut probes, pid, labels, server)?;
+    }
+    agent.discover(&mut probes);
+    if let Some(path) = &args.ready_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("writing the ready file {}", path.display()))?;
+    }
+    log_start(&args, &target);
+    agent.health.set_probes_attached(true);
+    agent
+        .run_until_stopped(&mut probes, &mut ring, &mut harvest_results)
+        .await?;
+    // Detach first so nothing new arrives, then take what is still on the ring.
+    let lost = probes.lost_events_by_cpu();
+    drop(probes);
+    let snapshot = agent.drain_and_release(&mut ring, lost);
+    agent.shutdown(snapshot, self_telemetry, &args).await
+}
+
+async fn serve_health(args: &RunArgs, exporters: &Handle, health: &Arc<Health>) -> Result<()> {
+    if let Some(listen) = args.health_listen {
+        // Up before the probes, so a readiness probe sees 503 until they are attached.
+        let bound = exporters
+            .spawn(crate::ops::health::serve(listen.0, health.clone()))
+            .await
+            .context("starting the health endpoint")??;
+        tracing::info!("serving /healthz and /metrics on http://{bound}");
+    }
+    Ok(())
+}
+
+fn export_target(args: &RunArgs) -> ExportTarget {
+    match crate::config::otlp_options(args) {
+        Some(options) => ExportTarget::Otlp(options),
+        None => match args.output {
+            Output::Json => ExportTarget::JsonLines,
+            Output::Tree => ExportTarget::Tree,
+        },
+    }
+}
+
+fn export_limits(args: &RunArgs) -> ExportLimits {
+    ExportLimits {
+        batch_size: args.export_batch_size,
+        queue_size: args.export_queue_size,
+        buffer_spans: args.export_buffer_spans,
+        shutdown_timeout: Duration::from_millis(args.shutdown_timeout),
+    }
+}
+
+fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineConfig {
+    PipelineConfig {
+        max_connections: args.max_connections,
+        routes: args.routes.clone(),
+        agent_resource,
+        groups: args.span_groups,
+        stitch: StitchConfig {
+            delay: Duration::from_millis(args.stitch_delay_ms),
+            max_pending: args.max_pending_spans,
+            max_nodes: args.max_pending_spans.saturating_mul(4),
+        },
+        child_is_process: is_process,
+    }
+}
+
+fn log_start(args: &RunArgs, target: &ExportTarget) {
+    tracing::info!(
+        "{} → {}",
+        match (&args.discover, args.pids.len()) {
+            (Some(Discover::Gym), 0) => "watching for Gym servers".to_string(),
+            (Some(Discover::Gym), n) =>
+                format!("tracing {n} named process(es) and watching for Gym servers"),
+            (None, n) => format!("tracing {n} named process(es)"),
+        },
+        match target {
+            ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
+            ExportTarget::Tree => "a tree per trace on stdout".to_string(),
+            ExportTarget::Otlp(otlp) => format!(
+                "OTLP {:?} {}",
+                otlp.protocol,
+                crate::config::printable_endpoint(&otlp.endpoint)
+            ),
+        }
+    );
+}
+
+impl Agent {
+    /// The event loop: the ring buffer, timers, harvest results and signals, until SIGINT,
+    /// SIGTERM, or every traced process has exited.
+    async fn run_until_stopped(
+        &mut self,
+        probes: &mut LoadedProbes,
+        ring: &mut Ring,
+        harvest_results: &mut mpsc::UnboundedReceiver<Result<Harvest, String>>,
+    ) -> Result<()> {
+        let every = |period: Duration| {
+            let mut interval = tokio::time::interval(period);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval
+        };
+        let mut publish = every(HEALTH_PUBLISH_INTERVAL);
+        let mut release = every(RELEASE_TICK);
+        let mut rescan = every(DISCOVERY_INTERVAL);
+        // The kernel wakes the agent only when a lot is waiting (RING_WAKEUP_BYTES); otherwise
+        // the ring is drained on a short timer. Waking per record was most of the agent's CPU.
+        let mut drain = every(Duration::from_millis(tracer_abi::RING_DRAIN_INTERVAL_MS));
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        loop {
+            tokio::select! {
+                readable = ring.readable_mut() => {
+                    let mut guard = readable.context("waiting on the ring buffer")?;
+                    self.drain(guard.get_inner_mut());
+                    guard.clear_ready();
+                }
+                _ = drain.tick() => self.drain(ring.get_mut()),
+                _ = release.tick() => self.pipeline.release(Instant::now()),
+                _ = publish.tick() => self.publish(probes.lost_events_by_cpu()),
+                _ = rescan.tick(), if self.scanner.is_some() => self.discover(probes),
+                Some(result) = harvest_results.recv() => self.harvested(result),
+                _ = interrupt.recv() => break,
+                _ = terminate.recv() => break,
+            }
+            self.apply_output(probes);
+            if self.scanner.is_none() && self.pipeline.processes.is_empty() {
+                tracing::info!("every traced process has exited");
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn drain(&mut self, ring: &mut RingBuf<MapData>) {
+        let now = Instant::now();
+        while let Some(record) = ring.next() {
+            self.pipeline.handle_record(&record, now, &mut ());
+        }
+    }
+
+    /// Hands the pipeline's output on: released spans to the exporters, sockets and
+    /// processes to stop following to the kernel.
+    fn apply_output(&mut self, probes: &mut LoadedProbes) {
+        let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
+        self.counters.spans_queued += queued as u64;
+        self.counters.spans_dropped_queue_full += dropped as u64;
+        for (socket, conn_id) in std::mem::take(&mut self.pipeline.output.untrack) {
+            probes.untrack_socket(socket.pid, socket.fd, conn_id);
+        }
+        for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
+            match change {
+                Lifecycle::NotAProcess(pid) => probes.untrace_pid(pid),
+                Lifecycle::Exited(pid) => self.forget(probes, pid),
+                Lifecycle::Execd(pid) => log_exec(pid, &self.pipeline),
+            }
+        }
+    }
+
+    fn attach(
+        &mut self,
+        probes: &mut LoadedProbes,
+        pid: u32,
+        labels: GymLabels,
+        server: Option<GymServer>,
+    ) -> Result<()> {
+        probes.trace_pid(pid)?;
+        let process = self.pipeline.processes.attach(pid, labels);
+        self.counters.processes_attached += 1;
+        tracing::info!(pid, "attached pid {pid} as {}", process.identity.labels);
+        // Callers name this server as `peer.service` by the address they connect to.
+        // (Only literal addresses: a host name would need a DNS lookup here.)
+        if let Some(server) = &server
+            && let Some(port) = server.port
+        {
+            let host = server.host.as_deref();
+            if host.is_none_or(|h| h == "localhost" || h.parse::<std::net::IpAddr>().is_ok()) {
+                self.pipeline
+                    .name_peer(connect_address(host, port), &server.name);
+            }
+        }
+        if self.harvest_routes {
+            let self_ports = self.pipeline.self_ports.clone();
+            spawn_harvest(
+                &self.exporters,
+                pid,
+                server,
+                self_ports,
+                self.harvests.clone(),
+            );
+        }
+        Ok(())
+    }
+
+    /// One `--discover` scan: exits first (a pid that was reused, or re-exec'd as another
+    /// server, is in both), then the servers that started.
+    fn discover(&mut self, probes: &mut LoadedProbes) {
+        let Some(scanner) = self.scanner.as_mut() else {
+            return;
+        };
+        let found = scanner.scan();
+        for pid in found.exited {
+            self.forget(probes, pid);
+        }
+        for (pid, error) in &found.config_errors {
+            tracing::warn!(pid, "pid {pid}: {error}");
+        }
+        for (pid, server) in found.started {
+            if self.pipeline.processes.contains(pid) {
+                continue;
+            }
+            let name = server.name.clone();
+            // A server found later must not stop the agent (the kernel's PID filter may be
+            // full of a traced process's children): it is reported and the rest traced.
+            if let Err(error) = self.attach(probes, pid, labels_of(&server), Some(server)) {
+                self.counters.processes_not_traced += 1;
+                tracing::warn!(
+                    pid,
+                    "pid {pid} ({name}) is not traced: {error:#}; the PID filter holds {} \
+                     processes, children of traced servers included",
+                    tracer_abi::MAX_TRACED_PIDS
+                );
+            }
+        }
+    }
+
+    fn harvested(&mut self, result: Result<Harvest, String>) {
+        match result {
+            Ok(Harvest { root, templates }) => {
+                self.counters.route_tables_harvested += 1;
+                self.pipeline
+                    .processes
+                    .set_harvested_routes(root, &templates);
+                // Requests served before this line are named from Gym's known routes only.
+                tracing::info!(
+                    pid = root,
+                    "pid {root}: {} route templates from its /openapi.json",
+                    templates.len()
+                );
+            }
+            Err(message) => {
+                self.counters.route_harvests_failed += 1;
+                tracing::warn!("{message}; naming routes from Gym's known routes");
+            }
+        }
+    }
+
+    /// A traced process exited: stop filtering it and free what was kept for it.
+    fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
+        probes.untrace_pid(pid);
+        if self.pipeline.forget(pid) {
+            self.counters.processes_exited += 1;
+            tracing::info!(pid, "pid {pid} exited");
+        }
+    }
+
+    /// Every stage's counters as of now.
+    fn snapshot(&self, events_lost_by_cpu: Vec<u64>) -> CounterSnapshot {
+        CounterSnapshot {
+            host: HostCounters {
+                events_lost_in_kernel: events_lost_by_cpu.iter().sum(),
+                environ_unreadable: self.scanner.as_ref().map_or(0, ProcScanner::unreadable),
+            },
+            pipeline: self.pipeline.counters,
+            reassembly: self.pipeline.table.counters,
+            stitch: self.pipeline.stitcher.counters,
+            agent: self.counters,
+            events_lost_by_cpu,
+        }
+    }
+
+    /// Makes the counters and levels of now readable by /metrics and the self-telemetry.
+    fn publish(&mut self, events_lost_by_cpu: Vec<u64>) {
+        let snapshot = self.snapshot(events_lost_by_cpu);
+        self.health.publish(
+            &snapshot,
+            Gauges {
+                processes_traced: self.pipeline.processes.len() as u64,
+                connections_tracked: self.pipeline.table.open_connections() as u64,
+                spans_pending: self.pipeline.stitcher.held() as u64,
+                resident_memory_bytes: resident_memory_bytes(),
+            },
+        );
+    }
+
+    /// Takes what is still on the ring (the probes are detached) and releases every held
+    /// span.
+    fn drain_and_release(&mut self, ring: &mut Ring, lost: Vec<u64>) -> CounterSnapshot {
+        self.drain(ring.get_mut());
+        self.pipeline.release_all();
+        let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
+        self.counters.spans_queued += queued as u64;
+        self.counters.spans_dropped_queue_full += dropped as u64;
+        self.snapshot(lost)
+    }
+
+    /// Flushes spans and metrics (side by side, each within --shutdown-timeout; the agent's
+    /// own metrics last, so that they count what the flush dropped), then reports every
+    /// counter: the `stopped.` line and the summary file.
+    async fn shutdown(
+        self,
+        snapshot: CounterSnapshot,
+        self_telemetry: Option<SdkMeterProvider>,
+        args: &RunArgs,
+    ) -> Result<()> {
+        let in_flight = self.pipeline.table.in_flight_requests() as u64;
+        let open_connections = self.pipeline.table.open_connections() as u64;
+        let Agent {
+            pipeline,
+            spans,
+            health,
+            ..
+        } = self;
+        let metrics = pipeline.into_metrics();
+        let shutdown_timeout = Duration::from_millis(args.shutdown_timeout);
+        let (totals, ()) = tokio::join!(spans.shutdown(), metrics.shutdown(shutdown_timeout));
+        if let Some(provider) = self_telemetry {
+            health.publish(&snapshot, health.snapshot().1);
+            crate::signals::metrics::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN)
+                .await;
+        }
+        if let Some(path) = &args.ready_file {
+            let _ = std::fs::remove_file(path);
+        }
+        let mut counters = snapshot.counters();
+        counters.extend(health.export.counters());
+        counters.extend([
+            (
+                "metric_exports_failed",
+                health.export.metric_exports_failed(),
+            ),
+            ("requests_in_flight_at_exit", in_flight),
+            ("connections_open_at_exit", open_connections),
+        ]);
+        if let Some(tree) = &totals.tree {
+            counters.extend(tree.counters());
+        }
+        let line: Vec<String> = counters
+            .iter()
+            .map(|(name, value)| format!("{name}={value}"))
+            .chain([format!(
+                "events_lost_by_cpu={}",
+                lost_by_cpu(&snapshot.events_lost_by_cpu)
+            )])
+            .collect();
+        tracing::info!("stopped. {}", line.join(" "));
+        if let Some(path) = &args.summary_file {
+            write_summary(path, &counters, &snapshot.events_lost_by_cpu)?;
+        }
+        Ok(())
+    }
+}
+
+/// `cpu:lost` pairs, e.g. `0:0,1:12`.
+fn lost_by_cpu(lost: &[u64]) -> String {
+    let pairs: Vec<String> = lost
+        .iter()
+        .enumerate()
+        .map(|(cpu, lost)| format!("{cpu}:{lost}"))
+        .collect();
+    pairs.join(",")
+}
+
+fn log_exec(pid: u32, pipeline: &Pipeline<Metrics>) {
+    let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let labels = pipeline
+        .processes
+        .get(pid)
+        .map(|process| process.identity.labels.to_string())
+        .unwrap_or_default();
+    tracing::info!(
+        pid,
+        "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {labels}",
+        program.trim_end(),
+    );
+}
+
+/// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.
+fn write_summary(path: &Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> Result<()> {
+    let counters: serde_json::Map<String, serde_json::Value> = counters
+        .iter()
+        .map(|(name, value)| ((*name).to_string(), (*value).into()))
+        .collect();
+    let summary = serde_json::json!({ "counters": counters, "events_lost_by_cpu": lost_by_cpu });
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, format!("{summary}\n"))
+        .and_then(|()| std::fs::rename(&partial, path))
+        .with_context(|| format!("writing the summary file {}", path.display()))
+}
+
+/// The agent's resident set size (VmRSS), 0 if /proc cannot say.
+fn resident_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
+}
+
+/// A fork event's child is a process (not a thread) if it leads its own thread group.
+fn is_process(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Tgid:"))
+                .and_then(|tgid| tgid.trim().parse::<u32>().ok())
+        })
+        == Some(pid)
+}

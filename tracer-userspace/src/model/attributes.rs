@@ -1,0 +1,36 @@
+//! Attribute keys, spelled once: the OpenTelemetry semantic conventions (HTTP, URL, service,
+//! process, host) and Gym's own `nemo.gym.*` keys as Gym's telemetry writes them.
+
+// Resource.
+pub const SERVICE_NAME: &str = "service.name";
+pub const HOST_NAME: &str = "host.name";
+pub const PROCESS_PID: &str = "process.pid";
+pub const PROCESS_PARENT_PID: &str = "process.parent_pid";
+pub const PROCESS_EXECUTABLE_PATH: &str = "process.executable.path";
+pub const PROCESS_EXECUTABLE_NAME: &str = "process.executable.name";
+pub const TELEMETRY_DISTRO_NAME: &str = "telemetry.distro.name";
+pub const TELEMETRY_DISTRO_VERSION: &str = "telemetry.distro.version";
+
+// HTTP spans and metrics.
+pub const HTTP_REQUEST_METHOD: &str = "http.request.method";
+pub const HTTP_RESPONSE_STATUS_CODE: &str = "http.response.status_code";
+pub const HTTP_ROUTE: &str = "http.route";
+pub const URL_PATH: &str = "url.path";
+pub const URL_SCHEME: &str = "url.scheme";
+pub const URL_FULL: &str = "url.full";
+pub const SERVER_ADDRESS: &str = "server.address";
+pub const SERVER_PORT: &str = "server.port";
+pub const CLIENT_ADDRESS: &str = "client.address";
+pub const NETWORK_PROTOCOL_VERSION: &str = "network.protocol.version";
+pub const NETWORK_PEER_PORT: &str = "network.peer.port";
+pub const USER_AGENT_ORIGINAL: &str = "user_agent.original";
+pub const ERROR_TYPE: &str = "error.type";
+pub const PEER_SERVICE: &str = "peer.service";
+
+// Gym (`nemo_gym` / nemo-lens).
+pub const GYM_ROLLOUT_ID: &str = "nemo.gym.rollout.id";
+pub const GYM_SERVER_NAME: &str = "nemo.gym.server.name";
+pub const GYM_SERVER_TYPE: &str = "nemo.gym.server.type";
+pub const GYM_SERVICE_GROUP: &str = "nemo.gym.service_group";
+/// Keys under this prefix are Gym's: the agent's `--resource-attributes` cannot override them.
+pub const GYM_PREFIX: &str = "nemo.gym.";

@@ -1,0 +1,127 @@
+//! One HTTP request and its outcome, as reassembly hands it on: who sent it (process, role,
+//! addresses), its head, and how it ended.
+
+use std::net::SocketAddr;
+
+use crate::gym::rollout_id::RolloutId;
+
+use super::ids::SpanId;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The traced process accepted the connection.
+    Server,
+    /// The traced process connected out.
+    Client,
+}
+
+/// The parts of a request head the tracer uses. Bodies are never kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestHead {
+    pub method: String,
+    /// Path without the query string: queries can carry secrets and are never exported.
+    pub path: String,
+    pub version_minor: u8,
+    pub host: Option<String>,
+    pub user_agent: Option<String>,
+    pub traceparent: Option<String>,
+    pub expects_continue: bool,
+    /// The head did not fit in the capture: some headers may be missing.
+    pub truncated: bool,
+}
+
+impl RequestHead {
+    /// Bytes it holds on the heap, for the per-connection bound on requests in flight.
+    pub fn heap_bytes(&self) -> usize {
+        let optional = |value: &Option<String>| value.as_ref().map_or(0, String::len);
+        self.method.len()
+            + self.path.len()
+            + optional(&self.host)
+            + optional(&self.user_agent)
+            + optional(&self.traceparent)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResponseHead {
+    pub status: u16,
+    pub version_minor: u8,
+}
+
+/// A connection in one traced process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SocketId {
+    pub pid: u32,
+    pub fd: i32,
+}
+
+/// Why an exchange ended without a response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortReason {
+    /// The connection closed before the response was complete.
+    ConnectionClosed,
+    /// The traced process exited.
+    ProcessExited,
+    /// The traced process replaced its program (`execve`), closing its sockets.
+    ProcessExec,
+    /// Too many requests were in flight on the connection.
+    Overflow,
+    /// The connection table was full and this connection was the least recently active.
+    Evicted,
+}
+
+impl AbortReason {
+    /// The `error.type` value exported for it.
+    pub fn as_error_type(self) -> &'static str {
+        match self {
+            AbortReason::ConnectionClosed => "connection_closed",
+            AbortReason::ProcessExited => "process_exited",
+            AbortReason::ProcessExec => "process_exec",
+            AbortReason::Overflow => "tracer_overflow",
+            AbortReason::Evicted => "tracer_evicted",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Response(ResponseHead),
+    Aborted(AbortReason),
+}
+
+/// One request and what became of it: the unit from which spans and metrics are built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpExchange {
+    pub pid: u32,
+    pub role: Role,
+    pub local: Option<SocketAddr>,
+    pub peer: Option<SocketAddr>,
+    pub request: RequestHead,
+    pub outcome: Outcome,
+    /// Monotonic ns when the request's first byte moved.
+    pub start_ns: u64,
+    /// Monotonic ns when the response's last byte moved (or the abort was seen).
+    pub end_ns: u64,
+    /// The rollout id named by the request body, for requests whose body was kept (see
+    /// [`ConnectionTable::new`]).
+    pub run_rollout_id: Option<RolloutId>,
+    /// Given when the request started (see [`TableAction::Started`]).
+    pub span_id: SpanId,
+}
+
+/// A request whose head was just seen. Its span id exists from now on, so that the calls it
+/// makes and the server that receives it can refer to it before it ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestStart {
+    pub pid: u32,
+    pub role: Role,
+    pub local: Option<SocketAddr>,
+    pub peer: Option<SocketAddr>,
+    /// Which request of its connection this is (0 for the first): the client and the server
+    /// of one connection count the same requests in the same order.
+    pub sequence: u64,
+    pub span_id: SpanId,
+    pub method: String,
+    pub path: String,
+    pub traceparent: Option<String>,
+}

@@ -1,0 +1,11 @@
+//! The messages that flow between the pipeline's stages: ids, the HTTP exchange reassembly
+//! hands on, the span record every exporter receives, a traced process's identity, the
+//! attribute keys of the semantic conventions, and the counters every stage keeps. Every
+//! stage imports this leaf; it imports nothing of theirs (only Gym's value types from `gym`).
+
+pub mod attributes;
+pub mod counters;
+pub mod exchange;
+pub mod ids;
+pub mod service;
+pub mod span;

@@ -1,0 +1,109 @@
+//! One snapshot of every stage's counters: what came in, what was exported, and everything
+//! dropped, by reason. `/metrics`, the self-telemetry, the `stopped.` line and the summary
+//! file all read it, so that no loss is silent and no two places name a counter differently.
+
+use std::fmt;
+
+use crate::model::counters::{Counters, counters};
+use crate::pipeline::PipelineCounters;
+use crate::reassembly::connections::ReassemblyCounters;
+use crate::stitch::StitchCounters;
+
+counters! {
+    /// What the agent itself counts around the pipeline: processes it attached and lost,
+    /// route harvests, and the hand-off of spans to the exporters.
+    pub struct AgentCounters {
+        processes_attached,
+        processes_exited,
+        /// Discovered servers that could not be added to the kernel's PID filter (full).
+        processes_not_traced,
+        route_tables_harvested,
+        route_harvests_failed,
+        spans_queued,
+        spans_dropped_queue_full,
+    }
+}
+
+counters! {
+    /// What the kernel and /proc report.
+    pub struct HostCounters {
+        /// Records the kernel could not put on the full ring buffer (summed over CPUs).
+        events_lost_in_kernel,
+        /// Processes whose environment discovery could not read.
+        environ_unreadable,
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    pub host: HostCounters,
+    pub pipeline: PipelineCounters,
+    pub reassembly: ReassemblyCounters,
+    pub stitch: StitchCounters,
+    pub agent: AgentCounters,
+    /// Records lost per CPU (index = CPU number): a CPU that loses alone points at a hot core.
+    pub events_lost_by_cpu: Vec<u64>,
+}
+
+impl Counters for CounterSnapshot {
+    fn for_each(&self, visit: &mut dyn FnMut(&'static str, u64)) {
+        self.host.for_each(visit);
+        self.pipeline.for_each(visit);
+        self.reassembly.for_each(visit);
+        self.stitch.for_each(visit);
+        self.agent.for_each(visit);
+    }
+}
+
+impl CounterSnapshot {
+    /// Every counter by name, in the order they are printed. The names are the keys of the
+    /// shutdown line and the summary file and, prefixed `gym_tracer_` with `_total`, the
+    /// Prometheus counters.
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        let mut all = Vec::with_capacity(48);
+        self.for_each(&mut |name, value| all.push((name, value)));
+        all
+    }
+}
+
+impl fmt::Display for CounterSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, (name, value)) in self.counters().iter().enumerate() {
+            let separator = if index == 0 { "" } else { " " };
+            write!(f, "{separator}{name}={value}")?;
+        }
+        // `cpu:lost` pairs, e.g. `events_lost_by_cpu=0:0,1:12`.
+        f.write_str(" events_lost_by_cpu=")?;
+        for (cpu, lost) in self.events_lost_by_cpu.iter().enumerate() {
+            let separator = if cpu == 0 { "" } else { "," };
+            write!(f, "{separator}{cpu}:{lost}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn every_counter_has_one_name() {
+        let names: Vec<_> = CounterSnapshot::default()
+            .counters()
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        let unique: HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "a name twice: {names:?}");
+        for name in [
+            "events_in",
+            "parse_not_http",
+            "parents_ambiguous",
+            "spans_queued",
+        ] {
+            assert!(names.contains(&name), "{name} missing");
+        }
+    }
+}

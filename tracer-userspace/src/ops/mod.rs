@@ -1,0 +1,9 @@
+//! Operating the agent: its counters, /healthz and /metrics, its own telemetry and log, and
+//! the `doctor` and `reference` commands.
+
+pub mod counters;
+pub mod doctor;
+pub mod health;
+pub mod logging;
+pub mod reference;
+pub mod telemetry;

@@ -1,0 +1,347 @@
+//! The pipeline core: kernel records in; finished spans, metric recordings and instructions
+//! for the kernel out. No I/O of its own: the agent drives it with the ring buffer and hands
+//! its output to the exporters and the probes; the fuzz target ([`replay`]) drives the very
+//! same code with scripted records and checks its invariants through an [`Observer`].
+//!
+//! Per record: `kernel::events::decode` → `reassembly::connections::ConnectionTable::apply`
+//! (request starts, bodies' rollout ids, finished exchanges) → at a start, the stitcher learns
+//! the request; at an end, `signals` gives it its meaning, metrics and spans, which the
+//! stitcher holds until their parents and trace ids are decided, then releases.
+
+pub mod replay;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
+use crate::gym::span_groups::{SpanGroup, SpanGroups};
+use crate::kernel::events::{KernelEvent, decode};
+use crate::model::counters::counters;
+use crate::model::exchange::{HttpExchange, RequestStart, Role, SocketId};
+use crate::model::ids::SpanId;
+use crate::model::service::AgentResource;
+use crate::model::span::SpanRecord;
+use crate::processes::ProcessTable;
+use crate::processes::harvest::SelfPorts;
+use crate::reassembly::connections::{ConnectionTable, TableAction};
+use crate::signals::clock::WallClock;
+use crate::signals::meaning::{classify, semantic_at_start, wants_run_body};
+use crate::signals::metrics::RequestMetrics;
+use crate::signals::spans::{RequestView, request_spans};
+use crate::stitch::{StartFacts, StitchConfig, Stitcher};
+
+/// Server addresses remembered for `peer.service`. A server listening on a wildcard
+/// address is reached at as many local addresses as a peer chooses (all of 127/8), so this
+/// is bounded; past it a server's new address is not named (counted: peer_names_dropped).
+pub const MAX_PEER_NAMES: usize = 4096;
+
+counters! {
+    /// What the core itself counts (each stage it drives counts its own).
+    pub struct PipelineCounters {
+        events_in,
+        events_undecodable,
+        exchanges,
+        /// Requests named by their method alone: past the per-process cap on guessed routes.
+        requests_unnamed,
+        /// The agent's own requests to the servers (route harvest), not exported.
+        self_requests_ignored,
+        /// Traced processes that replaced their program (`execve`); their connections ended.
+        processes_execd,
+        forks_followed,
+        /// Fork events that were new threads of a traced process, not new processes.
+        fork_threads_ignored,
+        /// Server addresses not remembered for `peer.service`: past [`MAX_PEER_NAMES`].
+        peer_names_dropped,
+    }
+}
+
+/// Sees what flows between the stages, for checks the core itself does not make (the fuzz
+/// target's invariants). Every method defaults to nothing.
+pub trait Observer {
+    /// A record decoded into an event, before any stage saw it.
+    fn event(&mut self, _event: &KernelEvent<'_>) {}
+    /// The connection table started a request.
+    fn started(&mut self, _start: &RequestStart) {}
+    /// A started request's body named its rollout.
+    fn body_rollout(&mut self, _request: SpanId) {}
+    /// The table gave up a socket (the kernel is told to stop capturing it).
+    fn untracked(&mut self, _socket: SocketId) {}
+    /// A request ended (with or without a response).
+    fn ended(&mut self, _exchange: &HttpExchange) {}
+    /// The spans built for one ended request, before the stitcher holds them.
+    fn built(&mut self, _spans: &[SpanRecord]) {}
+}
+
+impl Observer for () {}
+
+/// What happened to a traced process, for the driver to act on between ring-buffer batches
+/// (they involve the kernel's PID filter and /proc).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    Exited(u32),
+    /// Replaced its program; it stays traced, the connections the exec closed are ended.
+    Execd(u32),
+    /// A fork event that was a thread or a child that could not be adopted: take it out of
+    /// the kernel filter again.
+    NotAProcess(u32),
+}
+
+/// What the pipeline hands back to its driver. Drained by the driver after each batch.
+#[derive(Default)]
+pub struct PipelineOutput {
+    /// Spans the stitcher let go of, complete with trace ids and parents.
+    pub released: Vec<SpanRecord>,
+    /// Sockets to stop capturing in the kernel (`pid`, `fd`, `conn_id`).
+    pub untrack: Vec<(SocketId, u64)>,
+    pub lifecycle: Vec<Lifecycle>,
+}
+
+pub struct PipelineConfig {
+    pub max_connections: usize,
+    /// `--routes`: templates that name requests before Gym's known routes and the harvest.
+    pub routes: Vec<RouteTemplate>,
+    pub agent_resource: AgentResource,
+    pub groups: SpanGroups,
+    pub stitch: StitchConfig,
+    /// Whether a forked child leads its own thread group (a thread is not adopted).
+    pub child_is_process: fn(u32) -> bool,
+}
+
+/// Everything downstream of the ring buffer and upstream of the exporters.
+pub struct Pipeline<M: RequestMetrics> {
+    clock: WallClock,
+    pub table: ConnectionTable,
+    pub processes: ProcessTable,
+    groups: SpanGroups,
+    /// Port pairs of the agent's own route harvests (shared with the harvest tasks).
+    pub self_ports: SelfPorts,
+    metrics: M,
+    pub stitcher: Stitcher,
+    /// Requests the agent itself made (route harvests), dropped when they end.
+    own_requests: HashSet<SpanId>,
+    /// Listening addresses of traced Gym servers → server name, for `peer.service`.
+    peer_names: HashMap<SocketAddr, String>,
+    child_is_process: fn(u32) -> bool,
+    pub counters: PipelineCounters,
+    pub output: PipelineOutput,
+    exchanges: Vec<HttpExchange>,
+    actions: Vec<TableAction>,
+    span_batch: Vec<SpanRecord>,
+}
+
+impl<M: RequestMetrics> Pipeline<M> {
+    pub fn new(config: PipelineConfig, metrics: M) -> Self {
+        Self {
+            clock: WallClock::measure(),
+            table: ConnectionTable::new(config.max_connections).reading_run_bodies(wants_run_body),
+            processes: ProcessTable::new(config.routes, config.agent_resource),
+            groups: config.groups,
+            self_ports: SelfPorts::new(),
+            metrics,
+            stitcher: Stitcher::new(config.stitch),
+            own_requests: HashSet::new(),
+            peer_names: HashMap::new(),
+            child_is_process: config.child_is_process,
+            counters: PipelineCounters::default(),
+            output: PipelineOutput::default(),
+            exchanges: Vec::new(),
+            actions: Vec::new(),
+            span_batch: Vec::new(),
+        }
+    }
+
+    /// One ring-buffer record, at `now` (the stitcher's clock).
+    pub fn handle_record(&mut self, bytes: &[u8], now: Instant, observer: &mut impl Observer) {
+        self.counters.events_in += 1;
+        let Ok(event) = decode(bytes) else {
+            self.counters.events_undecodable += 1;
+            return;
+        };
+        observer.event(&event);
+        match event {
+            KernelEvent::ProcessExit { pid, .. } => {
+                self.output.lifecycle.push(Lifecycle::Exited(pid));
+            }
+            KernelEvent::ProcessExec { pid, .. } if self.processes.contains(pid) => {
+                self.counters.processes_execd += 1;
+                self.output.lifecycle.push(Lifecycle::Execd(pid));
+            }
+            // Adopted at once: the child's own records may follow in this same batch.
+            KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
+            _ => {}
+        }
+        self.table
+            .apply(&event, &mut self.exchanges, &mut self.actions);
+        // Starts first: a request's span id must be known before anything refers to it.
+        let mut actions = std::mem::take(&mut self.actions);
+        for action in actions.drain(..) {
+            match action {
+                TableAction::Started(start) => {
+                    observer.started(&start);
+                    self.start_request(&start, now);
+                }
+                TableAction::RolloutFromBody {
+                    span_id,
+                    rollout_id,
+                } => {
+                    observer.body_rollout(span_id);
+                    self.stitcher.set_rollout(span_id, rollout_id);
+                }
+                TableAction::Untrack { id, conn_id } => {
+                    observer.untracked(id);
+                    self.output.untrack.push((id, conn_id));
+                }
+            }
+        }
+        self.actions = actions;
+        let mut exchanges = std::mem::take(&mut self.exchanges);
+        for exchange in exchanges.drain(..) {
+            observer.ended(&exchange);
+            self.end_request(&exchange, now, observer);
+        }
+        self.exchanges = exchanges;
+    }
+
+    /// Releases the spans whose stitch delay has passed (called on a timer).
+    pub fn release(&mut self, now: Instant) {
+        self.stitcher.release(now, &mut self.output.released);
+    }
+
+    /// Releases every held span (shutdown).
+    pub fn release_all(&mut self) {
+        self.stitcher.release_all(&mut self.output.released);
+    }
+
+    /// Names `address` as server `name` for `peer.service`, within [`MAX_PEER_NAMES`]; a
+    /// server that took over an address renames it.
+    pub fn name_peer(&mut self, address: SocketAddr, name: &str) {
+        if self.peer_names.get(&address).map(String::as_str) == Some(name) {
+            return;
+        }
+        if self.peer_names.len() < MAX_PEER_NAMES || self.peer_names.contains_key(&address) {
+            self.peer_names.insert(address, name.to_string());
+        } else {
+            self.counters.peer_names_dropped += 1;
+        }
+    }
+
+    /// The metrics recorder back, for its final flush.
+    pub fn into_metrics(self) -> M {
+        self.metrics
+    }
+
+    /// A traced process is gone: free what was kept for it.
+    pub fn forget(&mut self, pid: u32) -> bool {
+        let known = self.processes.remove(pid).is_some();
+        if known {
+            self.metrics.remove_service(pid);
+        }
+        known
+    }
+
+    fn start_request(&mut self, start: &RequestStart, now: Instant) {
+        if start.role == Role::Server && self.is_own(start) {
+            self.own_requests.insert(start.span_id);
+            return;
+        }
+        let Some(process) = self.processes.get_mut(start.pid) else {
+            return;
+        };
+        let stripped = strip_rollout_prefix(&start.path);
+        let rollout_id = stripped.rollout_id;
+        let facts = match start.role {
+            Role::Server => {
+                let semantic = semantic_at_start(process, &start.method, stripped.route_path);
+                let server_name = process.identity.server_name().map(str::to_owned);
+                let facts = StartFacts {
+                    rollout_id,
+                    emits_own: self.groups.contains(SpanGroup::Server),
+                    emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
+                };
+                if let (Some(local), Some(name)) = (start.local, server_name) {
+                    self.name_peer(local, &name);
+                }
+                facts
+            }
+            Role::Client => StartFacts {
+                rollout_id,
+                emits_own: self.groups.contains(SpanGroup::HttpClient),
+                emits_semantic: false,
+            },
+        };
+        self.stitcher.start(start, facts, now);
+    }
+
+    fn end_request(&mut self, exchange: &HttpExchange, now: Instant, observer: &mut impl Observer) {
+        self.counters.exchanges += 1;
+        if self.own_requests.remove(&exchange.span_id) {
+            self.counters.self_requests_ignored += 1;
+            self.stitcher.finish(exchange.span_id, now);
+            return;
+        }
+        let Some(process) = self.processes.get_mut(exchange.pid) else {
+            self.stitcher.finish(exchange.span_id, now);
+            return;
+        };
+        let meaning = classify(process, exchange);
+        if exchange.role == Role::Server && meaning.route == RouteName::Unnamed {
+            self.counters.requests_unnamed += 1;
+        }
+        let identity = process.identity.clone();
+        let peer_service = exchange
+            .peer
+            .filter(|_| exchange.role == Role::Client)
+            .and_then(|peer| self.peer_names.get(&peer))
+            .map(String::as_str);
+        self.metrics
+            .record(&identity, exchange, &meaning, peer_service);
+        let view = RequestView {
+            exchange,
+            service: &identity,
+            meaning: &meaning,
+            semantic_span_id: self.stitcher.semantic_span_id(exchange.span_id),
+            peer_service,
+        };
+        request_spans(&view, self.groups, self.clock, &mut self.span_batch);
+        observer.built(&self.span_batch);
+        self.stitcher.hold_all(
+            exchange.span_id,
+            &mut self.span_batch,
+            now,
+            &mut self.output.released,
+        );
+        self.stitcher.finish(exchange.span_id, now);
+    }
+
+    /// The agent's own route harvest arrives at the server like any client's request: its
+    /// connection was marked when the agent opened it (the mark is used up here).
+    fn is_own(&self, start: &RequestStart) -> bool {
+        match (start.peer, start.local) {
+            (Some(peer), Some(local)) => {
+                peer.ip() == local.ip() && self.self_ports.take(peer.port(), local.port())
+            }
+            _ => false,
+        }
+    }
+
+    fn adopt(&mut self, parent: u32, child: u32) {
+        if !(self.child_is_process)(child) {
+            self.counters.fork_threads_ignored += 1;
+            self.output.lifecycle.push(Lifecycle::NotAProcess(child));
+            return;
+        }
+        match self.processes.adopt_child(parent, child) {
+            Some(process) => {
+                self.counters.forks_followed += 1;
+                tracing::info!(
+                    pid = child,
+                    parent,
+                    "attached pid {child} as {} (child of pid {parent})",
+                    process.identity.labels
+                );
+            }
+            None => self.output.lifecycle.push(Lifecycle::NotAProcess(child)),
+        }
+    }
+}
