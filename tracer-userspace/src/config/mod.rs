@@ -633,6 +633,9 @@ pub fn options_reference() -> String {
 mod tests {
     use super::*;
 
+    /// Held by every test that sets or reads the process environment.
+    static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     fn load_with(args: &[&str], env: &[(&str, &str)], file: Option<&str>) -> Result<Loaded> {
         let dir = std::env::temp_dir().join(format!(
             "gym-tracer-config-test-{}-{}",
@@ -652,8 +655,9 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        // clap reads env vars from the process; these tests only use names no other test
-        // sets, and read them back through clap.
+        // clap reads env vars from the process, and the tests run in parallel threads: one
+        // test's variables would leak into another's load. Every load holds this lock.
+        let _serial = ENV_LOCK.lock().unwrap_or_else(|poison| poison.into_inner());
         for (key, value) in &env {
             // SAFETY: test-only; the config tests use variables nothing else reads.
             unsafe { std::env::set_var(key, value) };
@@ -767,7 +771,8 @@ mod tests {
         assert!(text.contains("pid = [\"1\"]  # flag"), "{text}");
         assert!(!format!("{args:?}").contains("sk-secret"));
         // `--help` prints environment values next to options; never this one's.
-        // SAFETY: test-only; no other test reads this variable.
+        let _serial = ENV_LOCK.lock().unwrap_or_else(|poison| poison.into_inner());
+        // SAFETY: test-only; loads that read the environment hold ENV_LOCK too.
         unsafe { std::env::set_var("OTEL_EXPORTER_OTLP_HEADERS", "authorization=sk-secret") };
         let mut help = Vec::new();
         Cli::command()
