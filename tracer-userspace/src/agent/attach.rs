@@ -11,7 +11,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
 use crate::config::cli::RunArgs;
-use crate::gym::ServerType;
+use crate::gym::ServerKind;
 use crate::gym::routes::{RouteTemplate, templates_from_openapi};
 use crate::model::service::GymLabels;
 use crate::processes::discovery::{GymServer, gym_server_from_env, read_process_env};
@@ -41,11 +41,10 @@ pub fn check_pids(pids: &[u32]) -> Result<()> {
 pub fn labels_of(server: &GymServer) -> GymLabels {
     GymLabels {
         server_name: Some(server.name.clone()),
-        server_type: server
+        server_kind: server
             .server_type
             .as_deref()
-            .and_then(ServerType::from_config_key),
-        server_type_key: server.server_type.clone(),
+            .map(ServerKind::from_config_key),
         service_group: server.service_group.clone(),
     }
 }
@@ -66,8 +65,7 @@ pub fn labels_of_named(pid: u32, args: &RunArgs) -> (GymLabels, Option<GymServer
         labels.server_name = args.server_name.clone();
     }
     if let Some(server_type) = args.server_type {
-        labels.server_type = Some(server_type);
-        labels.server_type_key = Some(server_type.config_key().to_string());
+        labels.server_kind = Some(ServerKind::Known(server_type));
     }
     (labels, server)
 }

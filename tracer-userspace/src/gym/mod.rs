@@ -48,6 +48,34 @@ impl ServerType {
     }
 }
 
+/// A server's kind as Gym's config spells it: one of the three the tracer has `gym.*` spans
+/// for, or another (Gym 0.7.0's `environment_servers`), kept by name for the resource.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerKind {
+    Known(ServerType),
+    Other(String),
+}
+
+impl ServerKind {
+    pub fn from_config_key(key: &str) -> Self {
+        ServerType::from_config_key(key).map_or_else(|| Self::Other(key.to_string()), Self::Known)
+    }
+
+    pub fn config_key(&self) -> &str {
+        match self {
+            Self::Known(server_type) => server_type.config_key(),
+            Self::Other(key) => key,
+        }
+    }
+
+    pub fn known(&self) -> Option<ServerType> {
+        match self {
+            Self::Known(server_type) => Some(*server_type),
+            Self::Other(_) => None,
+        }
+    }
+}
+
 impl fmt::Display for ServerType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.config_key())

@@ -5,7 +5,7 @@ use std::fmt;
 
 use opentelemetry_sdk::Resource;
 
-use crate::gym::ServerType;
+use crate::gym::ServerKind;
 
 use super::span::AttributeValue;
 
@@ -14,10 +14,7 @@ use super::span::AttributeValue;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GymLabels {
     pub server_name: Option<String>,
-    pub server_type: Option<ServerType>,
-    /// The type as the config spells it, also when it is a kind the tracer has no `gym.*`
-    /// spans for (`environment_servers`).
-    pub server_type_key: Option<String>,
+    pub server_kind: Option<ServerKind>,
     /// The traced process's own `OTEL_SERVICE_NAME`.
     pub service_group: Option<String>,
 }
@@ -65,7 +62,7 @@ pub struct ServiceIdentity {
 /// How the agent's log names a process: `math (resources_servers)`.
 impl fmt::Display for GymLabels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (&self.server_name, self.server_type) {
+        match (&self.server_name, &self.server_kind) {
             (Some(name), Some(kind)) => write!(f, "{name} ({})", kind.config_key()),
             (Some(name), None) => write!(f, "{name} (type unknown)"),
             (None, _) => f.write_str("a process that is not a Gym server"),

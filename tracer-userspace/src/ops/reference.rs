@@ -9,9 +9,9 @@ use std::fmt::Write as _;
 use anyhow::Context as _;
 
 use crate::config::cli::ReferenceArgs;
-use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::span_groups::SpanGroups;
+use crate::gym::{ServerKind, ServerType};
 use crate::model::attributes as attr;
 use crate::model::exchange::HttpExchange;
 use crate::model::exchange::Outcome;
@@ -148,7 +148,7 @@ fn spans_reference() -> String {
         let pid = 1_000_000 + index as u32;
         let labels = GymLabels {
             server_name: Some(format!("my_{}", short_name(server_type))),
-            server_type: Some(server_type),
+            server_kind: Some(ServerKind::Known(server_type)),
             ..GymLabels::default()
         };
         processes.attach(pid, labels);

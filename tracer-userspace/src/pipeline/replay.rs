@@ -34,8 +34,8 @@ use tracer_abi::{
     EventKind, MAX_CAPTURE_BYTES, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
 };
 
-use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
+use crate::gym::{ServerKind, ServerType};
 use crate::kernel::events::{DataTransfer, KernelEvent};
 use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
@@ -411,7 +411,7 @@ impl Replay {
                 pid,
                 GymLabels {
                     server_name: Some(format!("{}_server", server_type.short_name())),
-                    server_type: Some(server_type),
+                    server_kind: Some(ServerKind::Known(server_type)),
                     ..GymLabels::default()
                 },
             );

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::Resource;
 
-use crate::gym::ServerType;
+use crate::gym::ServerKind;
 use crate::model::attributes as attr;
 use crate::model::service::{AgentResource, GymLabels, ServiceIdentity};
 use crate::model::span::AttributeValue;
@@ -56,8 +56,7 @@ impl ServiceIdentity {
                 attributes.insert(attr::SERVICE_NAME, text(name));
             }
         }
-        let type_key = labels.server_type.map(ServerType::config_key);
-        if let Some(key) = type_key.or(labels.server_type_key.as_deref()) {
+        if let Some(key) = labels.server_kind.as_ref().map(ServerKind::config_key) {
             attributes.insert(attr::GYM_SERVER_TYPE, text(key));
         }
         attributes.insert(attr::PROCESS_PID, AttributeValue::Int(pid as i64));
@@ -144,7 +143,7 @@ mod tests {
         let me = std::process::id();
         let labels = GymLabels {
             server_name: Some("math_verify".into()),
-            server_type: Some(ServerType::Resources),
+            server_kind: Some(ServerKind::Known(crate::gym::ServerType::Resources)),
             ..GymLabels::default()
         };
         let identity =

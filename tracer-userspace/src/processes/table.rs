@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::gym::ServerType;
 use crate::gym::routes::{RouteNamer, RouteTable, RouteTemplate};
 use crate::gym::semantics::infer_server_type;
+use crate::gym::{ServerKind, ServerType};
 use crate::model::service::AgentResource;
 use crate::model::service::GymLabels;
 use crate::model::service::ServiceIdentity;
@@ -17,10 +17,17 @@ pub struct TracedProcess {
     /// harvested from a server apply to all of its worker processes.
     pub root: u32,
     /// From the labels, or inferred from the harvested routes.
+    /// From its labels, else inferred from its harvested routes; never for a kind the
+    /// labels name that is none of Gym's three.
     pub server_type: Option<ServerType>,
-    /// The labels named a type the tracer has no `gym.*` spans for: nothing is inferred.
-    pub other_server_type: bool,
     pub namer: RouteNamer,
+}
+
+impl TracedProcess {
+    /// Its labels name a kind of server that is none of Gym's three: no `gym.*` spans.
+    pub fn is_other_kind(&self) -> bool {
+        matches!(self.identity.labels.server_kind, Some(ServerKind::Other(_)))
+    }
 }
 
 pub struct ProcessTable {
@@ -60,8 +67,7 @@ impl ProcessTable {
 
     /// Registers a process that was named or discovered.
     pub fn attach(&mut self, pid: u32, labels: GymLabels) -> &TracedProcess {
-        let server_type = labels.server_type;
-        let other_server_type = server_type.is_none() && labels.server_type_key.is_some();
+        let server_type = labels.server_kind.as_ref().and_then(ServerKind::known);
         let mut table = RouteTable::new(self.user_routes.clone());
         table.set_server_type(server_type);
         let identity = ServiceIdentity::of_process(pid, labels, &self.agent, None);
@@ -69,7 +75,6 @@ impl ProcessTable {
             identity: Arc::new(identity),
             root: pid,
             server_type,
-            other_server_type,
             namer: RouteNamer::new(table),
         });
         &self.processes[&pid]
@@ -89,7 +94,6 @@ impl ProcessTable {
             identity: Arc::new(identity),
             root: parent_process.root,
             server_type: parent_process.server_type,
-            other_server_type: parent_process.other_server_type,
             namer: parent_process.namer.clone(),
         };
         self.processes.insert(child, process);
@@ -105,7 +109,7 @@ impl ProcessTable {
     pub fn set_harvested_routes(&mut self, root: u32, templates: &[RouteTemplate]) {
         let inferred = infer_server_type(templates);
         for process in self.processes.values_mut().filter(|p| p.root == root) {
-            if !process.other_server_type {
+            if !process.is_other_kind() {
                 process.server_type = process.server_type.or(inferred);
             }
             let table = process.namer.table_mut();
@@ -123,8 +127,7 @@ mod tests {
     fn labels(name: &str, server_type: Option<ServerType>) -> GymLabels {
         GymLabels {
             server_name: Some(name.into()),
-            server_type,
-            server_type_key: server_type.map(|t| t.config_key().to_string()),
+            server_kind: server_type.map(ServerKind::Known),
             service_group: None,
         }
     }
@@ -157,7 +160,7 @@ mod tests {
         table.attach(
             21,
             GymLabels {
-                server_type_key: Some("environment_servers".into()),
+                server_kind: Some(ServerKind::from_config_key("environment_servers")),
                 ..labels("env", None)
             },
         );

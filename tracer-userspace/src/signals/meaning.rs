@@ -63,7 +63,7 @@ pub fn semantic_at_start(
     route_path: &str,
 ) -> Option<SemanticSpan> {
     // Only a Gym server (named by its environment or --server-name) gets gym.* spans.
-    let is_gym_server = process.identity.labels.server_name.is_some() && !process.other_server_type;
+    let is_gym_server = process.identity.labels.server_name.is_some() && !process.is_other_kind();
     if !is_gym_server {
         return None;
     }
@@ -73,8 +73,8 @@ pub fn semantic_at_start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gym::ServerType;
     use crate::gym::span_groups::SpanGroup;
+    use crate::gym::{ServerKind, ServerType};
     use crate::model::exchange::AbortReason;
     use crate::model::exchange::ResponseHead;
     use crate::model::ids::SpanId;
@@ -124,8 +124,9 @@ mod tests {
             PID,
             GymLabels {
                 server_name: name.map(String::from),
-                server_type,
-                server_type_key: key.map(String::from),
+                server_kind: server_type
+                    .map(ServerKind::Known)
+                    .or(key.map(ServerKind::from_config_key)),
                 service_group: None,
             },
         );
