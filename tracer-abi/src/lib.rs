@@ -227,23 +227,26 @@ pub struct KernelOffsets {
 /// `SOCK_STREAM` as in `struct socket.type`.
 pub const SOCK_STREAM: u16 = 1;
 
-const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
-const _: () = assert!(core::mem::size_of::<ConnOpenEvent>() == 72);
-const _: () = assert!(core::mem::size_of::<DataEventHeader>() == 56);
-const _: () = assert!(core::mem::size_of::<ProcessForkEvent>() == 40);
-const _: () = assert!(core::mem::size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
-const _: () = assert!(core::mem::size_of::<SocketState>() == 24);
-const _: () = assert!(core::mem::size_of::<SocketKey>() == 8);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 24);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 56);
+const _: () = assert!(size_of::<EventHeader>() == 32);
+const _: () = assert!(size_of::<ConnOpenEvent>() == 72);
+const _: () = assert!(size_of::<DataEventHeader>() == 56);
+const _: () = assert!(size_of::<ProcessForkEvent>() == 40);
+const _: () = assert!(size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
+const _: () = assert!(size_of::<SocketState>() == 24);
+const _: () = assert!(size_of::<SocketKey>() == 8);
+const _: () = assert!(size_of::<PendingCall>() == 24);
+const _: () = assert!(size_of::<KernelOffsets>() == 56);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
 
 #[cfg(feature = "user")]
 mod user {
     use super::*;
-    // SAFETY: plain-old-data #[repr(C)] structs with no padding holes that matter and no
-    // pointers; any bit pattern is a valid value.
+    // SAFETY: these three are #[repr(C)] structs of integers only, with no implicit padding
+    // (SocketState's is the explicit `_pad` field; the size assertions above pin the layouts),
+    // so every bit pattern is a valid value.
     unsafe impl aya::Pod for SocketKey {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for SocketState {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for KernelOffsets {}
 }

@@ -1,0 +1,177 @@
+//! The Python venvs: target/venv for the integration tests, target/gym-venv for real Gym.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::command::{capture, run_checked};
+use crate::ctx::Ctx;
+
+/// `pyenv root` when pyenv is on PATH, else `~/.pyenv`.
+fn pyenv_root(ctx: &Ctx) -> PathBuf {
+    capture(ctx.cmd("pyenv").arg("root"))
+        .map(|s| PathBuf::from(s.trim()))
+        .unwrap_or_else(|| ctx.home.join(".pyenv"))
+}
+
+/// pyenv's Python 3.13.0 (may not exist).
+fn pyenv_python_3_13_0(ctx: &Ctx) -> PathBuf {
+    pyenv_root(ctx).join("versions/3.13.0/bin/python")
+}
+
+/// Picks the Python for the test venv: pyenv's 3.13.0, else python3.13, else python3.
+fn choose_python(ctx: &Ctx) -> PathBuf {
+    let pyenv_python = pyenv_python_3_13_0(ctx);
+    if pyenv_python.exists() {
+        return pyenv_python;
+    }
+    if capture(ctx.cmd("python3.13").arg("--version")).is_some() {
+        return PathBuf::from("python3.13");
+    }
+    PathBuf::from("python3")
+}
+
+/// `base -m venv venv`; `what` names the venv in the log line.
+fn create_venv(ctx: &Ctx, base: &Path, venv: &Path, what: &str, hint: &str) -> Result<()> {
+    println!(
+        "xtask: creating the {what} venv at {} with {}",
+        venv.display(),
+        base.display()
+    );
+    let mut cmd = Command::new(base);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args(["-m", "venv"])
+        .arg(venv);
+    run_checked(&mut cmd, hint)
+}
+
+/// `python -m pip install -q FLAGS -r requirements`.
+fn pip_install(
+    ctx: &Ctx,
+    python: &Path,
+    flags: &[&str],
+    requirements: &Path,
+    hint: &str,
+) -> Result<()> {
+    let mut cmd = Command::new(python);
+    cmd.env("PATH", &ctx.path)
+        .current_dir(&ctx.root)
+        .args(["-m", "pip", "install", "-q"])
+        .args(flags)
+        .arg("-r")
+        .arg(requirements);
+    run_checked(&mut cmd, hint)
+}
+
+/// The integration tests are pytest; keep their deps in a venv under target/.
+pub(super) fn ensure_venv(ctx: &Ctx) -> Result<()> {
+    let requirements_path = ctx.root.join("tests/requirements.txt");
+    let requirements = fs::read_to_string(&requirements_path).with_context(|| {
+        format!(
+            "cannot read {}: the test requirements file is missing; restore it (it lists \
+             the Python packages the integration tests need) and rerun `cargo xtask setup`",
+            requirements_path.display()
+        )
+    })?;
+    let venv = ctx.root.join("target/venv");
+    let python = ctx.venv_python();
+    if !python.exists() {
+        create_venv(
+            ctx,
+            &choose_python(ctx),
+            &venv,
+            "test",
+            "could not create the Python venv: install Python 3 with the venv module \
+             (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
+        )?;
+    }
+    let stamp = venv.join(".requirements-stamp");
+    if fs::read_to_string(&stamp).ok().as_deref() == Some(requirements.as_str()) {
+        println!("xtask: test venv is up to date");
+        return Ok(());
+    }
+    println!(
+        "xtask: installing the test requirements into {}",
+        venv.display()
+    );
+    pip_install(
+        ctx,
+        &python,
+        &[],
+        &requirements_path,
+        "pip could not install the test requirements: check the output above (network \
+         access to PyPI); delete target/venv to start over, then rerun `cargo xtask setup`",
+    )?;
+    fs::write(&stamp, &requirements)
+        .with_context(|| format!("cannot write {}", stamp.display()))?;
+    Ok(())
+}
+
+/// The real nemo-gym 0.7.0 servers run from their own venv, target/gym-venv, made with
+/// pyenv's Python 3.13.0: tests/real_gym/requirements.txt (the pinned web stack), then
+/// tests/real_gym/requirements-nodeps.txt (nemo-gym and ray) with `--no-deps
+/// --ignore-requires-python`. Stamped on both files' content, like the test venv.
+pub(super) fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
+    let dir = ctx.root.join("tests/real_gym");
+    let read =
+        |name: &str| {
+            let path = dir.join(name);
+            fs::read_to_string(&path).map(|text| (path.clone(), text)).with_context(|| {
+            format!(
+                "cannot read {}: the real-Gym requirements are missing; restore tests/real_gym \
+                 from git, or run `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
+                path.display()
+            )
+        })
+        };
+    let (requirements_path, requirements) = read("requirements.txt")?;
+    let (nodeps_path, nodeps) = read("requirements-nodeps.txt")?;
+    let stamp_text = format!("{requirements}\n--no-deps--\n{nodeps}");
+
+    let venv = ctx.gym_venv();
+    let python = venv.join("bin/python");
+    let stamp = venv.join(".requirements-stamp");
+    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(stamp_text.as_str()) {
+        println!("xtask: real-Gym venv is up to date");
+        return Ok(());
+    }
+    if !python.exists() {
+        let base = pyenv_python_3_13_0(ctx);
+        if !base.exists() {
+            bail!(
+                "pyenv's Python 3.13.0 is not at {}: install it (`pyenv install 3.13.0`; \
+                 nemo-gym 0.7.0 is run with exactly that interpreter), or run \
+                 `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
+                base.display()
+            );
+        }
+        create_venv(
+            ctx,
+            &base,
+            &venv,
+            "real-Gym",
+            "could not create the real-Gym venv: check that pyenv's Python 3.13.0 has the venv \
+             module (reinstall it with `pyenv install --force 3.13.0`) and retry",
+        )?;
+    }
+    println!(
+        "xtask: installing nemo-gym 0.7.0 and its web stack into {}; about 90 s the first time",
+        venv.display()
+    );
+    let hint = "pip could not install the real-Gym requirements: check the output above \
+                (network access to PyPI); delete target/gym-venv to start over, then rerun \
+                `cargo xtask setup` (or skip the real-Gym test with `--no-gym-venv`)";
+    pip_install(ctx, &python, &[], &requirements_path, hint)?;
+    pip_install(
+        ctx,
+        &python,
+        &["--no-deps", "--ignore-requires-python"],
+        &nodeps_path,
+        hint,
+    )?;
+    fs::write(&stamp, &stamp_text).with_context(|| format!("cannot write {}", stamp.display()))?;
+    Ok(())
+}
