@@ -27,7 +27,7 @@ use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::harvest::{SelfPorts, connect_address, fetch_openapi, listening_ports};
 use crate::health::{Gauges, Health};
 use crate::identity::{AgentResource, GymLabels};
-use crate::loader::{LoadOptions, LoadedProbes, preflight};
+use crate::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
 use crate::metrics::Metrics;
 use crate::processes::ProcessTable;
 use crate::spans::{RequestView, SpanId, SpanRecord, request_spans};
@@ -60,9 +60,9 @@ const SELF_TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 enum Lifecycle {
     Exited(u32),
-    /// A fork event that was a thread or a child that could not be adopted: take it out of
-    /// the kernel filter again.
-    NotAProcess(u32),
+    /// A forked child that could not be adopted (its parent is no longer known): take it
+    /// out of the kernel filter again. The kernel reports processes only, never threads.
+    NotAdopted(u32),
 }
 
 /// A route table harvested from a server, for it and its forked workers.
@@ -223,17 +223,18 @@ impl Pipeline {
     }
 
     /// Copies into `stats` the counters other parts keep (the stitcher, the kernel's loss
-    /// counter, discovery), for /metrics and the closing line.
-    fn collect_stats(&mut self, events_lost_by_cpu: Vec<u64>, scanner: Option<&ProcScanner>) {
+    /// and thread counters, discovery), for /metrics and the closing line.
+    fn collect_stats(&mut self, kernel: KernelCounters, scanner: Option<&ProcScanner>) {
         self.stats.stitch = self.stitcher.stats;
-        self.stats.events_lost_in_kernel = events_lost_by_cpu.iter().sum();
-        self.stats.events_lost_by_cpu = events_lost_by_cpu;
+        self.stats.events_lost_in_kernel = kernel.events_lost_by_cpu.iter().sum();
+        self.stats.events_lost_by_cpu = kernel.events_lost_by_cpu;
+        self.stats.fork_threads_ignored = kernel.threads_ignored;
         self.stats.environ_unreadable = scanner.map_or(0, ProcScanner::unreadable);
     }
 
     /// Makes the counters and levels of now readable by /metrics and the self-telemetry.
-    fn publish(&mut self, events_lost_by_cpu: Vec<u64>, scanner: Option<&ProcScanner>) {
-        self.collect_stats(events_lost_by_cpu, scanner);
+    fn publish(&mut self, kernel: KernelCounters, scanner: Option<&ProcScanner>) {
+        self.collect_stats(kernel, scanner);
         self.health.publish(
             &self.stats,
             Gauges {
@@ -281,11 +282,6 @@ impl Pipeline {
     }
 
     fn adopt(&mut self, parent: u32, child: u32) {
-        if !is_process(child) {
-            self.stats.fork_threads_ignored += 1;
-            self.lifecycle.push(Lifecycle::NotAProcess(child));
-            return;
-        }
         match self.processes.adopt_child(parent, child) {
             Some(process) => {
                 self.stats.forks_followed += 1;
@@ -296,7 +292,7 @@ impl Pipeline {
                     describe(&process.identity.labels)
                 );
             }
-            None => self.lifecycle.push(Lifecycle::NotAProcess(child)),
+            None => self.lifecycle.push(Lifecycle::NotAdopted(child)),
         }
     }
 }
@@ -324,19 +320,6 @@ fn resident_memory_bytes() -> u64 {
             Some(kib * 1024)
         })
         .unwrap_or(0)
-}
-
-/// A fork event's child is a process (not a thread) if it leads its own thread group.
-fn is_process(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("Tgid:"))
-                .and_then(|tgid| tgid.trim().parse::<u32>().ok())
-        })
-        == Some(pid)
 }
 
 fn describe(labels: &GymLabels) -> String {
@@ -685,7 +668,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
                 pipeline.offer_released();
             }
             _ = publish.tick() => {
-                pipeline.publish(probes.lost_events_by_cpu(), scanner.as_ref());
+                pipeline.publish(probes.kernel_counters(), scanner.as_ref());
             }
             _ = rescan.tick(), if scanner.is_some() => {
                 if let Some(scanner) = scanner.as_mut() {
@@ -718,7 +701,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         }
         for change in std::mem::take(&mut pipeline.lifecycle) {
             match change {
-                Lifecycle::NotAProcess(pid) => probes.untrace_pid(pid),
+                Lifecycle::NotAdopted(pid) => probes.untrace_pid(pid),
                 Lifecycle::Exited(pid) => forget(&mut pipeline, &mut probes, pid),
             }
         }
@@ -729,7 +712,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     }
 
     // Detach first so nothing new arrives, then take what is still on the ring.
-    let lost = probes.lost_events_by_cpu();
+    let kernel = probes.kernel_counters();
     drop(probes);
     let ring = ring.get_mut();
     while let Some(record) = ring.next() {
@@ -737,7 +720,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     }
     pipeline.stitcher.release_all(&mut pipeline.released);
     pipeline.offer_released();
-    pipeline.collect_stats(lost.clone(), scanner.as_ref());
+    pipeline.collect_stats(kernel, scanner.as_ref());
     let in_flight = pipeline.table.in_flight_requests();
     let open_connections = pipeline.table.open_connections();
     let Pipeline {

@@ -41,4 +41,5 @@ mod spans;
 mod stats;
 mod stitch;
 mod telemetry;
+mod tracepoint_format;
 mod tree;
