@@ -596,7 +596,8 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 
     check_attachments_cover(&embedded_programs()?, &attachments())?;
-    let layout = tracepoint_layout()?;
+    // Read now, refused below: a process that may not create maps at all learns that first.
+    let layout = tracepoint_layout();
     let (offsets, socket_addresses) = match socket_offsets() {
         Ok(offsets) => (offsets, Ok(())),
         Err(why) => (KernelOffsets::default(), Err(why)),
@@ -605,10 +606,16 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
     let mut ebpf = EbpfLoader::new()
         .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
         .override_global("KERNEL_OFFSETS", &offsets, true)
-        .override_global("TRACEPOINT_LAYOUT", &layout, true)
+        .override_global(
+            "TRACEPOINT_LAYOUT",
+            layout.as_ref().unwrap_or(&TracepointLayout::default()),
+            true,
+        )
         .map_max_entries("EVENTS", ring_bytes)
         .load(EBPF_OBJECT)
         .context("loading the eBPF programs into the kernel")?;
+    // No program is in the kernel yet: the placeholder layout is never read.
+    layout?;
     let mut programs: Vec<&str> = attachments().iter().map(|a| a.program).collect();
     programs.dedup();
     for name in programs {
