@@ -5,9 +5,11 @@ capabilities, against a real uvicorn server owned by root."""
 import json
 import os
 import re
+import struct
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +54,48 @@ def log_messages(stderr):
     return messages
 
 
+def listed_tracepoints(summary):
+    """The tracepoints in doctor's `all N present: syscalls/sys_{enter,exit}_{a,b}, x/y, ...`."""
+    match = re.search(r"present: syscalls/sys_\{enter,exit\}_\{([^}]*)\}, (.*)$", summary)
+    assert match, summary
+    paired = match.group(1).split(",")
+    return ([f"syscalls/sys_{side}_{name}" for side in ("enter", "exit") for name in paired]
+            + match.group(2).split(", "))
+
+
+def embedded_ebpf_programs(binary):
+    """The programs of the eBPF object (EM_BPF ELF) embedded in `binary`: its global
+    functions outside `.text`, as the loader counts them."""
+    data = Path(binary).read_bytes()
+    start = 0
+    while (start := data.find(b"\x7fELF\x02\x01", start)) >= 0:
+        if struct.unpack_from("<H", data, start + 18)[0] == 247:  # EM_BPF
+            break
+        start += 4
+    assert start >= 0, f"{binary} embeds no eBPF object (built with AYA_BUILD_SKIP=1?)"
+    shoff, = struct.unpack_from("<Q", data, start + 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, start + 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, start + shoff + i * shentsize)
+                for i in range(shnum)]
+
+    def name_at(table, offset):
+        base = start + sections[table][4] + offset
+        return data[base:data.index(b"\0", base)].decode()
+
+    programs = set()
+    for section in sections:
+        if section[1] != 2:  # SHT_SYMTAB
+            continue
+        strtab, offset, size = section[6], section[4], section[5]
+        for at in range(start + offset, start + offset + size, 24):
+            st_name, st_info, _, st_shndx = struct.unpack_from("<IBBH", data, at)
+            if st_info >> 4 != 1 or st_info & 0xF != 2 or not 0 < st_shndx < shnum:
+                continue  # not a global function in a section
+            if name_at(shstrndx, sections[st_shndx][0]) != ".text":
+                programs.add(name_at(strtab, st_name))
+    return sorted(programs)
+
+
 def test_doctor_as_root_reports_a_working_host(server_factory):
     server = server_factory()
     result, rows = doctor(pids=[server.pid])
@@ -59,10 +103,21 @@ def test_doctor_as_root_reports_a_working_host(server_factory):
     for check in ["kernel", "BTF", "tracefs", "tracepoints", "ring buffer", "eBPF programs",
                   "CAP_BPF", "CAP_PERFMON", "CAP_DAC_READ_SEARCH", "CAP_SYS_PTRACE"]:
         assert rows[check][0] == "ok", f"{check}: {rows[check]}\n{result.stdout}"
-    assert rows["tracepoints"][1].startswith("all 26 present")
-    assert "sched/sched_process_fork" in rows["tracepoints"][1]
-    assert "sched/sched_process_exec" in rows["tracepoints"][1]
+    tracepoints = listed_tracepoints(rows["tracepoints"][1])
+    assert len(set(tracepoints)) == len(tracepoints), tracepoints
+    assert rows["tracepoints"][1].startswith(f"all {len(tracepoints)} present: ")
+    for tracepoint in tracepoints:
+        assert os.path.exists(f"/sys/kernel/tracing/events/{tracepoint}/id"), tracepoint
+    assert "task/task_newtask" in tracepoints and "sched/sched_process_exec" in tracepoints
+    # Every program of the object the binary embeds was loaded, and every tracepoint attached.
+    programs = embedded_ebpf_programs(agent_binary())
+    assert len(programs) > 1, programs
+    assert rows["eBPF programs"][1].startswith(
+        f"the real object's {len(programs)} programs loaded (maps, verifier) and attached to "
+        f"{len(tracepoints)} tracepoints"), (rows["eBPF programs"], programs)
     assert "detached; nothing was traced" in rows["eBPF programs"][1]
+    assert rows["tracepoint layout"][0] == "ok", rows["tracepoint layout"]
+    assert "task_newtask pid@" in rows["tracepoint layout"][1]
     assert rows[f"pid {server.pid}"][0] == "ok"
     for feature in ["tracing", "fork following", "discovery", "route harvest", "connection addresses"]:
         assert rows[feature][0] == "on", f"{feature}: {rows[feature]}"

@@ -137,9 +137,9 @@ pub struct DataEvent {
     pub payload: [u8; 2 * MAX_CAPTURE_BYTES],
 }
 
-/// A traced process forked. The kernel has already added `child_pid` to the PID filter so
-/// that nothing the child does is missed; user space decides whether to keep it there (a
-/// `child_pid` that turns out to be a new thread, not a process, is removed again).
+/// A traced process created a new process (not a thread: the kernel skips those). The
+/// kernel has already added `child_pid` to the PID filter so that nothing the child does
+/// is missed.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ProcessForkEvent {
@@ -224,6 +224,28 @@ pub struct KernelOffsets {
     pub sock_v6_rcv_saddr: u32,
 }
 
+/// Offsets of the tracepoint fields the fork and exit programs read, from the tracepoints'
+/// `format` files and passed in as a global: tracepoint records are not a stable ABI
+/// (`sched_process_fork`'s `child_pid` moved from 44 to 20), so nothing is assumed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TracepointLayout {
+    /// `task/task_newtask` `pid`: the new task's id (4 bytes).
+    pub new_task_pid: u32,
+    /// `task/task_newtask` `clone_flags`.
+    pub new_task_clone_flags: u32,
+    /// 8 (`u64`, or `unsigned long` on 64-bit) or 4.
+    pub new_task_clone_flags_size: u32,
+    /// `sched/sched_process_exit` `group_dead` (1 byte), or [`FIELD_ABSENT`].
+    pub exit_group_dead: u32,
+}
+
+/// A [`TracepointLayout`] offset for a field this kernel's tracepoint does not have.
+pub const FIELD_ABSENT: u32 = u32::MAX;
+
+/// `CLONE_THREAD` (linux/sched.h): the new task joins its parent's thread group.
+pub const CLONE_THREAD: u64 = 0x0001_0000;
+
 /// `SOCK_STREAM` as in `struct socket.type`.
 pub const SOCK_STREAM: u16 = 1;
 
@@ -236,6 +258,7 @@ const _: () = assert!(size_of::<SocketState>() == 24);
 const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 24);
 const _: () = assert!(size_of::<KernelOffsets>() == 56);
+const _: () = assert!(size_of::<TracepointLayout>() == 16);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
 
 #[cfg(feature = "user")]
@@ -249,4 +272,5 @@ mod user {
     unsafe impl aya::Pod for SocketState {}
     // SAFETY: as above.
     unsafe impl aya::Pod for KernelOffsets {}
+    unsafe impl aya::Pod for TracepointLayout {}
 }

@@ -1,10 +1,26 @@
 //! gym-tracer's kernel side: syscall tracepoints that report the TCP traffic of traced
-//! processes to user space.
+//! processes to user space, and task/sched tracepoints that keep the PID filter in step
+//! with the processes they create and end.
 //!
-//! Every program starts with the PID filter (one hash lookup) so that a process the agent does
-//! not trace pays as little as the kernel allows. For traced processes, `sys_enter_*` programs
-//! remember the arguments of socket calls per thread and the shared `sys_exit_*` program turns
-//! the result into a ring-buffer record. Parsing happens in user space.
+//! What each program checks first, so that an untraced process pays as little as the
+//! kernel allows:
+//! - `enter_*` (read, write, their vectored and msghdr forms, accept, connect): the PID
+//!   filter, one hash lookup on the tgid. A read or write then looks its fd up in `SOCKETS`
+//!   and goes no further unless the fd is a tracked TCP socket; only then are its arguments
+//!   remembered for the exit. Nothing is copied on enter.
+//! - `exit_call` (every `sys_exit_*`): the thread's entry in `PENDING_CALLS`, which exists
+//!   only when its enter passed the filter (so not the PID filter itself). An accept or
+//!   connect then walks the socket with the BTF offsets; a transfer looks up `SOCKETS` again
+//!   and copies at most the message's remaining capture budget from user memory.
+//! - `enter_close`: the PID filter, then `SOCKETS`.
+//! - `new_task` (`task/task_newtask`, in the parent's context): the PID filter on the parent,
+//!   then `clone_flags`: a new thread (`CLONE_THREAD`) is counted and skipped, so only a new
+//!   process enters the filter.
+//! - `process_exit`, `process_exec`: the PID filter.
+//!
+//! The offsets the fork and exit programs read come from the tracepoints' `format` files
+//! (`TRACEPOINT_LAYOUT`), the socket walk's from BTF (`KERNEL_OFFSETS`), both set by user
+//! space at load time. Parsing happens in user space.
 #![no_std]
 #![no_main]
 
@@ -20,11 +36,12 @@ use aya_ebpf::{
 };
 use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_READ_BUFFER, CALL_READ_IOVEC,
-    CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, ConnOpenEvent,
-    DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
-    EventHeader, EventKind, KernelOffsets, MAX_CAPTURE_BYTES, MAX_IOVECS, MAX_TRACED_PIDS,
-    PendingCall, ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
-    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
+    CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, CLONE_THREAD,
+    ConnOpenEvent, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent,
+    DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES,
+    MAX_IOVECS, MAX_TRACED_PIDS, PendingCall, ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT,
+    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
+    TracepointLayout,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -48,6 +65,16 @@ static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
     sock_num: 0,
     sock_v6_daddr: 0,
     sock_v6_rcv_saddr: 0,
+};
+
+/// Tracepoint field offsets from the `format` files; set by user space at load time (it
+/// refuses to load on a layout the programs cannot read).
+#[unsafe(no_mangle)]
+static TRACEPOINT_LAYOUT: TracepointLayout = TracepointLayout {
+    new_task_pid: 0,
+    new_task_clone_flags: 0,
+    new_task_clone_flags_size: 0,
+    exit_group_dead: FIELD_ABSENT,
 };
 
 /// Process ids (tgids) to trace, filled by user space.
@@ -75,6 +102,10 @@ static DATA_SCRATCH: PerCpuArray<DataEvent> = PerCpuArray::with_max_entries(1, 0
 #[map]
 static LOST_EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
+/// New threads of traced processes, kept out of the PID filter, per CPU.
+#[map]
+static THREADS_IGNORED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 const EINPROGRESS: i64 = 115;
 
 /// Bounds `value` with `mask` in a way the optimiser cannot drop. LLVM removes a clamp it
@@ -95,12 +126,6 @@ const ARG1: usize = 24;
 const ARG2: usize = 32;
 const RET: usize = 16;
 
-/// `group_dead` in `sched/sched_process_exit`.
-const GROUP_DEAD: usize = 32;
-
-/// `child_pid` in `sched/sched_process_fork`.
-const CHILD_PID: usize = 20;
-
 #[inline(always)]
 fn traced_tgid() -> Option<(u64, u32)> {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -111,11 +136,22 @@ fn traced_tgid() -> Option<(u64, u32)> {
 }
 
 #[inline(always)]
-fn count_lost() {
-    if let Some(counter) = LOST_EVENTS.get_ptr_mut(0) {
+fn count(counter: &PerCpuArray<u64>) {
+    if let Some(counter) = counter.get_ptr_mut(0) {
         // SAFETY: per-CPU value, no concurrent writer on this CPU.
         unsafe { *counter += 1 };
     }
+}
+
+#[inline(always)]
+fn count_lost() {
+    count(&LOST_EVENTS);
+}
+
+#[inline(always)]
+fn tracepoint_layout() -> TracepointLayout {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    unsafe { core::ptr::read_volatile(&TRACEPOINT_LAYOUT) }
 }
 
 /// Posts without waking the agent (it drains on a timer) unless a lot is waiting.
@@ -239,13 +275,35 @@ pub fn enter_close(ctx: TracePointContext) -> u32 {
 
 /// Follows forks in the kernel, before the child runs: a uvicorn worker or reloader child
 /// accepts its first connection long before user space could add it to the filter.
+/// `task_newtask` fires in `copy_process`, in the parent's context, with the clone flags, so a
+/// new thread can be told from a new process here: threads share their process's tgid,
+/// which the filter already holds, and adding each one would fill the filter with entries
+/// that never match (`bpf_get_current_pid_tgid` reports the tgid).
 #[tracepoint]
-pub fn process_fork(ctx: TracePointContext) -> u32 {
+pub fn new_task(ctx: TracePointContext) -> u32 {
     let Some((pid_tgid, _)) = traced_tgid() else {
         return 0;
     };
-    // SAFETY: sched_process_fork layout.
-    let child_pid = unsafe { ctx.read_at::<i32>(CHILD_PID).unwrap_or(0) };
+    let layout = tracepoint_layout();
+    // SAFETY: offsets from the task_newtask format file; the read goes through the helper.
+    let clone_flags = unsafe {
+        if layout.new_task_clone_flags_size == 8 {
+            ctx.read_at::<u64>(layout.new_task_clone_flags as usize)
+                .unwrap_or(CLONE_THREAD)
+        } else {
+            ctx.read_at::<u32>(layout.new_task_clone_flags as usize)
+                .map_or(CLONE_THREAD, u64::from)
+        }
+    };
+    if clone_flags & CLONE_THREAD != 0 {
+        count(&THREADS_IGNORED);
+        return 0;
+    }
+    // SAFETY: as above.
+    let child_pid = unsafe {
+        ctx.read_at::<i32>(layout.new_task_pid as usize)
+            .unwrap_or(0)
+    };
     if child_pid <= 0 {
         return 0;
     }
@@ -262,14 +320,26 @@ pub fn process_fork(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// Reports the end of a traced process: its last thread (`group_dead`), or on kernels whose
+/// `sched_process_exit` lacks that field, its thread-group leader (see
+/// `tracepoint_format::layout_from_formats` in user space for what that misses).
 #[tracepoint]
 pub fn process_exit(ctx: TracePointContext) -> u32 {
-    let Some((pid_tgid, _)) = traced_tgid() else {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
         return 0;
     };
-    // SAFETY: sched_process_exit layout.
-    let group_dead = unsafe { ctx.read_at::<u8>(GROUP_DEAD).unwrap_or(0) };
-    if group_dead != 0 {
+    let layout = tracepoint_layout();
+    let process_ends = if layout.exit_group_dead == FIELD_ABSENT {
+        pid_tgid as u32 == tgid
+    } else {
+        // SAFETY: offset from the sched_process_exit format file; read through the helper.
+        unsafe {
+            ctx.read_at::<u8>(layout.exit_group_dead as usize)
+                .unwrap_or(0)
+                != 0
+        }
+    };
+    if process_ends {
         emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
     }
     0

@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::config::cli::{Discover, Output, RunArgs};
 use crate::export::{ExportLimits, ExportTarget, SpanPipeline};
-use crate::kernel::loader::{LoadOptions, LoadedProbes, preflight};
+use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
 use crate::model::service::{AgentResource, GymLabels};
 use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
 use crate::ops::health::{Gauges, Health};
@@ -131,9 +131,9 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         .run_until_stopped(&mut probes, &mut ring, &mut harvest_results)
         .await?;
     // Detach first so nothing new arrives, then take what is still on the ring.
-    let lost = probes.lost_events_by_cpu();
+    let kernel = probes.kernel_counters();
     drop(probes);
-    let snapshot = agent.drain_and_release(&mut ring, lost);
+    let snapshot = agent.drain_and_release(&mut ring, kernel);
     agent.shutdown(snapshot, self_telemetry, &args).await
 }
 
@@ -179,7 +179,6 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
             max_pending: args.max_pending_spans,
             max_nodes: args.max_pending_spans.saturating_mul(4),
         },
-        child_is_process: is_process,
     }
 }
 
@@ -235,7 +234,7 @@ impl Agent {
                 }
                 _ = drain.tick() => self.drain(ring.get_mut()),
                 _ = release.tick() => self.pipeline.release(Instant::now()),
-                _ = publish.tick() => self.publish(probes.lost_events_by_cpu()),
+                _ = publish.tick() => self.publish(probes.kernel_counters()),
                 _ = rescan.tick(), if self.scanner.is_some() => self.discover(probes),
                 Some(result) = harvest_results.recv() => self.harvested(result),
                 _ = interrupt.recv() => break,
@@ -268,7 +267,7 @@ impl Agent {
         }
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
-                Lifecycle::NotAProcess(pid) => probes.untrace_pid(pid),
+                Lifecycle::NotAdopted(pid) => probes.untrace_pid(pid),
                 Lifecycle::Exited(pid) => self.forget(probes, pid),
                 Lifecycle::Execd(pid) => log_exec(pid, &self.pipeline),
             }
@@ -373,10 +372,12 @@ impl Agent {
     }
 
     /// Every stage's counters as of now.
-    fn snapshot(&self, events_lost_by_cpu: Vec<u64>) -> CounterSnapshot {
+    fn snapshot(&self, kernel: KernelCounters) -> CounterSnapshot {
+        let events_lost_by_cpu = kernel.events_lost_by_cpu;
         CounterSnapshot {
             host: HostCounters {
                 events_lost_in_kernel: events_lost_by_cpu.iter().sum(),
+                fork_threads_ignored: kernel.threads_ignored,
                 environ_unreadable: self.scanner.as_ref().map_or(0, ProcScanner::unreadable),
             },
             pipeline: self.pipeline.counters,
@@ -388,8 +389,8 @@ impl Agent {
     }
 
     /// Makes the counters and levels of now readable by /metrics and the self-telemetry.
-    fn publish(&mut self, events_lost_by_cpu: Vec<u64>) {
-        let snapshot = self.snapshot(events_lost_by_cpu);
+    fn publish(&mut self, kernel: KernelCounters) {
+        let snapshot = self.snapshot(kernel);
         self.health.publish(
             &snapshot,
             Gauges {
@@ -403,13 +404,13 @@ impl Agent {
 
     /// Takes what is still on the ring (the probes are detached) and releases every held
     /// span.
-    fn drain_and_release(&mut self, ring: &mut Ring, lost: Vec<u64>) -> CounterSnapshot {
+    fn drain_and_release(&mut self, ring: &mut Ring, kernel: KernelCounters) -> CounterSnapshot {
         self.drain(ring.get_mut());
         self.pipeline.release_all();
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
-        self.snapshot(lost)
+        self.snapshot(kernel)
     }
 
     /// Flushes spans and metrics (side by side, each within --shutdown-timeout; the agent's
@@ -516,17 +517,4 @@ fn resident_memory_bytes() -> u64 {
             Some(kib * 1024)
         })
         .unwrap_or(0)
-}
-
-/// A fork event's child is a process (not a thread) if it leads its own thread group.
-fn is_process(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("Tgid:"))
-                .and_then(|tgid| tgid.trim().parse::<u32>().ok())
-        })
-        == Some(pid)
 }

@@ -14,9 +14,10 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
     programs::TracePoint,
 };
-use tracer_abi::{KernelOffsets, SocketKey, SocketState};
+use tracer_abi::{KernelOffsets, SocketKey, SocketState, TracepointLayout};
 
 use crate::kernel::btf::Btf;
+use crate::kernel::tracepoint_format;
 
 /// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
 /// `AYA_BUILD_SKIP=1`, such as the fuzz target's, which never loads it).
@@ -51,6 +52,15 @@ pub struct LoadOptions {
 /// Optional features and why they are off, for the start-up report.
 pub struct FeatureReport {
     pub socket_addresses: Result<(), String>,
+}
+
+/// What the kernel programs count themselves.
+#[derive(Clone, Debug, Default)]
+pub struct KernelCounters {
+    /// Records the kernel could not put on the ring buffer, per possible CPU.
+    pub events_lost_by_cpu: Vec<u64>,
+    /// New threads of traced processes that the fork program kept out of the PID filter.
+    pub threads_ignored: u64,
 }
 
 pub struct LoadedProbes {
@@ -92,18 +102,129 @@ pub fn attachments() -> Vec<Attachment> {
         }
     }
     all.push(syscall("enter_close", "sys_enter_close".into()));
-    for (program, name) in [
-        ("process_exit", "sched_process_exit"),
-        ("process_fork", "sched_process_fork"),
-        ("process_exec", "sched_process_exec"),
+    for (program, category, name) in [
+        ("process_exit", "sched", "sched_process_exit"),
+        ("new_task", "task", "task_newtask"),
+        ("process_exec", "sched", "sched_process_exec"),
     ] {
         all.push(Attachment {
             program,
-            category: "sched",
+            category,
             name: name.into(),
         });
     }
     all
+}
+
+/// The programs in an eBPF object: its global functions outside `.text` (aya puts each
+/// program in a section named for its kind, `tracepoint` here; `.text` holds the helpers
+/// they call).
+pub fn object_programs(object: &[u8]) -> Result<Vec<String>> {
+    use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
+    let file = object::File::parse(object).context("parsing the eBPF object")?;
+    let mut programs = Vec::new();
+    for symbol in file.symbols() {
+        if symbol.kind() != SymbolKind::Text || !symbol.is_global() {
+            continue;
+        }
+        let Some(section) = symbol
+            .section_index()
+            .and_then(|index| file.section_by_index(index).ok())
+        else {
+            continue;
+        };
+        if section.name().is_ok_and(|name| name != ".text") {
+            programs.push(
+                symbol
+                    .name()
+                    .context("a symbol name in the eBPF object")?
+                    .to_string(),
+            );
+        }
+    }
+    programs.sort();
+    programs.dedup();
+    Ok(programs)
+}
+
+/// The programs of the object this build embeds (none in an `AYA_BUILD_SKIP=1` build).
+pub fn embedded_programs() -> Result<Vec<String>> {
+    if EBPF_OBJECT.is_empty() {
+        return Ok(Vec::new());
+    }
+    object_programs(EBPF_OBJECT)
+}
+
+/// The embedded object's programs, each attached ([`attachments`]) and nothing attached
+/// that the object lacks; `Err` names the difference. A program that is loaded but never
+/// attached, or an attachment to a program that was renamed, would otherwise show up only
+/// as a feature that silently does nothing, or as an error deep inside the loader.
+pub fn check_attachments_cover(programs: &[String], attachments: &[Attachment]) -> Result<()> {
+    let attached: Vec<&str> = attachments.iter().map(|a| a.program).collect();
+    let unattached: Vec<&str> = programs
+        .iter()
+        .map(String::as_str)
+        .filter(|program| !attached.contains(program))
+        .collect();
+    let mut unknown: Vec<&str> = attached
+        .iter()
+        .copied()
+        .filter(|program| !programs.iter().any(|p| p == program))
+        .collect();
+    unknown.sort();
+    unknown.dedup();
+    let mut tracepoints: Vec<String> = attachments.iter().map(Attachment::tracepoint).collect();
+    tracepoints.sort();
+    let twice: Vec<&String> = tracepoints
+        .windows(2)
+        .filter(|pair| pair[0] == pair[1])
+        .map(|pair| &pair[0])
+        .collect();
+    if unattached.is_empty() && unknown.is_empty() && twice.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "this build's eBPF object and its attachment table disagree (programs never attached: \
+         {unattached:?}; attachments to programs the object lacks: {unknown:?}; tracepoints \
+         attached twice: {twice:?}): rebuild with `cargo xtask build`, and if that persists, \
+         report it"
+    )
+}
+
+/// The field offsets the fork and exit programs read, from the tracepoints' `format`
+/// files, after checking that every attached syscall tracepoint has the argument layout the
+/// syscall programs read. An error names the tracepoint and the field.
+pub fn tracepoint_layout() -> Result<TracepointLayout> {
+    let tracefs = match locate_tracefs() {
+        Tracefs::Readable(path) => path,
+        Tracefs::Unreadable { path, error } => {
+            bail!("tracefs at {} cannot be read ({error})", path.display())
+        }
+        Tracefs::NotMounted => bail!("tracefs is not mounted: mount it at {TRACEFS}"),
+    };
+    let events = tracefs.join("events");
+    let read = |tracepoint: &str| {
+        let path = events.join(tracepoint).join("format");
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("reading the layout of tracepoint {tracepoint}"))
+    };
+    let refuse = |error: tracepoint_format::LayoutError| {
+        anyhow::anyhow!(
+            "this kernel's tracepoint layout cannot be used: {error}. Use a kernel whose layout \
+             gym-tracer reads, or report this with the contents of {}",
+            events.join(&error.tracepoint).join("format").display()
+        )
+    };
+    for attachment in attachments().iter().filter(|a| a.category == "syscalls") {
+        let tracepoint = attachment.tracepoint();
+        let format = tracepoint_format::parse_format(&tracepoint, &read(&tracepoint)?);
+        format
+            .and_then(|format| tracepoint_format::check_syscall_layout(&tracepoint, &format))
+            .map_err(refuse)?;
+    }
+    let new_task = read(tracepoint_format::NEW_TASK)?;
+    let exit = read(tracepoint_format::PROCESS_EXIT)?;
+    tracepoint_format::layout_from_formats(&new_task, &exit).map_err(refuse)
 }
 
 /// A Linux capability, by its number in linux/capability.h.
@@ -474,6 +595,9 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
     // SAFETY: valid rlimit pointer.
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 
+    check_attachments_cover(&embedded_programs()?, &attachments())?;
+    // Read now, refused below: a process that may not create maps at all learns that first.
+    let layout = tracepoint_layout();
     let (offsets, socket_addresses) = match socket_offsets() {
         Ok(offsets) => (offsets, Ok(())),
         Err(why) => (KernelOffsets::default(), Err(why)),
@@ -482,9 +606,16 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
     let mut ebpf = EbpfLoader::new()
         .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
         .override_global("KERNEL_OFFSETS", &offsets, true)
+        .override_global(
+            "TRACEPOINT_LAYOUT",
+            layout.as_ref().unwrap_or(&TracepointLayout::default()),
+            true,
+        )
         .map_max_entries("EVENTS", ring_bytes)
         .load(EBPF_OBJECT)
         .context("loading the eBPF programs into the kernel")?;
+    // No program is in the kernel yet: the placeholder layout is never read.
+    layout?;
     let mut programs: Vec<&str> = attachments().iter().map(|a| a.program).collect();
     programs.dedup();
     for name in programs {
@@ -573,10 +704,17 @@ impl LoadedProbes {
         }
     }
 
-    /// Records the kernel could not put on the ring buffer, summed over CPUs.
-    /// Records the kernel could not put on the ring buffer, per possible CPU.
-    pub fn lost_events_by_cpu(&self) -> Vec<u64> {
-        let Some(map) = self.ebpf.map("LOST_EVENTS") else {
+    /// The counters the kernel programs keep, read now.
+    pub fn kernel_counters(&self) -> KernelCounters {
+        KernelCounters {
+            events_lost_by_cpu: self.per_cpu_counter("LOST_EVENTS"),
+            threads_ignored: self.per_cpu_counter("THREADS_IGNORED").iter().sum(),
+        }
+    }
+
+    /// A one-slot per-CPU counter map, per possible CPU; empty if the map is missing.
+    fn per_cpu_counter(&self, name: &str) -> Vec<u64> {
+        let Some(map) = self.ebpf.map(name) else {
             return Vec::new();
         };
         let Ok(counter) = PerCpuArray::<_, u64>::try_from(map) else {
@@ -674,15 +812,69 @@ mod tests {
         assert!(!is_tracefs_mount(mountinfo, "/sys/kernel/debug/tracing"));
     }
 
+    /// Compares the attachment table with the programs of the object this build embeds.
+    /// A build with `AYA_BUILD_SKIP=1` embeds no object, and this test then fails rather
+    /// than pass on nothing: run it from a normal build.
     #[test]
     fn every_program_is_attached_and_tracepoints_are_unique() {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "this build embeds no eBPF object (AYA_BUILD_SKIP was set): run the test from a \
+             build without it"
+        );
+        let programs = object_programs(EBPF_OBJECT).unwrap();
+        assert!(programs.len() > 1, "{programs:?}");
         let all = attachments();
-        assert_eq!(all.len(), 26);
-        let mut names: Vec<String> = all.iter().map(Attachment::tracepoint).collect();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), all.len());
-        assert!(names.contains(&"sched/sched_process_fork".to_string()));
-        assert!(names.contains(&"sched/sched_process_exec".to_string()));
+        check_attachments_cover(&programs, &all).unwrap();
+        for program in &programs {
+            assert!(
+                all.iter().any(|a| a.program == program),
+                "{program} unattached"
+            );
+        }
+    }
+
+    #[test]
+    fn a_mismatched_attachment_table_is_named() {
+        let all = attachments();
+        let mut programs: Vec<String> = all.iter().map(|a| a.program.to_string()).collect();
+        programs.sort();
+        programs.dedup();
+        check_attachments_cover(&programs, &all).unwrap();
+        let extra = [programs.clone(), vec!["uprobe_ssl_write".to_string()]].concat();
+        let error = check_attachments_cover(&extra, &all)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("never attached: [\"uprobe_ssl_write\"]"),
+            "{error}"
+        );
+        let fewer: Vec<String> = programs
+            .iter()
+            .filter(|p| *p != "new_task")
+            .cloned()
+            .collect();
+        let error = check_attachments_cover(&fewer, &all)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("the object lacks: [\"new_task\"]"),
+            "{error}"
+        );
+        let twice = [all.clone(), vec![all[0].clone()]].concat();
+        let error = check_attachments_cover(&programs, &twice)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("attached twice: [\"syscalls/sys_enter_read\"]"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn this_kernels_tracepoint_layout_is_read() {
+        let layout = tracepoint_layout().unwrap();
+        assert_ne!(layout.new_task_clone_flags, 0);
+        assert_ne!(layout.new_task_pid, 0);
     }
 }

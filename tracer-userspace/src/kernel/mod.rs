@@ -5,3 +5,4 @@
 pub mod btf;
 pub mod events;
 pub mod loader;
+pub mod tracepoint_format;

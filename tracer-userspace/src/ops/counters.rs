@@ -29,6 +29,9 @@ counters! {
     pub struct HostCounters {
         /// Records the kernel could not put on the full ring buffer (summed over CPUs).
         events_lost_in_kernel,
+        /// Threads a traced process started: the kernel keeps them out of the PID filter
+        /// (only new processes are followed).
+        fork_threads_ignored,
         /// Processes whose environment discovery could not read.
         environ_unreadable,
     }

@@ -8,17 +8,19 @@
 
 use std::fmt::Write as _;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use aya::{maps::MapType, programs::ProgramType};
 
 use crate::config::cli::DoctorArgs;
 use crate::kernel::loader::{
-    self, Attachment, BTF_PATH, Capability, CapabilitySet, LoadOptions, REQUIRED_CAPABILITIES,
-    TRACEFS, Tracefs,
+    self, Attachment, BTF_PATH, Capability, CapabilitySet, FeatureReport, LoadOptions,
+    REQUIRED_CAPABILITIES, TRACEFS, Tracefs,
 };
+use crate::kernel::tracepoint_format;
 use crate::processes::discovery::{executable_path, gym_server_from_env, read_process_env};
+use tracer_abi::TracepointLayout;
 
 /// The first kernel with the BPF ring buffer (and `CAP_BPF`/`CAP_PERFMON`).
 const MIN_KERNEL: (u32, u32) = (5, 8);
@@ -210,27 +212,186 @@ struct Findings {
     socket_addresses: Result<(), String>,
 }
 
-pub fn run(args: &DoctorArgs) -> Result<bool> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let caps = CapabilitySet::from_status(&status, "CapEff")?;
-    let uid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|ids| ids.split_whitespace().nth(1))
-        .unwrap_or("?")
-        .to_string();
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+/// Everything `doctor` reads about the host, read once; each check below is a function of
+/// it that returns its report line(s).
+struct Host {
+    caps: CapabilitySet,
+    uid: String,
+    mountinfo: String,
+    release: String,
+    version: Option<(u32, u32)>,
+    socket_addresses: Result<(), String>,
+    tracefs: Tracefs,
+    /// `/proc/filesystems` lists tracefs.
+    tracefs_known: bool,
+    /// `<tracefs>/events`, when tracefs is readable.
+    events: Option<PathBuf>,
+    layout: Result<TracepointLayout, String>,
+    host_pid_namespace: Option<bool>,
+    /// The error chain when the probe itself was refused.
+    ring_buffer: Result<bool, String>,
+    /// The real object, loaded and attached (the inner result), then detached.
+    trial: Result<(FeatureReport, Result<usize>)>,
+    /// Programs in the embedded object.
+    programs: usize,
+    kprobe_pmu: bool,
+    fentry: Result<bool, String>,
+    init_environ: io::Result<()>,
+}
 
-    let mut kernel = Vec::new();
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|r| r.trim().to_string())
-        .unwrap_or_default();
-    let version = kernel_version(&release);
-    kernel.push(match version {
+impl Host {
+    fn snapshot() -> Result<Self> {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let caps = CapabilitySet::from_status(&status, "CapEff")?;
+        let uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            .unwrap_or("?")
+            .to_string();
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|r| r.trim().to_string())
+            .unwrap_or_default();
+        let tracefs = loader::locate_tracefs();
+        let events = match &tracefs {
+            Tracefs::Readable(path) => Some(path.join("events")),
+            _ => None,
+        };
+        let tracefs_known = std::fs::read_to_string("/proc/filesystems")
+            .map(|f| {
+                f.lines()
+                    .any(|l| l.split_whitespace().last() == Some("tracefs"))
+            })
+            .unwrap_or(false);
+        let trial = loader::trial_load(&LoadOptions {
+            capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
+            // What `run` allocates by default (the memory cgroup is charged for it).
+            ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
+        });
+        Ok(Self {
+            caps,
+            uid,
+            mountinfo: std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+            version: kernel_version(&release),
+            release,
+            socket_addresses: loader::socket_offsets().map(|_| ()),
+            tracefs,
+            tracefs_known,
+            events,
+            layout: loader::tracepoint_layout().map_err(|e| format!("{e:#}")),
+            host_pid_namespace: loader::in_initial_pid_namespace(),
+            ring_buffer: aya::sys::is_map_supported(MapType::RingBuf).map_err(|e| error_chain(&e)),
+            trial,
+            programs: loader::embedded_programs().map_or(0, |programs| programs.len()),
+            kprobe_pmu: Path::new("/sys/bus/event_source/devices/kprobe/type").exists(),
+            fentry: aya::sys::is_program_supported(ProgramType::Tracing)
+                .map_err(|e| error_chain(&e)),
+            init_environ: std::fs::read("/proc/1/environ").map(|_| ()),
+        })
+    }
+
+    /// The capabilities `run` requires and this process lacks.
+    fn missing_capabilities(&self) -> Vec<String> {
+        REQUIRED_CAPABILITIES
+            .iter()
+            .filter(|r| !r.met_by(self.caps))
+            .map(|r| r.capability.name())
+            .collect()
+    }
+}
+
+pub fn run(args: &DoctorArgs) -> Result<bool> {
+    let host = Host::snapshot()?;
+    let kernel = vec![
+        kernel_row(&host),
+        btf_row(&host),
+        tracefs_row(&host),
+        tracepoints_row(&host),
+        layout_row(&host),
+        pid_namespace_row(&host),
+        ring_buffer_row(&host),
+        programs_row(&host),
+        kprobes_row(&host),
+        fentry_row(&host),
+    ];
+    let mut processes = vec![init_environ_row(&host)];
+    processes.extend(args.pids.iter().map(|&pid| pid_row(pid)));
+    let sections = [
+        Section {
+            title: "Kernel",
+            rows: kernel,
+        },
+        Section {
+            title: "Privileges",
+            rows: privilege_rows(&host),
+        },
+        Section {
+            title: "Processes",
+            rows: processes,
+        },
+        Section {
+            title: "Features",
+            rows: feature_rows(&findings(&host)),
+        },
+    ];
+    Ok(print_report(&sections))
+}
+
+/// Prints the report and its verdict; true when nothing failed.
+fn print_report(sections: &[Section]) -> bool {
+    print!("{}", render(sections));
+    let failed = sections
+        .iter()
+        .flat_map(|s| &s.rows)
+        .any(|r| r.status == Status::Fail);
+    println!(
+        "\n{}",
+        if failed {
+            "gym-tracer cannot trace on this host as it runs now: see FAIL above."
+        } else {
+            "gym-tracer can trace on this host."
+        }
+    );
+    !failed
+}
+
+fn findings(host: &Host) -> Findings {
+    let missing = host.missing_capabilities();
+    let tracing = match &host.trial {
+        Ok((_, Ok(_))) if !missing.is_empty() => Err(format!(
+            "the kernel allows it, but `gym-tracer run` first requires {}",
+            missing.join(", ")
+        )),
+        Ok((_, Ok(_))) => Ok(()),
+        Ok((_, Err(error))) => Err(format!(
+            "attaching failed: {}",
+            join_causes(error.chain().map(ToString::to_string))
+        )),
+        Err(error) => Err(format!(
+            "loading failed: {}",
+            join_causes(error.chain().map(ToString::to_string))
+        )),
+    };
+    Findings {
+        tracing,
+        fork_tracepoint: host
+            .events
+            .as_ref()
+            .is_some_and(|events| events.join("task/task_newtask/id").exists()),
+        host_pid_namespace: host.host_pid_namespace.unwrap_or(true),
+        socket_addresses: host.socket_addresses.clone(),
+    }
+}
+
+fn kernel_row(host: &Host) -> Row {
+    let release = &host.release;
+    match host.version {
         Some(v) if v >= MEMCG_ACCOUNTING_KERNEL => row(
             "kernel",
             Status::Ok,
-            format!("{release}: ring buffer, CAP_BPF/CAP_PERFMON, BPF memory charged to the memory cgroup"),
+            format!(
+                "{release}: ring buffer, CAP_BPF/CAP_PERFMON, BPF memory charged to the memory cgroup"
+            ),
         ),
         Some(v) if v >= MIN_KERNEL => row(
             "kernel",
@@ -244,10 +405,11 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             format!("{release:?}: gym-tracer needs Linux 5.8 or later (BPF ring buffer)"),
         )
         .fix("upgrade the kernel"),
-    });
+    }
+}
 
-    let socket_addresses = loader::socket_offsets().map(|_| ());
-    kernel.push(match &socket_addresses {
+fn btf_row(host: &Host) -> Row {
+    match &host.socket_addresses {
         Ok(()) => row(
             "BTF",
             Status::Ok,
@@ -256,116 +418,111 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         Err(why) => row("BTF", Status::Warn, why.clone()).fix(
             "use a kernel with CONFIG_DEBUG_INFO_BTF=y; without it spans lack connection addresses",
         ),
-    });
+    }
+}
 
-    let tracefs = loader::locate_tracefs();
-    let tracefs_known = std::fs::read_to_string("/proc/filesystems")
-        .map(|f| {
-            f.lines()
-                .any(|l| l.split_whitespace().last() == Some("tracefs"))
-        })
-        .unwrap_or(false);
-    let tracefs_path = match &tracefs {
-        Tracefs::Readable(path) => {
-            kernel.push(row(
-                "tracefs",
-                Status::Ok,
-                format!("mounted at {}", path.display()),
-            ));
-            Some(path.clone())
+fn tracefs_row(host: &Host) -> Row {
+    match &host.tracefs {
+        Tracefs::Readable(path) => row(
+            "tracefs",
+            Status::Ok,
+            format!("mounted at {}", path.display()),
+        ),
+        Tracefs::Unreadable { path, error } => row(
+            "tracefs",
+            Status::Fail,
+            format!(
+                "mounted at {} but unreadable ({}): tracepoint ids cannot be read",
+                path.display(),
+                io_reason(error)
+            ),
+        )
+        .fix("grant CAP_DAC_READ_SEARCH (or run as uid 0)"),
+        Tracefs::NotMounted if !host.tracefs_known => {
+            row("tracefs", Status::Fail, "this kernel has no tracefs")
+                .fix("use a kernel with CONFIG_FTRACE (tracefs) and CONFIG_FTRACE_SYSCALLS")
         }
-        Tracefs::Unreadable { path, error } => {
-            kernel.push(
-                row(
-                    "tracefs",
-                    Status::Fail,
-                    format!(
-                        "mounted at {} but unreadable ({}): tracepoint ids cannot be read",
-                        path.display(),
-                        io_reason(error)
-                    ),
-                )
-                .fix("grant CAP_DAC_READ_SEARCH (or run as uid 0)"),
-            );
-            None
-        }
-        Tracefs::NotMounted if !tracefs_known => {
-            kernel.push(
-                row("tracefs", Status::Fail, "this kernel has no tracefs")
-                    .fix("use a kernel with CONFIG_FTRACE (tracefs) and CONFIG_FTRACE_SYSCALLS"),
-            );
-            None
-        }
-        Tracefs::NotMounted if caps.contains(Capability::SYS_ADMIN) => {
-            kernel.push(
-                row(
-                    "tracefs",
-                    Status::Warn,
-                    format!("not mounted; `run` will mount it at {TRACEFS} (CAP_SYS_ADMIN)"),
-                )
-                .fix(format!(
-                    "or mount it yourself: mount -t tracefs nodev {TRACEFS}"
-                )),
-            );
-            None
-        }
-        Tracefs::NotMounted => {
-            kernel.push(
-                row(
-                    "tracefs",
-                    Status::Fail,
-                    "not mounted, and mounting it needs CAP_SYS_ADMIN",
-                )
-                .fix(format!(
-                    "mount -t tracefs nodev {TRACEFS} (in a container: mount the host's {TRACEFS})"
-                )),
-            );
-            None
-        }
-    };
+        Tracefs::NotMounted if host.caps.contains(Capability::SYS_ADMIN) => row(
+            "tracefs",
+            Status::Warn,
+            format!("not mounted; `run` will mount it at {TRACEFS} (CAP_SYS_ADMIN)"),
+        )
+        .fix(format!(
+            "or mount it yourself: mount -t tracefs nodev {TRACEFS}"
+        )),
+        Tracefs::NotMounted => row(
+            "tracefs",
+            Status::Fail,
+            "not mounted, and mounting it needs CAP_SYS_ADMIN",
+        )
+        .fix(format!(
+            "mount -t tracefs nodev {TRACEFS} (in a container: mount the host's {TRACEFS})"
+        )),
+    }
+}
 
+fn tracepoints_row(host: &Host) -> Row {
     let attachments = loader::attachments();
-    let mut fork_tracepoint = false;
-    match &tracefs_path {
-        Some(path) => {
-            let events = path.join("events");
-            let absent: Vec<String> = attachments
-                .iter()
-                .map(Attachment::tracepoint)
-                .filter(|tp| !events.join(tp).join("id").exists())
-                .collect();
-            fork_tracepoint = events.join("sched/sched_process_fork/id").exists();
-            kernel.push(if absent.is_empty() {
-                row(
-                    "tracepoints",
-                    Status::Ok,
-                    format!(
-                        "all {} present: {}",
-                        attachments.len(),
-                        tracepoint_summary(&attachments)
-                    ),
-                )
-            } else {
-                row(
-                    "tracepoints",
-                    Status::Fail,
-                    format!("missing: {}", absent.join(", ")),
-                )
-                .fix("use a kernel built with CONFIG_FTRACE_SYSCALLS=y")
-            });
-        }
-        None => kernel.push(row(
+    let Some(events) = &host.events else {
+        return row(
             "tracepoints",
             Status::Warn,
             format!(
                 "not checked ({} needed): tracefs is not readable",
                 attachments.len()
             ),
-        )),
+        );
+    };
+    let absent: Vec<String> = attachments
+        .iter()
+        .map(Attachment::tracepoint)
+        .filter(|tp| !events.join(tp).join("id").exists())
+        .collect();
+    if absent.is_empty() {
+        row(
+            "tracepoints",
+            Status::Ok,
+            format!(
+                "all {} present: {}",
+                attachments.len(),
+                tracepoint_summary(&attachments)
+            ),
+        )
+    } else {
+        row(
+            "tracepoints",
+            Status::Fail,
+            format!("missing: {}", absent.join(", ")),
+        )
+        .fix("use a kernel built with CONFIG_FTRACE_SYSCALLS=y")
     }
+}
 
-    let host_pid_namespace = loader::in_initial_pid_namespace();
-    kernel.push(match host_pid_namespace {
+/// The record layout the fork and exit programs were told, from the `format` files.
+fn layout_row(host: &Host) -> Row {
+    if host.events.is_none() {
+        return row(
+            "tracepoint layout",
+            Status::Warn,
+            "not checked: tracefs is not readable",
+        );
+    }
+    match &host.layout {
+        Ok(layout) => row(
+            "tracepoint layout",
+            Status::Ok,
+            format!(
+                "syscall arguments in 8-byte slots from 16; {}",
+                tracepoint_format::describe(layout)
+            ),
+        ),
+        Err(why) => row("tracepoint layout", Status::Fail, why.clone())
+            .fix("gym-tracer refuses to load on this layout: report it with the format file named"),
+    }
+}
+
+fn pid_namespace_row(host: &Host) -> Row {
+    match host.host_pid_namespace {
         Some(true) => row("PID namespace", Status::Ok, "the host's: PIDs match what the kernel programs see"),
         Some(false) => row(
             "PID namespace",
@@ -374,11 +531,11 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         )
         .fix("run in the host's PID namespace (Kubernetes hostPID: true, docker --pid=host)"),
         None => row("PID namespace", Status::Warn, "/proc/self/ns/pid unreadable"),
-    });
+    }
+}
 
-    let bpf_probe_denied =
-        |e: &dyn std::error::Error| format!("could not probe ({})", error_chain(e));
-    kernel.push(match aya::sys::is_map_supported(MapType::RingBuf) {
+fn ring_buffer_row(host: &Host) -> Row {
+    match &host.ring_buffer {
         Ok(true) => row("ring buffer", Status::Ok, "BPF_MAP_TYPE_RINGBUF supported"),
         Ok(false) => row(
             "ring buffer",
@@ -386,8 +543,8 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             "BPF_MAP_TYPE_RINGBUF not supported",
         )
         .fix("use Linux 5.8 or later"),
-        Err(e) => {
-            let by_version = if version.is_some_and(|v| v >= MIN_KERNEL) {
+        Err(chain) => {
+            let by_version = if host.version.is_some_and(|v| v >= MIN_KERNEL) {
                 "; the kernel version has it"
             } else {
                 ""
@@ -395,99 +552,87 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             row(
                 "ring buffer",
                 Status::Warn,
-                format!("{}{by_version}", bpf_probe_denied(&e)),
+                format!("could not probe ({chain}){by_version}"),
             )
             .fix("probing needs CAP_BPF")
         }
-    });
+    }
+}
 
-    let trial = loader::trial_load(&LoadOptions {
-        capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
-        // What `run` allocates by default (the memory cgroup is charged for it).
-        ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
-    });
-    let tracing: Result<(), String> = match &trial {
-        Ok((_, Ok(attached))) => {
-            kernel.push(row(
-                "eBPF programs",
-                Status::Ok,
-                format!(
-                    "the real object loaded (maps, verifier) and attached to {attached} tracepoints, then detached; nothing was traced"
-                ),
-            ));
-            Ok(())
-        }
-        Ok((_, Err(error))) => {
-            let error = join_causes(error.chain().map(ToString::to_string));
-            kernel.push(
-                row(
-                    "eBPF programs",
-                    Status::Fail,
-                    format!("loaded, but attaching failed: {error}"),
-                )
-                .fix(attach_fix(caps, &tracefs)),
-            );
-            Err(format!("attaching failed: {error}"))
-        }
-        Err(error) => {
-            let error = join_causes(error.chain().map(ToString::to_string));
-            kernel.push(
-                row(
-                    "eBPF programs",
-                    Status::Fail,
-                    format!("loading failed: {error}"),
-                )
-                .fix(load_fix(caps)),
-            );
-            Err(format!("loading failed: {error}"))
-        }
-    };
+fn programs_row(host: &Host) -> Row {
+    match &host.trial {
+        Ok((_, Ok(attached))) => row(
+            "eBPF programs",
+            Status::Ok,
+            format!(
+                "the real object's {} programs loaded (maps, verifier) and attached to {attached} tracepoints, then detached; nothing was traced",
+                host.programs
+            ),
+        ),
+        Ok((_, Err(error))) => row(
+            "eBPF programs",
+            Status::Fail,
+            format!(
+                "loaded, but attaching failed: {}",
+                join_causes(error.chain().map(ToString::to_string))
+            ),
+        )
+        .fix(attach_fix(host.caps, &host.tracefs)),
+        Err(error) => row(
+            "eBPF programs",
+            Status::Fail,
+            format!(
+                "loading failed: {}",
+                join_causes(error.chain().map(ToString::to_string))
+            ),
+        )
+        .fix(load_fix(host.caps)),
+    }
+}
 
-    let kprobe_pmu = Path::new("/sys/bus/event_source/devices/kprobe/type").exists();
-    kernel.push(row(
+fn kprobes_row(host: &Host) -> Row {
+    row(
         "kprobes",
         Status::Info,
         format!(
             "{}; not used: gym-tracer attaches only to stable tracepoints",
-            if kprobe_pmu {
+            if host.kprobe_pmu {
                 "available"
             } else {
                 "not available"
             }
         ),
-    ));
-    let fentry = match aya::sys::is_program_supported(ProgramType::Tracing) {
+    )
+}
+
+fn fentry_row(host: &Host) -> Row {
+    let caps = host.caps;
+    let fentry = match &host.fentry {
         Ok(true) => "available".to_string(),
         Ok(false) => "not available".to_string(),
-        Err(e)
+        Err(chain)
             if loader::requirement(Capability::BPF).met_by(caps)
                 && loader::requirement(Capability::PERFMON).met_by(caps) =>
         {
-            format!(
-                "not available (its probe program was refused: {})",
-                error_chain(&e)
-            )
+            format!("not available (its probe program was refused: {chain})")
         }
-        Err(e) => bpf_probe_denied(&e),
+        Err(chain) => format!("could not probe ({chain})"),
     };
-    kernel.push(row(
-        "fentry/fexit",
-        Status::Info,
-        format!("{fentry}; not used"),
-    ));
+    row("fentry/fexit", Status::Info, format!("{fentry}; not used"))
+}
 
+fn privilege_rows(host: &Host) -> Vec<Row> {
+    let caps = host.caps;
     let mut privileges = vec![row(
         "in effect",
         Status::Info,
-        format!("uid {uid}, CapEff {}", capability_names(caps)),
+        format!("uid {}, CapEff {}", host.uid, capability_names(caps)),
     )];
-    let mut missing_capabilities = Vec::new();
     for requirement in &REQUIRED_CAPABILITIES {
         let name = requirement.capability.name();
         privileges.push(if requirement.met_by(caps) {
             row(&name, Status::Ok, format!("to {}", requirement.needed_for))
         } else {
-            missing_capabilities.push(name.clone());
             row(
                 &name,
                 Status::Fail,
@@ -498,7 +643,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             ))
         });
     }
-    let mount_needed = matches!(tracefs, Tracefs::NotMounted);
+    let mount_needed = matches!(host.tracefs, Tracefs::NotMounted);
     privileges.push(row(
         Capability::SYS_ADMIN.name(),
         Status::Info,
@@ -516,82 +661,34 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         Status::Info,
         "only before Linux 5.11, to lift RLIMIT_MEMLOCK for BPF memory",
     ));
-    privileges.push(cgroup_row(&mountinfo));
+    privileges.push(cgroup_row(&host.mountinfo));
     privileges.push(container_row());
+    privileges
+}
 
-    let mut processes = vec![match std::fs::read("/proc/1/environ") {
-        Ok(_) => row(
+fn init_environ_row(host: &Host) -> Row {
+    match &host.init_environ {
+        Ok(()) => row(
             "/proc/1/environ",
             Status::Ok,
             "readable: other processes' environment can be read",
         ),
         // Seen in a microVM whose init refuses even root with every capability.
-        Err(e) if caps.contains(Capability::SYS_PTRACE) => row(
+        Err(e) if host.caps.contains(Capability::SYS_PTRACE) => row(
             "/proc/1/environ",
             Status::Info,
             format!(
                 "unreadable ({}) even with CAP_SYS_PTRACE: process 1 refuses it (some sandboxes' init does); other processes are not affected",
-                io_reason(&e)
+                io_reason(e)
             ),
         ),
         Err(e) => row(
             "/proc/1/environ",
             Status::Warn,
-            format!("unreadable ({})", io_reason(&e)),
+            format!("unreadable ({})", io_reason(e)),
         )
         .fix("grant CAP_SYS_PTRACE to read other users' processes"),
-    }];
-    for &pid in &args.pids {
-        processes.push(pid_row(pid));
     }
-
-    let tracing = match tracing {
-        Ok(()) if !missing_capabilities.is_empty() => Err(format!(
-            "the kernel allows it, but `gym-tracer run` first requires {}",
-            missing_capabilities.join(", ")
-        )),
-        other => other,
-    };
-    let findings = Findings {
-        tracing,
-        fork_tracepoint,
-        host_pid_namespace: host_pid_namespace.unwrap_or(true),
-        socket_addresses,
-    };
-    let features = feature_rows(&findings);
-
-    let sections = [
-        Section {
-            title: "Kernel",
-            rows: kernel,
-        },
-        Section {
-            title: "Privileges",
-            rows: privileges,
-        },
-        Section {
-            title: "Processes",
-            rows: processes,
-        },
-        Section {
-            title: "Features",
-            rows: features,
-        },
-    ];
-    print!("{}", render(&sections));
-    let failed = sections
-        .iter()
-        .flat_map(|s| &s.rows)
-        .any(|r| r.status == Status::Fail);
-    println!(
-        "\n{}",
-        if failed {
-            "gym-tracer cannot trace on this host as it runs now: see FAIL above."
-        } else {
-            "gym-tracer can trace on this host."
-        }
-    );
-    Ok(!failed)
 }
 
 /// `syscalls/sys_{enter,exit}_{read,...}, ...`: the tracepoints without 25 lines of them.
@@ -776,13 +873,13 @@ fn feature_rows(f: &Findings) -> Vec<Row> {
             row(
                 "fork following",
                 Status::On,
-                "sched_process_fork puts children of traced processes in the PID filter",
+                "task_newtask puts new processes (not threads) of traced processes in the PID filter",
             )
         } else {
             row(
                 "fork following",
                 Status::Off,
-                "sched/sched_process_fork tracepoint missing",
+                "task/task_newtask tracepoint missing",
             )
         },
         if f.host_pid_namespace {
@@ -932,7 +1029,7 @@ mod tests {
             "connect",
             "syscalls/sys_enter_close",
             "sched/sched_process_exit",
-            "sched/sched_process_fork",
+            "task/task_newtask",
             "sched/sched_process_exec",
         ] {
             assert!(summary.contains(name), "{name} not in {summary}");

@@ -49,8 +49,6 @@ counters! {
         /// Traced processes that replaced their program (`execve`); their connections ended.
         processes_execd,
         forks_followed,
-        /// Fork events that were new threads of a traced process, not new processes.
-        fork_threads_ignored,
         /// Server addresses not remembered for `peer.service`: past [`MAX_PEER_NAMES`].
         peer_names_dropped,
     }
@@ -82,9 +80,9 @@ pub enum Lifecycle {
     Exited(u32),
     /// Replaced its program; it stays traced, the connections the exec closed are ended.
     Execd(u32),
-    /// A fork event that was a thread or a child that could not be adopted: take it out of
-    /// the kernel filter again.
-    NotAProcess(u32),
+    /// A forked child that could not be adopted (its parent is no longer known): take it
+    /// out of the kernel filter again. The kernel reports processes only, never threads.
+    NotAdopted(u32),
 }
 
 /// What the pipeline hands back to its driver. Drained by the driver after each batch.
@@ -104,8 +102,6 @@ pub struct PipelineConfig {
     pub agent_resource: AgentResource,
     pub groups: SpanGroups,
     pub stitch: StitchConfig,
-    /// Whether a forked child leads its own thread group (a thread is not adopted).
-    pub child_is_process: fn(u32) -> bool,
 }
 
 /// Everything downstream of the ring buffer and upstream of the exporters.
@@ -122,7 +118,6 @@ pub struct Pipeline<M: RequestMetrics> {
     own_requests: HashSet<SpanId>,
     /// Listening addresses of traced Gym servers → server name, for `peer.service`.
     peer_names: HashMap<SocketAddr, String>,
-    child_is_process: fn(u32) -> bool,
     pub counters: PipelineCounters,
     pub output: PipelineOutput,
     exchanges: Vec<HttpExchange>,
@@ -142,7 +137,6 @@ impl<M: RequestMetrics> Pipeline<M> {
             stitcher: Stitcher::new(config.stitch),
             own_requests: HashSet::new(),
             peer_names: HashMap::new(),
-            child_is_process: config.child_is_process,
             counters: PipelineCounters::default(),
             output: PipelineOutput::default(),
             exchanges: Vec::new(),
@@ -326,11 +320,6 @@ impl<M: RequestMetrics> Pipeline<M> {
     }
 
     fn adopt(&mut self, parent: u32, child: u32) {
-        if !(self.child_is_process)(child) {
-            self.counters.fork_threads_ignored += 1;
-            self.output.lifecycle.push(Lifecycle::NotAProcess(child));
-            return;
-        }
         match self.processes.adopt_child(parent, child) {
             Some(process) => {
                 self.counters.forks_followed += 1;
@@ -341,7 +330,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     process.identity.labels
                 );
             }
-            None => self.output.lifecycle.push(Lifecycle::NotAProcess(child)),
+            None => self.output.lifecycle.push(Lifecycle::NotAdopted(child)),
         }
     }
 }

@@ -398,8 +398,6 @@ impl Replay {
                 max_pending: MAX_PENDING_SPANS,
                 max_nodes: MAX_PENDING_SPANS * 4,
             },
-            // No real process has the script's PIDs: every forked child is one.
-            child_is_process: |_| true,
         };
         let mut pipeline = Pipeline::new(config, ());
         // A Gym agent server, a resources server and (only once forked) a plain process.
