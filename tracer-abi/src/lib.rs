@@ -264,7 +264,7 @@ const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
 #[cfg(feature = "user")]
 mod user {
     use super::*;
-    // SAFETY: these three are #[repr(C)] structs of integers only, with no implicit padding
+    // SAFETY: these are #[repr(C)] structs of integers only, with no implicit padding
     // (SocketState's is the explicit `_pad` field; the size assertions above pin the layouts),
     // so every bit pattern is a valid value.
     unsafe impl aya::Pod for SocketKey {}
@@ -272,5 +272,6 @@ mod user {
     unsafe impl aya::Pod for SocketState {}
     // SAFETY: as above.
     unsafe impl aya::Pod for KernelOffsets {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for TracepointLayout {}
 }

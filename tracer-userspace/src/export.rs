@@ -1665,7 +1665,9 @@ mod tests {
 
     impl std::error::Error for Layer {
         fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-            self.1.as_deref().map(|layer| layer as _)
+            self.1
+                .as_deref()
+                .map(|layer| -> &(dyn std::error::Error + 'static) { layer })
         }
     }
 

@@ -181,8 +181,10 @@ mod tests {
 
     fn as_bytes<T>(value: &T) -> Vec<u8> {
         // SAFETY: test-only view of a plain-old-data struct.
-        unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
-            .to_vec()
+        unsafe {
+            std::slice::from_raw_parts(std::ptr::from_ref(value).cast::<u8>(), size_of::<T>())
+        }
+        .to_vec()
     }
 
     #[test]

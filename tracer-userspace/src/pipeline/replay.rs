@@ -225,7 +225,7 @@ fn addresses(socket: SocketId, role: Role) -> (SocketAddr, SocketAddr) {
 fn record_bytes<T: Copy>(record: &T) -> Vec<u8> {
     // SAFETY: the ABI structs are plain old data whose padding is explicit `_pad` fields
     // (tracer-abi asserts their sizes), so every byte is initialised.
-    unsafe { std::slice::from_raw_parts((record as *const T).cast::<u8>(), size_of::<T>()) }
+    unsafe { std::slice::from_raw_parts(std::ptr::from_ref(record).cast::<u8>(), size_of::<T>()) }
         .to_vec()
 }
 
