@@ -9,6 +9,8 @@
 //! stitcher holds until their parents and trace ids are decided, then releases.
 
 pub mod replay;
+#[cfg(test)]
+pub mod testing;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;

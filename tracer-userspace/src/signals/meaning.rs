@@ -76,40 +76,20 @@ mod tests {
     use crate::gym::span_groups::SpanGroup;
     use crate::gym::{ServerKind, ServerType};
     use crate::model::exchange::AbortReason;
-    use crate::model::exchange::ResponseHead;
-    use crate::model::ids::SpanId;
     use crate::model::service::GymLabels;
+    use crate::pipeline::testing;
     use crate::processes::ProcessTable;
 
     const PID: u32 = 4242;
 
     fn exchange(path: &str, status: Option<u16>, body_id: Option<&str>) -> HttpExchange {
+        let outcome = match status {
+            Some(status) => testing::response(status),
+            None => Outcome::Aborted(AbortReason::ConnectionClosed),
+        };
         HttpExchange {
-            pid: PID,
-            role: Role::Server,
-            local: None,
-            peer: None,
-            request: RequestHead {
-                method: "POST".into(),
-                path: path.into(),
-                version_minor: 1,
-                host: None,
-                user_agent: None,
-                traceparent: None,
-                expects_continue: false,
-                truncated: false,
-            },
-            outcome: match status {
-                Some(status) => Outcome::Response(ResponseHead {
-                    status,
-                    version_minor: 1,
-                }),
-                None => Outcome::Aborted(AbortReason::ConnectionClosed),
-            },
-            start_ns: 1,
-            end_ns: 2,
             run_rollout_id: body_id.and_then(RolloutId::parse),
-            span_id: SpanId::random(),
+            ..testing::exchange(PID, Role::Server, testing::request("POST", path), outcome)
         }
     }
 

@@ -276,36 +276,20 @@ mod tests {
     use crate::model::exchange::RequestHead;
     use crate::model::exchange::ResponseHead;
     use crate::model::service::GymLabels;
+    use crate::pipeline::testing;
 
     fn exchange(outcome: Outcome, traceparent: Option<&str>) -> HttpExchange {
-        HttpExchange {
-            pid: 1,
-            role: Role::Server,
-            local: Some("127.0.0.1:8000".parse().unwrap()),
-            peer: Some("127.0.0.1:50000".parse().unwrap()),
-            request: RequestHead {
-                method: "POST".into(),
-                path: "/ng-rollout/r-7/verify".into(),
-                version_minor: 1,
-                host: Some("localhost:8000".into()),
-                user_agent: Some("ua".into()),
-                traceparent: traceparent.map(String::from),
-                expects_continue: false,
-                truncated: false,
-            },
-            outcome,
-            start_ns: 1_000,
-            end_ns: 5_000,
-            run_rollout_id: None,
-            span_id: SpanId::random(),
-        }
+        let request = RequestHead {
+            host: Some("localhost:8000".into()),
+            user_agent: Some("ua".into()),
+            traceparent: traceparent.map(String::from),
+            ..testing::request("POST", "/ng-rollout/r-7/verify")
+        };
+        testing::exchange(1, Role::Server, request, outcome)
     }
 
     fn ok() -> Outcome {
-        Outcome::Response(ResponseHead {
-            status: 200,
-            version_minor: 1,
-        })
+        testing::response(200)
     }
 
     fn verify_meaning() -> RequestMeaning {

@@ -639,17 +639,11 @@ impl Stitcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::service::ServiceIdentity;
     use crate::model::span::SpanKind;
-    use crate::model::span::SpanStatus;
-    use std::sync::Arc;
+    use crate::pipeline::testing;
 
     const AGENT: u32 = 1;
     const MODEL: u32 = 2;
-
-    fn addr(port: u16) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], port))
-    }
 
     fn start(
         pid: u32,
@@ -659,17 +653,7 @@ mod tests {
         sequence: u64,
         path: &str,
     ) -> RequestStart {
-        RequestStart {
-            pid,
-            role,
-            local: Some(addr(local)),
-            peer: Some(addr(peer)),
-            sequence,
-            span_id: SpanId::random(),
-            method: "POST".into(),
-            path: path.into(),
-            traceparent: None,
-        }
+        testing::start(pid, role, (local, peer), sequence, "POST", path)
     }
 
     fn facts(rollout: Option<&str>, semantic: bool) -> StartFacts {
@@ -681,19 +665,7 @@ mod tests {
     }
 
     fn span(name: &str, span_id: SpanId) -> SpanRecord {
-        SpanRecord {
-            service: Arc::new(ServiceIdentity::for_test("svc")),
-            name: name.into(),
-            kind: SpanKind::Server,
-            trace_id: TraceId([0; 16]),
-            span_id,
-            parent_span_id: None,
-            parent_is_remote: false,
-            start_unix_ns: 1,
-            end_unix_ns: 2,
-            attributes: Vec::new(),
-            status: SpanStatus::Unset,
-        }
+        testing::span(name, SpanKind::Server, span_id)
     }
 
     fn config() -> StitchConfig {
