@@ -1,30 +1,50 @@
 //! gym-tracer: attaches to NeMo Gym's HTTP server processes from the kernel and exports the
 //! spans and metrics their own telemetry would have produced.
 //!
-//! Data flow, one module per stage: `discovery` (which processes) → `loader` (kernel
-//! programs, PID filter) → ring buffer → `events` (decode) → `connections` (per-connection
-//! state, `http` reassembly) → `classify` (Gym meaning: routes, rollout ids, `gym.*` spans,
-//! from `gym` and the per-process state in `processes`, fed by `harvest`) → `spans` /
-//! `metrics` → `export` (with `retry`: the buffer and backoff for collector outages).
-//! `agent` assembles it. Around it: `config` (flags, environment and the config file),
-//! `logging` (the agent's own log), `health` (/healthz, /metrics), `telemetry` (the agent's
-//! own counters as `gym_tracer.*` OTel metrics), `doctor` (what this host supports) and
-//! `reference` (the generated docs).
+//! ```text
+//!  kernel (tracer-ebpf)           │ user space: one folder per stage, in data-flow order
+//!  syscall + sched tracepoints    │
+//!  PID filter before any copy ──ring buffer──▶ kernel ─▶ reassembly ─▶ pipeline core ─▶ export
+//!                                 │  (decode)   (connections,  (stitch: parents,   (JSON lines,
+//!                                 │              HTTP heads)    trace ids; signals:  tree, OTLP)
+//!                                 │                             meaning, spans,
+//!                                 │  processes: who each PID is  metrics)
+//!                                 │  (discovery, identity, routes)
+//! ```
 //!
-//! The binary (`main.rs`) only dispatches the command line; everything is in this library so
-//! that the fuzz target (`fuzz/`) and its corpus replay ([`fuzzing`]) drive the same code.
+//! Stages, each importing [`model`] (the messages between them) and the stages before it:
+//! - `gym`: Gym's knowledge — routes, rollout ids, span groups, `gym.*` names. Pure.
+//! - `model`: ids, the HTTP exchange, the span record, a process's identity, attribute keys,
+//!   the counters each stage owns.
+//! - `kernel`: loads the eBPF programs with the layouts they read (BTF, tracepoint formats),
+//!   the PID filter, and decodes ring-buffer records.
+//! - `processes`: discovery of Gym servers, their identity and harvested route tables.
+//! - `reassembly`: the connection table and the HTTP/1.x parser: exchanges out.
+//! - `stitch`: parents and trace ids from evidence; holds spans until they are decided.
+//! - `signals`: an exchange's Gym meaning, its spans and its metric recordings.
+//! - `export`: sinks behind one trait (JSON lines, trees, OTLP with retries).
+//! - [`pipeline`]: the one pure core that drives the stages per record; the agent and the
+//!   fuzz target ([`pipeline::replay`]) both drive it.
+//! - [`agent`]: the running agent — kernel and exporters around the core, process lifecycle.
+//! - [`ops`]: counters snapshot, /healthz and /metrics, self-telemetry, log, `doctor`,
+//!   `reference`.
+//! - [`config`]: the command line, environment and config file, layered.
+//!
+//! The binary (`main.rs`) only dispatches the command line.
 
-pub mod agent;
-pub mod config;
-mod export;
 mod gym;
-mod kernel;
 mod model;
-pub mod ops;
-pub mod pipeline;
+
+mod kernel;
 mod processes;
 mod reassembly;
-mod retry;
-mod signals;
 mod stitch;
+mod signals;
+mod export;
+mod retry;
 mod tree;
+
+pub mod pipeline;
+pub mod agent;
+pub mod ops;
+pub mod config;
