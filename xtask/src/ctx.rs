@@ -59,7 +59,7 @@ impl Ctx {
         self.root.join("target/venv/bin/python")
     }
 
-    /// The venv the real nemo-gym servers run from (tests/real_gym).
+    /// The venv the real nemo-gym servers run from (tests/support/real_gym).
     pub(crate) fn gym_venv(&self) -> PathBuf {
         self.root.join("target/gym-venv")
     }

@@ -1,4 +1,4 @@
-//! `cargo xtask demo`: tests/demo.py against a release build of the agent.
+//! `cargo xtask demo`: tests/support/demo.py against a release build of the agent.
 
 use std::process::Command;
 
@@ -18,7 +18,7 @@ pub(crate) fn run(ctx: &Ctx) -> Result<()> {
     cmd.env("PATH", &ctx.path)
         .current_dir(&ctx.root)
         .env("PYTHONUNBUFFERED", "1")
-        .arg(ctx.root.join("tests/demo.py"))
+        .arg(ctx.root.join("tests/support/demo.py"))
         .arg("--agent")
         .arg(&bin);
     run_checked(&mut cmd, "the demo failed: see its output above")?;

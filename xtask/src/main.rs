@@ -46,7 +46,7 @@ enum Cmd {
     Run(run::RunArgs),
     /// Run setup, the unit tests and (as root) the Python integration tests.
     Test(test::TestArgs),
-    /// Run setup, build the agent and run tests/demo.py against it (root needed).
+    /// Run setup, build the agent and run tests/support/demo.py against it (root needed).
     Demo,
     /// Measure what tracing costs: untraced vs gym-tracer vs in-process OpenTelemetry on the
     /// Gym-shaped servers, plus saturation, connection scale and the host-wide syscall tax.

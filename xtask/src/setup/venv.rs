@@ -111,17 +111,17 @@ pub(super) fn ensure_venv(ctx: &Ctx) -> Result<()> {
 }
 
 /// The real nemo-gym 0.7.0 servers run from their own venv, target/gym-venv, made with
-/// pyenv's Python 3.13.0: tests/real_gym/requirements.txt (the pinned web stack), then
-/// tests/real_gym/requirements-nodeps.txt (nemo-gym and ray) with `--no-deps
+/// pyenv's Python 3.13.0: tests/support/real_gym/requirements.txt (the pinned web stack), then
+/// tests/support/real_gym/requirements-nodeps.txt (nemo-gym and ray) with `--no-deps
 /// --ignore-requires-python`. Stamped on both files' content, like the test venv.
 pub(super) fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
-    let dir = ctx.root.join("tests/real_gym");
+    let dir = ctx.root.join("tests/support/real_gym");
     let read =
         |name: &str| {
             let path = dir.join(name);
             fs::read_to_string(&path).map(|text| (path.clone(), text)).with_context(|| {
             format!(
-                "cannot read {}: the real-Gym requirements are missing; restore tests/real_gym \
+                "cannot read {}: the real-Gym requirements are missing; restore tests/support/real_gym \
                  from git, or run `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
                 path.display()
             )
