@@ -302,7 +302,11 @@ impl Pipeline {
 }
 
 /// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.
-fn write_summary(path: &std::path::Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> Result<()> {
+fn write_summary(
+    path: &std::path::Path,
+    counters: &[(&str, u64)],
+    lost_by_cpu: &[u64],
+) -> Result<()> {
     let counters: serde_json::Map<String, serde_json::Value> = counters
         .iter()
         .map(|(name, value)| ((*name).to_string(), (*value).into()))
@@ -645,7 +649,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             ExportTarget::Otlp(otlp) => format!(
                 "OTLP {:?} {}",
                 otlp.protocol,
-                crate::config::printable_endpoint(&otlp.endpoint)
+                crate::export::otlp::options::printable_endpoint(&otlp.endpoint)
             ),
         }
     );
@@ -752,7 +756,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     let (totals, ()) = tokio::join!(spans.shutdown(), metrics.shutdown(shutdown_timeout));
     if let Some(provider) = self_telemetry {
         health.publish(&stats, health.snapshot().1);
-        crate::metrics::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN).await;
+        crate::export::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN).await;
     }
     if let Some(path) = &args.ready_file {
         let _ = std::fs::remove_file(path);
@@ -761,7 +765,10 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         let mut counters: Vec<(&str, u64)> = stats.counters().to_vec();
         counters.extend(health.export.counters());
         counters.extend([
-            ("metric_exports_failed", health.export.metric_exports_failed()),
+            (
+                "metric_exports_failed",
+                health.export.metric_exports_failed(),
+            ),
             ("requests_in_flight_at_exit", in_flight as u64),
             ("connections_open_at_exit", open_connections as u64),
         ]);

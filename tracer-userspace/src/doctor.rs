@@ -15,6 +15,7 @@ use aya::{maps::MapType, programs::ProgramType};
 
 use crate::cli::DoctorArgs;
 use crate::discovery::{executable_path, gym_server_from_env, read_process_env};
+use crate::export::otlp::error_chain;
 use crate::loader::{
     self, Attachment, BTF_PATH, Capability, CapabilitySet, LoadOptions, REQUIRED_CAPABILITIES,
     TRACEFS, Tracefs,
@@ -171,27 +172,6 @@ fn capability_names(caps: CapabilitySet) -> String {
     } else {
         held.join(", ")
     }
-}
-
-/// An error and its sources, `outer: inner: innermost`, without the repeats of errors
-/// that already print their source.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    join_causes(std::iter::successors(Some(error), |e| e.source()).map(ToString::to_string))
-}
-
-fn join_causes(causes: impl Iterator<Item = String>) -> String {
-    let mut text = String::new();
-    let mut previous = String::new();
-    for cause in causes {
-        if !previous.contains(&cause) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&cause);
-        }
-        previous = cause;
-    }
-    text
 }
 
 fn io_reason(error: &io::Error) -> String {
@@ -418,7 +398,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             Ok(())
         }
         Ok((_, Err(error))) => {
-            let error = join_causes(error.chain().map(ToString::to_string));
+            let error = error_chain(error.as_ref());
             kernel.push(
                 row(
                     "eBPF programs",
@@ -430,7 +410,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
             Err(format!("attaching failed: {error}"))
         }
         Err(error) => {
-            let error = join_causes(error.chain().map(ToString::to_string));
+            let error = error_chain(error.as_ref());
             kernel.push(
                 row(
                     "eBPF programs",
@@ -830,20 +810,6 @@ mod tests {
         assert_eq!(
             capability_names(set("000000c000080004")),
             "CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF"
-        );
-    }
-
-    #[test]
-    fn error_chains_drop_causes_their_parent_already_printed() {
-        let causes = [
-            "loading the eBPF programs into the kernel",
-            "map error: failed to create map `EVENTS`: Operation not permitted",
-            "failed to create map `EVENTS`: Operation not permitted",
-            "Operation not permitted",
-        ];
-        assert_eq!(
-            join_causes(causes.iter().map(|c| c.to_string())),
-            "loading the eBPF programs into the kernel: map error: failed to create map `EVENTS`: Operation not permitted"
         );
     }
 

@@ -14,7 +14,7 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use crate::classify::RequestMeaning;
 use crate::connections::{HttpExchange, Outcome};
 use crate::events::Role;
-use crate::export::{ExportTarget, meter_provider};
+use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::health::ExportStatus;
@@ -313,30 +313,5 @@ impl Metrics {
         let providers: Vec<SdkMeterProvider> =
             self.services.into_values().map(|s| s.provider).collect();
         shutdown_providers(providers, timeout).await;
-    }
-}
-
-/// Stops `providers` after their final export, giving up after `timeout` (a collector that
-/// is down would otherwise hold the agent for the exporter's retries). Shutdown blocks until
-/// the export is done, so it runs off the runtime's workers; one left behind is abandoned
-/// when the runtime stops (`main` does not wait for it).
-pub async fn shutdown_providers(providers: Vec<SdkMeterProvider>, timeout: Duration) {
-    if providers.is_empty() {
-        return;
-    }
-    let count = providers.len();
-    let shutdown = tokio::task::spawn_blocking(move || {
-        for provider in providers {
-            if let Err(error) = provider.shutdown() {
-                tracing::warn!("final metric export failed: {error}");
-            }
-        }
-    });
-    if tokio::time::timeout(timeout, shutdown).await.is_err() {
-        tracing::warn!(
-            "final metric export failed: not done within --shutdown-timeout ({} ms) for \
-             {count} meter provider(s); their last values are not exported",
-            timeout.as_millis()
-        );
     }
 }
