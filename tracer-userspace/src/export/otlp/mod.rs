@@ -5,6 +5,7 @@ pub mod environment;
 pub mod failure;
 pub mod metrics;
 pub mod options;
+pub mod outage;
 pub mod retry;
 pub mod sink;
 pub mod transport;
