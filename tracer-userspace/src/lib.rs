@@ -41,8 +41,6 @@ mod reassembly;
 mod stitch;
 mod signals;
 mod export;
-mod retry;
-mod tree;
 
 pub mod pipeline;
 pub mod agent;

@@ -197,7 +197,7 @@ fn log_start(args: &RunArgs, target: &ExportTarget) {
             ExportTarget::Otlp(otlp) => format!(
                 "OTLP {:?} {}",
                 otlp.protocol,
-                crate::config::printable_endpoint(&otlp.endpoint)
+                crate::export::otlp::options::printable_endpoint(&otlp.endpoint)
             ),
         }
     );
@@ -435,14 +435,24 @@ impl Agent {
         let (totals, ()) = tokio::join!(spans.shutdown(), metrics.shutdown(shutdown_timeout));
         if let Some(provider) = self_telemetry {
             health.publish(&snapshot, health.snapshot().1);
-            crate::signals::metrics::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN)
-                .await;
+            crate::export::shutdown_providers(vec![provider], SELF_TELEMETRY_SHUTDOWN).await;
         }
         if let Some(path) = &args.ready_file {
             let _ = std::fs::remove_file(path);
         }
         let mut counters = snapshot.counters();
-        counters.extend(health.export.counters());
+        // The exporter's final totals, then its other counters (drops by reason).
+        counters.extend([
+            ("spans_exported", totals.spans_exported),
+            ("spans_export_failed", totals.spans_failed),
+        ]);
+        counters.extend(
+            health
+                .export
+                .counters()
+                .into_iter()
+                .filter(|(name, _)| !matches!(*name, "spans_exported" | "spans_export_failed")),
+        );
         counters.extend([
             (
                 "metric_exports_failed",

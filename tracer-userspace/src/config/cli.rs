@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::{HeaderList, HealthListen, KeyValueList};
-use crate::export::OtlpProtocol;
+use crate::config::HealthListen;
+use crate::export::otlp::options::{HeaderList, KeyValueList, OtlpCompression, OtlpProtocol};
 use crate::gym::ServerType;
 use crate::gym::routes::RouteTemplate;
 use crate::gym::span_groups::SpanGroups;
@@ -119,13 +119,6 @@ pub enum LogFormat {
     Auto,
     Text,
     Json,
-}
-
-/// Compression of OTLP export requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum OtlpCompression {
-    None,
-    Gzip,
 }
 
 /// What is written to stdout when no OTLP endpoint is configured.

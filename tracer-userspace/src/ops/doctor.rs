@@ -14,6 +14,7 @@ use anyhow::Result;
 use aya::{maps::MapType, programs::ProgramType};
 
 use crate::config::cli::DoctorArgs;
+use crate::export::otlp::error_chain;
 use crate::kernel::loader::{
     self, Attachment, BTF_PATH, Capability, CapabilitySet, FeatureReport, LoadOptions,
     REQUIRED_CAPABILITIES, TRACEFS, Tracefs,
@@ -173,27 +174,6 @@ fn capability_names(caps: CapabilitySet) -> String {
     } else {
         held.join(", ")
     }
-}
-
-/// An error and its sources, `outer: inner: innermost`, without the repeats of errors
-/// that already print their source.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    join_causes(std::iter::successors(Some(error), |e| e.source()).map(ToString::to_string))
-}
-
-fn join_causes(causes: impl Iterator<Item = String>) -> String {
-    let mut text = String::new();
-    let mut previous = String::new();
-    for cause in causes {
-        if !previous.contains(&cause) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&cause);
-        }
-        previous = cause;
-    }
-    text
 }
 
 fn io_reason(error: &io::Error) -> String {
@@ -363,14 +343,8 @@ fn findings(host: &Host) -> Findings {
             missing.join(", ")
         )),
         Ok((_, Ok(_))) => Ok(()),
-        Ok((_, Err(error))) => Err(format!(
-            "attaching failed: {}",
-            join_causes(error.chain().map(ToString::to_string))
-        )),
-        Err(error) => Err(format!(
-            "loading failed: {}",
-            join_causes(error.chain().map(ToString::to_string))
-        )),
+        Ok((_, Err(error))) => Err(format!("attaching failed: {}", error_chain(error.as_ref()))),
+        Err(error) => Err(format!("loading failed: {}", error_chain(error.as_ref()))),
     };
     Findings {
         tracing,
@@ -574,17 +548,14 @@ fn programs_row(host: &Host) -> Row {
             Status::Fail,
             format!(
                 "loaded, but attaching failed: {}",
-                join_causes(error.chain().map(ToString::to_string))
+                error_chain(error.as_ref())
             ),
         )
         .fix(attach_fix(host.caps, &host.tracefs)),
         Err(error) => row(
             "eBPF programs",
             Status::Fail,
-            format!(
-                "loading failed: {}",
-                join_causes(error.chain().map(ToString::to_string))
-            ),
+            format!("loading failed: {}", error_chain(error.as_ref())),
         )
         .fix(load_fix(host.caps)),
     }
@@ -927,20 +898,6 @@ mod tests {
         assert_eq!(
             capability_names(set("000000c000080004")),
             "CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF"
-        );
-    }
-
-    #[test]
-    fn error_chains_drop_causes_their_parent_already_printed() {
-        let causes = [
-            "loading the eBPF programs into the kernel",
-            "map error: failed to create map `EVENTS`: Operation not permitted",
-            "failed to create map `EVENTS`: Operation not permitted",
-            "Operation not permitted",
-        ];
-        assert_eq!(
-            join_causes(causes.iter().map(|c| c.to_string())),
-            "loading the eBPF programs into the kernel: map error: failed to create map `EVENTS`: Operation not permitted"
         );
     }
 

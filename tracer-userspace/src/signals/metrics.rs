@@ -11,7 +11,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use crate::export::{ExportTarget, meter_provider};
+use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::model::exchange::HttpExchange;
@@ -344,32 +344,6 @@ impl Metrics {
         shutdown_providers(providers, timeout).await;
     }
 }
-
-/// Stops `providers` after their final export, giving up after `timeout` (a collector that
-/// is down would otherwise hold the agent for the exporter's retries). Shutdown blocks until
-/// the export is done, so it runs off the runtime's workers; one left behind is abandoned
-/// when the runtime stops (`main` does not wait for it).
-pub async fn shutdown_providers(providers: Vec<SdkMeterProvider>, timeout: Duration) {
-    if providers.is_empty() {
-        return;
-    }
-    let count = providers.len();
-    let shutdown = tokio::task::spawn_blocking(move || {
-        for provider in providers {
-            if let Err(error) = provider.shutdown() {
-                tracing::warn!("final metric export failed: {error}");
-            }
-        }
-    });
-    if tokio::time::timeout(timeout, shutdown).await.is_err() {
-        tracing::warn!(
-            "final metric export failed: not done within --shutdown-timeout ({} ms) for \
-             {count} meter provider(s); their last values are not exported",
-            timeout.as_millis()
-        );
-    }
-}
-
 impl RequestMetrics for Metrics {
     fn record(
         &mut self,

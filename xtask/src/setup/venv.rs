@@ -116,17 +116,16 @@ pub(super) fn ensure_venv(ctx: &Ctx) -> Result<()> {
 /// --ignore-requires-python`. Stamped on both files' content, like the test venv.
 pub(super) fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
     let dir = ctx.root.join("tests/support/real_gym");
-    let read =
-        |name: &str| {
-            let path = dir.join(name);
-            fs::read_to_string(&path).map(|text| (path.clone(), text)).with_context(|| {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        fs::read_to_string(&path).map(|text| (path.clone(), text)).with_context(|| {
             format!(
                 "cannot read {}: the real-Gym requirements are missing; restore tests/support/real_gym \
                  from git, or run `cargo xtask setup --no-gym-venv` to skip the real-Gym test",
                 path.display()
             )
         })
-        };
+    };
     let (requirements_path, requirements) = read("requirements.txt")?;
     let (nodeps_path, nodeps) = read("requirements-nodeps.txt")?;
     let stamp_text = format!("{requirements}\n--no-deps--\n{nodeps}");

@@ -12,17 +12,10 @@ use std::fmt::{self, Write as _};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::model::span::AttributeValue;
-
-use crate::model::ids::SpanId;
-
-use crate::model::span::SpanKind;
-
-use crate::model::span::SpanRecord;
-
-use crate::model::span::SpanStatus;
-
-use crate::model::ids::TraceId;
+use super::{ExportTotals, SpanSink};
+use crate::model::ids::{SpanId, TraceId};
+use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
+use crate::ops::health::ExportStatus;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeOptions {
@@ -448,6 +441,34 @@ fn push_sanitized(text: &mut String, value: &str) {
             text.extend(c.escape_default());
         } else {
             text.push(c);
+        }
+    }
+}
+
+/// Spans count as exported when their tree is printed, so this sink counts itself: its
+/// totals come from the printer, not from the export status.
+impl<W: Write + Send + 'static> SpanSink for TreePrinter<W> {
+    fn export(&mut self, batch: Vec<SpanRecord>, _status: &ExportStatus) {
+        let now = Instant::now();
+        for span in batch {
+            self.add(span, now);
+        }
+    }
+
+    /// Trees are printed on every tick (at least every batch delay), not only when spans
+    /// arrive: a trace is printed when it has been quiet.
+    async fn flush(&mut self, _status: &ExportStatus) {
+        self.print_ready(Instant::now());
+    }
+
+    async fn shutdown(mut self, _status: &ExportStatus) -> ExportTotals {
+        self.print_ready(Instant::now());
+        self.flush_all();
+        let counters = self.counters();
+        ExportTotals {
+            spans_exported: counters.spans_printed,
+            spans_failed: counters.spans_unwritten,
+            tree: Some(counters),
         }
     }
 }

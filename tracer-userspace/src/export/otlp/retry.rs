@@ -2,7 +2,7 @@
 //! span batches bounded in spans (oldest dropped first, counted), the backoff between
 //! attempts, and which failures are worth retrying.
 //!
-//! Pure and synchronous, so the policy is unit-tested here; `export` drives it.
+//! Pure and synchronous, so the policy is unit-tested here; the OTLP span sink drives it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

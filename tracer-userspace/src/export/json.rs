@@ -1,0 +1,315 @@
+//! The default output: spans and metric data points as JSON lines on stdout, in the format
+//! DESIGN.md fixes (tests and users parse it).
+
+use std::io::Write;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::metrics::Temporality;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
+use serde_json::{Map, Value, json};
+
+use super::{ExportTotals, SpanSink};
+use crate::model::span::AttributeValue;
+use crate::model::span::SpanRecord;
+use crate::ops::health::{ExportStatus, SpanDrop};
+
+/// Spans as JSON lines on stdout, one write per batch.
+pub struct JsonLinesSink;
+
+impl SpanSink for JsonLinesSink {
+    /// One write for the batch: stdout is line-buffered, a syscall per span otherwise. A
+    /// failed write drops the batch (counted as rejected): stdout does not come back.
+    fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        let mut text = Vec::with_capacity(batch.len() * 1024);
+        for span in &batch {
+            let _ = serde_json::to_writer(&mut text, &SpanJson(span));
+            text.push(b'\n');
+        }
+        let mut out = std::io::stdout().lock();
+        let count = batch.len() as u64;
+        match out.write_all(&text).and_then(|()| out.flush()) {
+            Ok(()) => {
+                status.record_success(count, false);
+            }
+            Err(error) => {
+                status.record_failure(format!("writing to stdout: {error}"));
+                status.record_dropped(SpanDrop::Rejected, count);
+            }
+        }
+    }
+
+    /// Nothing is held between batches.
+    async fn flush(&mut self, _status: &ExportStatus) {}
+
+    async fn shutdown(self, status: &ExportStatus) -> ExportTotals {
+        ExportTotals {
+            spans_exported: status.spans_exported(),
+            spans_failed: status.spans_failed(),
+            tree: None,
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        text.push(DIGITS[(byte >> 4) as usize] as char);
+        text.push(DIGITS[(byte & 0xf) as usize] as char);
+    }
+    text
+}
+
+impl serde::Serialize for AttributeValue {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            AttributeValue::Str(s) => serializer.serialize_str(s),
+            AttributeValue::Int(i) => serializer.serialize_i64(*i),
+        }
+    }
+}
+
+/// Span attributes as a flat JSON object, without building one.
+struct AttributeMap<'a>(&'a [(&'static str, AttributeValue)]);
+
+impl serde::Serialize for AttributeMap<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
+}
+
+/// One span in the JSON-lines format fixed in DESIGN.md, serialized straight from the
+/// record: the agent writes one per request, so no intermediate `Value` tree.
+pub struct SpanJson<'a>(pub &'a SpanRecord);
+
+impl serde::Serialize for SpanJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let span = self.0;
+        let mut map = serializer.serialize_map(Some(10))?;
+        map.serialize_entry("name", &span.name)?;
+        map.serialize_entry("kind", span.kind.as_str())?;
+        map.serialize_entry("trace_id", &hex(&span.trace_id.0))?;
+        map.serialize_entry("span_id", &hex(&span.span_id.0))?;
+        map.serialize_entry(
+            "parent_span_id",
+            &span.parent_span_id.map(|p| hex(&p.0)).unwrap_or_default(),
+        )?;
+        map.serialize_entry("start_time_unix_nano", &span.start_unix_ns)?;
+        map.serialize_entry("end_time_unix_nano", &span.end_unix_ns)?;
+        map.serialize_entry("attributes", &AttributeMap(&span.attributes))?;
+        map.serialize_entry("resource", &span.service.attributes)?;
+        map.serialize_entry("status", span.status.as_str())?;
+        map.end()
+    }
+}
+
+/// The JSON-lines span format fixed in DESIGN.md, as a `Value` (tests read it).
+#[cfg(test)]
+pub fn span_json(span: &SpanRecord) -> Value {
+    serde_json::to_value(SpanJson(span)).expect("a span always serializes")
+}
+
+/// Writes every metric data point to stdout as one line: JSON (the format in DESIGN.md), or
+/// for people, next to `--output tree`, `metric <name> {attributes} <values>`.
+#[derive(Debug)]
+pub struct StdoutMetricExporter {
+    pub human: bool,
+}
+
+/// One data point, as a line a person reads: only the values that say something.
+fn human_metric_line(line: &Value) -> String {
+    let field = |key: &str| line.get(key).cloned().unwrap_or(Value::Null);
+    let attributes = match field("attributes") {
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    };
+    let values = match field("type").as_str() {
+        Some("histogram") => format!(
+            "count={} sum={} min={} max={}",
+            field("count"),
+            field("sum"),
+            field("min"),
+            field("max")
+        ),
+        _ => format!("value={}", field("value")),
+    };
+    format!(
+        "metric {} {{{attributes}}} {values} {}",
+        field("metric").as_str().unwrap_or("?"),
+        field("unit").as_str().unwrap_or("")
+    )
+}
+
+fn kv_json(attributes: impl Iterator<Item = impl std::borrow::Borrow<KeyValue>>) -> Value {
+    let mut map = Map::new();
+    for kv in attributes {
+        let kv = kv.borrow();
+        let value = match &kv.value {
+            opentelemetry::Value::I64(i) => Value::from(*i),
+            opentelemetry::Value::F64(f) => Value::from(*f),
+            opentelemetry::Value::Bool(b) => Value::from(*b),
+            other => Value::String(other.to_string()),
+        };
+        map.insert(kv.key.to_string(), value);
+    }
+    Value::Object(map)
+}
+
+fn unix_nanos(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// One JSON object per data point of `metrics`.
+pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
+    let resource = kv_json(
+        metrics
+            .resource()
+            .iter()
+            .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+    );
+    let mut lines = Vec::new();
+    for scope in metrics.scope_metrics() {
+        for metric in scope.metrics() {
+            let base = |attributes: Value, values: Value| {
+                let mut line = json!({
+                    "metric": metric.name(),
+                    "unit": metric.unit(),
+                    "attributes": attributes,
+                    "resource": resource.clone(),
+                });
+                if let (Value::Object(line), Value::Object(values)) = (&mut line, values) {
+                    line.extend(values);
+                }
+                line
+            };
+            match metric.data() {
+                AggregatedMetrics::F64(MetricData::Histogram(histogram)) => {
+                    for point in histogram.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({
+                                "type": "histogram",
+                                "count": point.count(),
+                                "sum": point.sum(),
+                                "min": point.min(),
+                                "max": point.max(),
+                                "explicit_bounds": point.bounds().collect::<Vec<_>>(),
+                                "bucket_counts": point.bucket_counts().collect::<Vec<_>>(),
+                                "start_time_unix_nano": unix_nanos(histogram.start_time()),
+                                "time_unix_nano": unix_nanos(histogram.time()),
+                            }),
+                        ));
+                    }
+                }
+                AggregatedMetrics::U64(MetricData::Sum(sum)) => {
+                    for point in sum.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({"type": "sum", "value": point.value(), "time_unix_nano": unix_nanos(sum.time())}),
+                        ));
+                    }
+                }
+                AggregatedMetrics::U64(MetricData::Gauge(gauge)) => {
+                    for point in gauge.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({"type": "gauge", "value": point.value(), "time_unix_nano": unix_nanos(gauge.time())}),
+                        ));
+                    }
+                }
+                AggregatedMetrics::F64(MetricData::Gauge(gauge)) => {
+                    for point in gauge.data_points() {
+                        lines.push(base(
+                            kv_json(point.attributes()),
+                            json!({"type": "gauge", "value": point.value(), "time_unix_nano": unix_nanos(gauge.time())}),
+                        ));
+                    }
+                }
+                other => lines.push(base(
+                    Value::Object(Map::new()),
+                    json!({"type": format!("{other:?}")}),
+                )),
+            }
+        }
+    }
+    lines
+}
+
+impl PushMetricExporter for StdoutMetricExporter {
+    async fn export(&self, metrics: &ResourceMetrics) -> OTelSdkResult {
+        let lines = metric_lines(metrics);
+        let mut out = std::io::stdout().lock();
+        for line in lines {
+            let _ = if self.human {
+                writeln!(out, "{}", human_metric_line(&line))
+            } else {
+                writeln!(out, "{line}")
+            };
+        }
+        let _ = out.flush();
+        Ok(())
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn temporality(&self) -> Temporality {
+        Temporality::Cumulative
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::model::ids::SpanId;
+    use crate::model::ids::TraceId;
+    use crate::model::service::ServiceIdentity;
+    use crate::model::span::SpanKind;
+    use crate::model::span::SpanStatus;
+
+    #[test]
+    fn span_json_has_the_documented_fields() {
+        let span = SpanRecord {
+            service: Arc::new(ServiceIdentity::for_test("svc")),
+            name: "GET /health".into(),
+            kind: SpanKind::Server,
+            trace_id: TraceId([0xab; 16]),
+            span_id: SpanId([0x01; 8]),
+            parent_span_id: None,
+            parent_is_remote: false,
+            start_unix_ns: 10,
+            end_unix_ns: 20,
+            attributes: vec![("http.response.status_code", AttributeValue::Int(200))],
+            status: SpanStatus::Unset,
+        };
+        let line = span_json(&span);
+        assert_eq!(line["trace_id"], "abababababababababababababababab");
+        assert_eq!(line["span_id"], "0101010101010101");
+        assert_eq!(line["parent_span_id"], "");
+        assert_eq!(line["kind"], "SERVER");
+        assert_eq!(line["status"], "UNSET");
+        assert_eq!(line["start_time_unix_nano"], 10);
+        assert_eq!(line["attributes"]["http.response.status_code"], 200);
+        assert_eq!(line["resource"]["service.name"], "svc");
+    }
+}

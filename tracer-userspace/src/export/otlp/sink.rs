@@ -1,0 +1,269 @@
+//! The OTLP span sink: batches go through the retry buffer to the SDK's span exporter, one
+//! traced process (one resource) per request.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use anyhow::Result;
+use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
+use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
+use tokio::sync::watch;
+
+use super::options::OtlpOptions;
+use super::outage::{FailureStreak, outage_totals};
+use super::retry::{Backoff, FailureKind, PendingBatch, RetryBuffer, classify};
+use super::transport::otlp_span_exporter;
+use crate::export::{ExportTotals, SpanSink};
+use crate::model::service::ServiceIdentity;
+use crate::model::span::AttributeValue;
+use crate::model::span::SpanKind;
+use crate::model::span::SpanRecord;
+use crate::model::span::SpanStatus;
+use crate::ops::health::{ExportStatus, SpanDrop};
+
+/// The collector's side of the span pipeline: every batch goes through the retry buffer,
+/// so that a collector that is down, slow or refusing costs bounded memory, and what fit is
+/// delivered, oldest first, when it is back.
+pub struct OtlpSpanSink {
+    exporter: opentelemetry_otlp::SpanExporter,
+    buffer: RetryBuffer<Arc<ServiceIdentity>, SpanRecord>,
+    backoff: Backoff,
+    streak: FailureStreak,
+    /// `--otlp-timeout`: bounds each attempt (a slow collector is a failed attempt).
+    attempt_timeout: Duration,
+    /// The deadline of the final export, once shutdown has begun.
+    shutdown: watch::Receiver<Option<Instant>>,
+}
+
+impl OtlpSpanSink {
+    /// `shutdown` carries the final export's deadline once shutdown begins (see
+    /// [`SpanPipeline::shutdown`](crate::export::SpanPipeline::shutdown)).
+    pub fn new(
+        options: &OtlpOptions,
+        buffer_spans: usize,
+        shutdown: watch::Receiver<Option<Instant>>,
+    ) -> Result<Self> {
+        Ok(Self {
+            exporter: otlp_span_exporter(options)?,
+            buffer: RetryBuffer::new(buffer_spans),
+            backoff: Backoff::default(),
+            streak: FailureStreak::default(),
+            attempt_timeout: options.timeout,
+            shutdown,
+        })
+    }
+
+    /// Puts a batch in the retry buffer, one entry per traced process.
+    fn enqueue(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        let mut by_service: Vec<PendingBatch<Arc<ServiceIdentity>, SpanRecord>> = Vec::new();
+        for span in batch {
+            match by_service
+                .iter_mut()
+                .find(|pending| pending.service.pid == span.service.pid)
+            {
+                Some(pending) => pending.spans.push(span),
+                None => by_service.push(PendingBatch {
+                    service: span.service.clone(),
+                    spans: vec![span],
+                    delayed: self.streak.failing(),
+                }),
+            }
+        }
+        for pending in by_service {
+            let dropped = self.buffer.push(pending);
+            status.record_dropped(SpanDrop::ExportBufferFull, dropped as u64);
+        }
+        status.set_spans_buffered(self.buffer.len() as u64);
+    }
+
+    /// Sends what is buffered, oldest first, until it is empty or an attempt fails (then
+    /// the backoff says when to try again). With `deadline`, no attempt outlives it.
+    async fn deliver(&mut self, status: &ExportStatus) {
+        while self.backoff.ready(Instant::now()) {
+            let deadline = *self.shutdown.borrow();
+            let now = Instant::now();
+            let timeout = match deadline {
+                Some(deadline) => self
+                    .attempt_timeout
+                    .min(deadline.saturating_duration_since(now)),
+                None => self.attempt_timeout,
+            };
+            if timeout.is_zero() {
+                break;
+            }
+            let Some(mut pending) = self.buffer.pop() else {
+                break;
+            };
+            let count = pending.spans.len() as u64;
+            self.exporter.set_resource(&pending.service.resource);
+            let data = pending.spans.iter().map(span_data).collect();
+            let attempt = tokio::time::timeout(timeout, self.exporter.export(data));
+            let shutdown = &mut self.shutdown;
+            let result = tokio::select! {
+                result = attempt => match result {
+                    Ok(result) => result.map_err(|error| error.to_string()),
+                    Err(_) => Err(format!(
+                        "no answer within {} ms (--otlp-timeout, or what was left of \
+                         --shutdown-timeout)",
+                        timeout.as_millis()
+                    )),
+                },
+                // Shutdown began: the final flush sends this batch again, within its bound.
+                _ = shutdown.wait_for(Option::is_some), if deadline.is_none() => {
+                    self.buffer.push_front(pending);
+                    break;
+                }
+            };
+            match result {
+                Ok(()) => {
+                    status.record_success(count, pending.delayed);
+                    self.backoff.succeeded();
+                    if let Some(message) = self.streak.succeeded(self.buffer.len()) {
+                        tracing::info!("{message}");
+                    }
+                }
+                Err(error) => {
+                    status.record_failure(error.clone());
+                    let kind = classify(&error);
+                    let message = self.streak.failed(
+                        count,
+                        &error,
+                        kind,
+                        self.buffer_capacity(),
+                        outage_totals(status),
+                    );
+                    if let Some(message) = message {
+                        tracing::warn!(spans = count, "{message}");
+                    }
+                    match kind {
+                        FailureKind::Permanent => {
+                            status.record_dropped(SpanDrop::Rejected, count);
+                        }
+                        FailureKind::Retryable => {
+                            pending.delayed = true;
+                            let dropped = self.buffer.push_front(pending);
+                            status.record_dropped(SpanDrop::ExportBufferFull, dropped as u64);
+                            self.backoff.failed(Instant::now());
+                        }
+                    }
+                }
+            }
+        }
+        status.set_spans_buffered(self.buffer.len() as u64);
+        if self.buffer.is_empty()
+            && let Some(message) = self.streak.drained(outage_totals(status))
+        {
+            tracing::info!("{message}");
+        }
+    }
+
+    fn buffer_capacity(&self) -> usize {
+        self.buffer.capacity()
+    }
+
+    /// The final export: tries until the buffer is empty or `--shutdown-timeout` is over,
+    /// then counts what is left.
+    async fn final_export(&mut self, status: &ExportStatus) {
+        let deadline = *self.shutdown.borrow();
+        // Set by `SpanPipeline::shutdown` before the channel closes.
+        let deadline = deadline.unwrap_or_else(Instant::now);
+        // A collector that was backed off for long gets one more chance now.
+        self.backoff.succeeded();
+        loop {
+            self.deliver(status).await;
+            let now = Instant::now();
+            if self.buffer.is_empty() || now >= deadline {
+                break;
+            }
+            let next = self.backoff.next_attempt().unwrap_or(now).min(deadline);
+            tokio::time::sleep_until(next.into()).await;
+        }
+        let undelivered = self.buffer.clear() as u64;
+        status.set_spans_buffered(0);
+        if undelivered > 0 {
+            status.record_dropped(SpanDrop::UndeliveredAtShutdown, undelivered);
+            tracing::warn!(
+                spans = undelivered,
+                "{undelivered} spans were not delivered within --shutdown-timeout: the \
+                 collector did not take them (spans_dropped_undelivered_at_shutdown)"
+            );
+        }
+        let _ = self.exporter.shutdown();
+    }
+}
+
+impl SpanSink for OtlpSpanSink {
+    /// Only buffers: sending waits for `flush`, on this tick or when the backoff allows.
+    fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        self.enqueue(batch, status);
+    }
+
+    /// Held spans are retried on every tick, when their backoff is over.
+    async fn flush(&mut self, status: &ExportStatus) {
+        self.deliver(status).await;
+    }
+
+    /// The exporter's outcomes were recorded in `status` batch by batch.
+    async fn shutdown(mut self, status: &ExportStatus) -> ExportTotals {
+        self.final_export(status).await;
+        ExportTotals {
+            spans_exported: status.spans_exported(),
+            spans_failed: status.spans_failed(),
+            tree: None,
+        }
+    }
+}
+
+fn scope() -> InstrumentationScope {
+    InstrumentationScope::builder("gym-tracer")
+        .with_version(env!("CARGO_PKG_VERSION"))
+        .build()
+}
+
+fn key_value(key: &'static str, value: &AttributeValue) -> KeyValue {
+    match value {
+        AttributeValue::Str(s) => KeyValue::new(key, s.clone()),
+        AttributeValue::Int(i) => KeyValue::new(key, *i),
+    }
+}
+
+fn span_data(span: &SpanRecord) -> SpanData {
+    let time = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
+    SpanData {
+        span_context: SpanContext::new(
+            opentelemetry::trace::TraceId::from_bytes(span.trace_id.0),
+            opentelemetry::trace::SpanId::from_bytes(span.span_id.0),
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::default(),
+        ),
+        parent_span_id: span
+            .parent_span_id
+            .map(|p| opentelemetry::trace::SpanId::from_bytes(p.0))
+            .unwrap_or(opentelemetry::trace::SpanId::INVALID),
+        parent_span_is_remote: span.parent_is_remote,
+        span_kind: match span.kind {
+            SpanKind::Server => opentelemetry::trace::SpanKind::Server,
+            SpanKind::Client => opentelemetry::trace::SpanKind::Client,
+            SpanKind::Internal => opentelemetry::trace::SpanKind::Internal,
+        },
+        name: Cow::Owned(span.name.clone()),
+        start_time: time(span.start_unix_ns),
+        end_time: time(span.end_unix_ns),
+        attributes: span
+            .attributes
+            .iter()
+            .map(|(k, v)| key_value(k, v))
+            .collect(),
+        dropped_attributes_count: 0,
+        events: SpanEvents::default(),
+        links: SpanLinks::default(),
+        status: match span.status {
+            SpanStatus::Unset => opentelemetry::trace::Status::Unset,
+            SpanStatus::Error => opentelemetry::trace::Status::error(""),
+        },
+        instrumentation_scope: scope(),
+    }
+}
