@@ -12,9 +12,9 @@ use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use serde_json::{Map, Value, json};
 
 use super::{ExportTotals, SpanSink};
+use crate::export::status::{ExportStatus, SpanDrop};
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanRecord;
-use crate::ops::health::{ExportStatus, SpanDrop};
 
 /// Spans as JSON lines on stdout, one write per batch.
 pub struct JsonLinesSink;

@@ -10,7 +10,7 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use super::ExportTarget;
 use super::json::StdoutMetricExporter;
 use super::otlp::metrics::CountedMetricExporter;
-use crate::ops::health::ExportStatus;
+use crate::export::status::ExportStatus;
 
 /// Builds a meter provider with `resource` that exports to `target` every `interval` and
 /// once more at shutdown; failed OTLP exports are counted in `status`. Must be called

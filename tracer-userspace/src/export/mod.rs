@@ -10,6 +10,7 @@
 //! [`otlp::options`], and those two build them.
 
 mod json;
+pub mod status;
 mod meter;
 pub mod otlp;
 mod tree;
@@ -22,8 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use tokio::sync::{mpsc, watch};
 
+use crate::export::status::ExportStatus;
 use crate::model::span::SpanRecord;
-use crate::ops::health::ExportStatus;
 use json::JsonLinesSink;
 pub use meter::{meter_provider, shutdown_providers};
 use otlp::options::OtlpOptions;
@@ -82,7 +83,7 @@ pub struct SpanPipeline {
 /// last batch was exported. Nothing else touches the sink, so it needs no locking.
 ///
 /// Counting: every span given to `export` ends up counted exactly once — exported, or dropped
-/// with its [`SpanDrop`](crate::ops::health::SpanDrop) reason — in `status`, or, for a sink that
+/// with its [`SpanDrop`](crate::export::status::SpanDrop) reason — in `status`, or, for a sink that
 /// counts itself, in the totals `shutdown` returns. A failure is recorded in `status`, never
 /// returned: the export task has no one to return it to, and must go on with the next batch.
 pub trait SpanSink: Send + 'static {

@@ -13,9 +13,9 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use super::{ExportTotals, SpanSink};
+use crate::export::status::ExportStatus;
 use crate::model::ids::{SpanId, TraceId};
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
-use crate::ops::health::ExportStatus;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeOptions {

@@ -14,10 +14,11 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use rand::Rng;
 
+use crate::export::status::SpanDrop;
 use crate::export::{ExportTarget, meter_provider};
 use crate::model::service::AgentResource;
 use crate::ops::counters::CounterSnapshot;
-use crate::ops::health::{Gauges, Health, SpanDrop};
+use crate::ops::health::{Gauges, Health};
 use crate::signals::metrics::Instrument;
 
 /// `service.name` of the agent's own resource.

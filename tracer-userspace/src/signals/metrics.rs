@@ -11,6 +11,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
+use crate::export::status::ExportStatus;
 use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
@@ -18,7 +19,6 @@ use crate::model::exchange::HttpExchange;
 use crate::model::exchange::Outcome;
 use crate::model::exchange::Role;
 use crate::model::service::ServiceIdentity;
-use crate::ops::health::ExportStatus;
 use crate::signals::meaning::RequestMeaning;
 
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the

@@ -11,7 +11,7 @@ use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 
 use super::options::OtlpOptions;
 use super::transport::otlp_metric_exporter;
-use crate::ops::health::ExportStatus;
+use crate::export::status::ExportStatus;
 
 /// The OTLP metric exporter, counting its failures in `status` (the SDK only logs them).
 #[derive(Debug)]

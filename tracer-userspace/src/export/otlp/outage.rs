@@ -3,7 +3,7 @@
 
 use super::failure::failure_hint;
 use super::retry::{BACKOFF_MAX, FailureKind};
-use crate::ops::health::ExportStatus;
+use crate::export::status::ExportStatus;
 
 /// What to log about an outage: when exports start failing, when they work again, and when
 /// what was held meanwhile has gone out (not every batch: that would be twice a second for

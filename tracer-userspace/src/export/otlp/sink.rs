@@ -15,13 +15,13 @@ use super::options::OtlpOptions;
 use super::outage::{FailureStreak, outage_totals};
 use super::retry::{Backoff, FailureKind, PendingBatch, RetryBuffer, classify};
 use super::transport::otlp_span_exporter;
+use crate::export::status::{ExportStatus, SpanDrop};
 use crate::export::{ExportTotals, SpanSink};
 use crate::model::service::ServiceIdentity;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanKind;
 use crate::model::span::SpanRecord;
 use crate::model::span::SpanStatus;
-use crate::ops::health::{ExportStatus, SpanDrop};
 
 /// The collector's side of the span pipeline: every batch goes through the retry buffer,
 /// so that a collector that is down, slow or refusing costs bounded memory, and what fit is
