@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::{ExportTotals, SpanSink};
 use crate::export::status::ExportStatus;
+use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 
@@ -342,7 +343,7 @@ fn write_header(
 ) {
     let rollout = order
         .iter()
-        .find_map(|&i| attribute(&spans[i], "nemo.gym.rollout.id"));
+        .find_map(|&i| attribute(&spans[i], attr::GYM_ROLLOUT_ID));
     // The trace's duration is its root's; without a root, the extent of what was seen.
     let duration_ns = match top
         .iter()
@@ -387,8 +388,8 @@ fn write_span(text: &mut String, span: &SpanRecord) {
     text.push_str("  [");
     let service = &span.service.attributes;
     match service
-        .get("nemo.gym.server.name")
-        .or_else(|| service.get("service.name"))
+        .get(attr::GYM_SERVER_NAME)
+        .or_else(|| service.get(attr::SERVICE_NAME))
     {
         Some(AttributeValue::Str(name)) => push_sanitized(text, name),
         Some(AttributeValue::Int(number)) => {
@@ -397,13 +398,13 @@ fn write_span(text: &mut String, span: &SpanRecord) {
         None => text.push('?'),
     }
     if matches!(span.kind, SpanKind::Client)
-        && let Some(AttributeValue::Str(peer)) = attribute(span, "peer.service")
+        && let Some(AttributeValue::Str(peer)) = attribute(span, attr::PEER_SERVICE)
     {
         text.push_str(" → ");
         push_sanitized(text, peer);
     }
     let _ = write!(text, "]  {} ms", milliseconds(duration_ns(span)));
-    match attribute(span, "http.response.status_code") {
+    match attribute(span, attr::HTTP_RESPONSE_STATUS_CODE) {
         Some(AttributeValue::Int(code)) => {
             let _ = write!(text, "  {code}");
         }

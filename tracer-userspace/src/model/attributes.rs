@@ -3,6 +3,8 @@
 
 // Resource.
 pub const SERVICE_NAME: &str = "service.name";
+pub const SERVICE_VERSION: &str = "service.version";
+pub const SERVICE_INSTANCE_ID: &str = "service.instance.id";
 pub const HOST_NAME: &str = "host.name";
 pub const PROCESS_PID: &str = "process.pid";
 pub const PROCESS_PARENT_PID: &str = "process.parent_pid";

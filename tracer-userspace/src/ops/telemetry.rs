@@ -16,6 +16,7 @@ use rand::Rng;
 
 use crate::export::status::SpanDrop;
 use crate::export::{ExportTarget, meter_provider};
+use crate::model::attributes as attr;
 use crate::model::service::AgentResource;
 use crate::ops::counters::CounterSnapshot;
 use crate::ops::health::{Gauges, Health};
@@ -249,14 +250,14 @@ fn resource(agent: &AgentResource) -> Resource {
     let instance: [u8; 16] = rand::rng().random();
     let instance = uuid_text(instance);
     let mut attributes = vec![
-        KeyValue::new("service.name", SERVICE_NAME),
-        KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
-        KeyValue::new("service.instance.id", instance),
-        KeyValue::new("host.name", crate::processes::identity::host_name()),
-        KeyValue::new("process.pid", i64::from(std::process::id())),
+        KeyValue::new(attr::SERVICE_NAME, SERVICE_NAME),
+        KeyValue::new(attr::SERVICE_VERSION, env!("CARGO_PKG_VERSION")),
+        KeyValue::new(attr::SERVICE_INSTANCE_ID, instance),
+        KeyValue::new(attr::HOST_NAME, crate::processes::identity::host_name()),
+        KeyValue::new(attr::PROCESS_PID, i64::from(std::process::id())),
     ];
     for (key, value) in &agent.extra {
-        if *key != "service.name" {
+        if *key != attr::SERVICE_NAME {
             attributes.retain(|kv| kv.key.as_str() != *key);
             attributes.push(KeyValue::new(*key, value.clone()));
         }

@@ -47,7 +47,7 @@ impl ServiceIdentity {
                     .as_deref()
                     .or(agent_service_name)
                     .unwrap_or(DEFAULT_SERVICE_GROUP);
-                attributes.insert("service.name", text(&format!("{group}/{server_name}")));
+                attributes.insert(attr::SERVICE_NAME, text(&format!("{group}/{server_name}")));
                 attributes.insert(attr::GYM_SERVICE_GROUP, text(group));
                 attributes.insert(attr::GYM_SERVER_NAME, text(server_name));
             }

@@ -15,11 +15,13 @@ use crate::export::status::ExportStatus;
 use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
+use crate::model::attributes as attr;
 use crate::model::exchange::HttpExchange;
 use crate::model::exchange::Outcome;
 use crate::model::exchange::Role;
 use crate::model::service::ServiceIdentity;
 use crate::signals::meaning::RequestMeaning;
+use crate::signals::outcome::http_outcome;
 
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
@@ -31,24 +33,20 @@ fn method_attribute(method: &str) -> KeyValue {
         .into_iter()
         .find(|known| *known == method)
         .unwrap_or("_OTHER");
-    KeyValue::new("http.request.method", method)
+    KeyValue::new(attr::HTTP_REQUEST_METHOD, method)
 }
 
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
 fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
-    match outcome {
-        Outcome::Response(response) => {
-            attributes.push(KeyValue::new(
-                "http.response.status_code",
-                response.status as i64,
-            ));
-            if response.status >= 500 {
-                attributes.push(KeyValue::new("error.type", response.status.to_string()));
-            }
-        }
-        Outcome::Aborted(reason) => {
-            attributes.push(KeyValue::new("error.type", reason.as_error_type()))
-        }
+    let outcome = http_outcome(outcome);
+    if let Some(status) = outcome.status_code {
+        attributes.push(KeyValue::new(
+            attr::HTTP_RESPONSE_STATUS_CODE,
+            i64::from(status),
+        ));
+    }
+    if let Some(error) = outcome.error_type {
+        attributes.push(KeyValue::new(attr::ERROR_TYPE, error.value()));
     }
 }
 
@@ -228,7 +226,7 @@ impl Metrics {
                 provider,
                 server_name: service
                     .server_name()
-                    .map(|name| KeyValue::new("nemo.gym.server.name", Arc::<str>::from(name))),
+                    .map(|name| KeyValue::new(attr::GYM_SERVER_NAME, Arc::<str>::from(name))),
                 server_duration,
                 client_duration,
                 rollout_duration,
@@ -283,11 +281,11 @@ impl Metrics {
         if exchange.role == Role::Client {
             attributes.push(method_attribute(&exchange.request.method));
             if let Some(peer) = exchange.peer {
-                attributes.push(KeyValue::new("server.address", peer.ip().to_string()));
-                attributes.push(KeyValue::new("server.port", peer.port() as i64));
+                attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
+                attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
             }
             if let Some(name) = peer_service {
-                attributes.push(KeyValue::new("peer.service", name.to_string()));
+                attributes.push(KeyValue::new(attr::PEER_SERVICE, name.to_string()));
             }
             push_outcome(&exchange.outcome, attributes);
             service.client_duration.record(elapsed_ns / 1e9, attributes);
@@ -320,9 +318,9 @@ impl Metrics {
         }
         attributes.extend([
             method_attribute(&exchange.request.method),
-            KeyValue::new("url.scheme", "http"),
+            KeyValue::new(attr::URL_SCHEME, "http"),
             KeyValue::new(
-                "network.protocol.version",
+                attr::NETWORK_PROTOCOL_VERSION,
                 if exchange.request.version_minor == 0 {
                     "1.0"
                 } else {
@@ -331,7 +329,7 @@ impl Metrics {
             ),
         ]);
         if let RouteName::Template(route) = &meaning.route {
-            attributes.push(KeyValue::new("http.route", route.clone()));
+            attributes.push(KeyValue::new(attr::HTTP_ROUTE, route.clone()));
         }
         push_outcome(&exchange.outcome, attributes);
         service.server_duration.record(elapsed_ns / 1e9, attributes);

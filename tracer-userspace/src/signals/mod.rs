@@ -4,4 +4,5 @@
 pub mod clock;
 pub mod meaning;
 pub mod metrics;
+pub mod outcome;
 pub mod spans;

@@ -14,6 +14,7 @@ use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::RequestMeaning;
+use crate::signals::outcome::http_outcome;
 
 /// What the spans of one finished request are built from.
 pub struct RequestView<'a> {
@@ -141,29 +142,22 @@ fn request_attributes(request: &RequestHead) -> Attributes {
 
 /// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
 fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanStatus {
-    match outcome {
-        Outcome::Response(response) => {
-            attributes.push((
-                attr::HTTP_RESPONSE_STATUS_CODE,
-                AttributeValue::Int(response.status as i64),
-            ));
-            if response.status >= 500 {
-                attributes.push((
-                    attr::ERROR_TYPE,
-                    AttributeValue::Str(response.status.to_string()),
-                ));
-                SpanStatus::Error
-            } else {
-                SpanStatus::Unset
-            }
-        }
-        Outcome::Aborted(reason) => {
+    let outcome = http_outcome(outcome);
+    if let Some(status) = outcome.status_code {
+        attributes.push((
+            attr::HTTP_RESPONSE_STATUS_CODE,
+            AttributeValue::Int(i64::from(status)),
+        ));
+    }
+    match outcome.error_type {
+        Some(error) => {
             attributes.push((
                 attr::ERROR_TYPE,
-                AttributeValue::Str(reason.as_error_type().into()),
+                AttributeValue::Str(error.value().into_owned()),
             ));
             SpanStatus::Error
         }
+        None => SpanStatus::Unset,
     }
 }
 
