@@ -5,18 +5,17 @@ gym.* INTERNAL spans, rollout ids, resources, span groups, discovery, and the gy
 
 import collections
 import json
-import os
 import re
-import socket
-import sys
 import time
 from dataclasses import dataclass, replace
 
 import pytest
 from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
-from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, ROLLOUT_ID, SECRET, USER_AGENT, GymRun,
-                        drive_rollouts, rollout_mix, run_body, split_prefix)
+from gym_expect import assert_attached, assert_resource, gym_rollout_id
+from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, drive_rollouts,
+                        rollout_mix, run_body, split_prefix)
+from harness import wait_until
 
 DEFAULT_CAPTURE = 4096
 HEAD_ALLOWANCE = 512  # the request line and headers of every request here fit in this
@@ -82,21 +81,6 @@ class Seen:
     status: int
     rollout_id: str | None
     user_agent: str
-
-
-def gym_rollout_id(body):
-    """Gym's maybe_rollout_id_from_run_body, written anew; ValueError for a malformed id."""
-    explicit = body.get("_ng_rollout_id")
-    if explicit is not None:
-        if not (isinstance(explicit, str) and ROLLOUT_ID.match(explicit)):
-            raise ValueError(explicit)
-        rollout_id = explicit
-    elif body.get("_ng_task_index") is None or body.get("_ng_rollout_index") is None:
-        return None
-    else:
-        rollout_id = f"{body['_ng_task_index']}-{body['_ng_rollout_index']}"
-    attempt = body.get("_ng_attempt_index")
-    return f"{rollout_id}-a{int(attempt)}" if attempt is not None and int(attempt) > 0 else rollout_id
 
 
 def visible_run_id(body, capture):
@@ -211,29 +195,13 @@ def finish(agent, run, expected, groups=PER_ROLLOUT):
     """Waits for the expected SERVER + semantic spans, stops the agent (SIGINT), returns our spans."""
     by_name = {s.name: s for s in run.servers.values()}
     want = sum(("server" in groups) + bool(semantic(by_name[e.server], e.name, e.status, groups)) for e in expected)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and sum(s["kind"] != "CLIENT" for s in our_spans(agent, run)) < want:
-        time.sleep(0.1)
+    wait_until(lambda: sum(s["kind"] != "CLIENT" for s in our_spans(agent, run)) >= want, 15,
+               f"{want} SERVER and gym.* spans")
     time.sleep(0.5)  # room for a span too many to show up
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
     print(agent.log_messages()[-1])  # the counters, shown if the test fails
     return our_spans(agent, run)
-
-
-def expected_resource(server, group="nemo"):
-    exe = os.path.realpath(sys.executable)
-    return {
-        "service.name": f"{group}/{server.name}", "nemo.gym.server.name": server.name,
-        "nemo.gym.server.type": server.type, "nemo.gym.service_group": group, "process.pid": server.pid,
-        "process.executable.name": os.path.basename(exe), "process.executable.path": exe,
-        "host.name": socket.gethostname(),
-    }
-
-
-def assert_resource(resource, server, group="nemo"):
-    expected = expected_resource(server, group)
-    assert {key: resource.get(key) for key in expected} == expected
 
 
 def assert_server_spans(spans, run, expected, harvest=True, groups=PER_ROLLOUT):
@@ -288,34 +256,10 @@ def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 
 
-def assert_attached(agent, run, *names, routes=True):
-    """Each server attached, and (unless --no-route-harvest) its route table harvested."""
-    for server in [run[n] for n in names] if names else run.servers.values():
-        agent.wait_for_stderr(f"attached pid {server.pid} as {server.name} ({server.type})")
-        if routes:
-            agent.wait_for_routes(server.pid)
-
-
 def assert_nothing_secret(agent):
     for text in NEVER_EXPORTED:
         assert text not in agent.stdout_text(), f"{text!r} exported"
         assert text not in agent.stderr(), f"{text!r} printed"
-
-
-# ---- fixtures ----
-
-@pytest.fixture
-def gym():
-    runs = []
-
-    def start(servers=None, env=None, launch=True):
-        run = GymRun(servers, env)
-        runs.append(run)
-        return run.start() if launch else run
-
-    yield start
-    for run in runs:
-        run.stop()
 
 
 # ---- tests ----

@@ -1,5 +1,5 @@
-"""Processes the integration tests and the demo drive: Gym-shaped uvicorn servers and the
-real gym-tracer agent."""
+"""Processes the integration tests, the demo and the bench drive: Gym-shaped uvicorn servers
+and the real gym-tracer agent; and the one way every test waits for something."""
 
 import http.client
 import json
@@ -13,8 +13,30 @@ import time
 import urllib.request
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
+# The support programs; the Gym-shaped servers are imported from here as `servers.*`, so
+# every process that runs one gets it as PYTHONPATH and cwd.
+SUPPORT_DIR = Path(__file__).resolve().parent
+TESTS_DIR = SUPPORT_DIR.parent
 ROOT = TESTS_DIR.parent
+
+
+def wait_until(condition, timeout, what, interval=0.1):
+    """Polls `condition()` until it returns something truthy, and returns that. Raises an
+    AssertionError naming `what` (a string, or a callable giving one, e.g. the last state
+    seen) after `timeout` seconds: a test that waits for something says what never came."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+def server_env(env=None):
+    """The environment a Gym-shaped server runs in: ours, with the support dir importable."""
+    return dict(os.environ, PYTHONPATH=str(SUPPORT_DIR), **(env or {}))
 
 
 def free_port():
@@ -31,30 +53,36 @@ def agent_binary():
 
 
 class UvicornServer:
-    """One uvicorn process serving `app` (module:attr under tests/servers)."""
+    """One uvicorn process serving `app` (module:attr under support/servers); `extra_args` go
+    to uvicorn (e.g. a `--backlog` for a flood of connections)."""
 
-    def __init__(self, app="servers.gym_shaped:app", loop="uvloop", http="httptools", env=None):
+    def __init__(self, app="servers.gym_shaped:app", loop="uvloop", http="httptools", env=None, extra_args=()):
         self.port = free_port()
         self.app, self.loop, self.http = app, loop, http
-        self.env = dict(os.environ, PYTHONPATH=str(TESTS_DIR), **(env or {}))
+        self.env = server_env(env)
+        self.extra_args = list(extra_args)
         self.process = None
 
-    def start(self):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(self.port),
-             "--loop", self.loop, "--http", self.http, "--no-access-log", "--log-level", "warning"],
-            env=self.env, cwd=TESTS_DIR,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+    def command(self):
+        return [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(self.port),
+                "--loop", self.loop, "--http", self.http, "--no-access-log", "--log-level", "warning",
+                *self.extra_args]
+
+    def start(self, spawn=subprocess.Popen):
+        """Starts it with `spawn` (a Popen-like callable) and waits until it listens."""
+        self.process = spawn(self.command(), env=self.env, cwd=SUPPORT_DIR)
+
+        def listening():
             if self.process.poll() is not None:
                 raise RuntimeError(f"uvicorn exited with {self.process.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
+                    return True
             except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("uvicorn did not start listening within 20 s")
+                return False
+
+        wait_until(listening, 20, f"uvicorn ({self.app}) listening on port {self.port}")
+        return self
 
     @property
     def pid(self):
@@ -71,6 +99,29 @@ class UvicornServer:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
+
+
+def wait_accepted(port, timeout=20):
+    """Waits until the server on `port` has accepted every connection queued on its listening
+    socket (a listener's rx_queue in /proc/net/tcp is its accept queue)."""
+    local = f":{port:04X}"
+
+    def queue_empty():
+        with open("/proc/net/tcp") as table:
+            queued = [int(fields[4].split(":")[1], 16) for fields in (line.split() for line in table)
+                      if fields[1].endswith(local) and fields[3] == "0A"]
+        return bool(queued) and queued[0] == 0
+
+    wait_until(queue_empty, timeout, f"the server on port {port} accepting its queue", interval=0.02)
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
 
 
 class Agent:
@@ -101,14 +152,14 @@ class Agent:
         self.process = subprocess.Popen(
             self.args, env=self.env, stdout=open(self.stdout_path, "wb"), stderr=open(self.stderr_path, "wb")
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                return self
+
+        def ready():
             if self.process.poll() is not None:
                 raise RuntimeError(f"gym-tracer exited with {self.process.returncode}: {self.stderr()}")
-            time.sleep(0.05)
-        raise RuntimeError(f"gym-tracer not ready within {timeout} s: {self.stderr()}")
+            return self.ready_file.exists()
+
+        wait_until(ready, timeout, lambda: f"gym-tracer ready: {self.stderr()}", interval=0.05)
+        return self
 
     def stop(self, timeout=30):
         """SIGINT, like Ctrl-C: the agent flushes and exits 0."""
@@ -122,6 +173,24 @@ class Agent:
                 raise RuntimeError(f"gym-tracer did not exit within {timeout} s of SIGINT")
         self.returncode = self.process.returncode
         return self
+
+    def close(self):
+        """For fixture teardown: an agent the test left running is stopped (killed if it does
+        not exit), so no test leaks one; its stderr is printed, which pytest shows when the
+        test failed."""
+        if self.process is None:
+            return
+        try:
+            if self.process.poll() is None:
+                self.stop()
+        except RuntimeError as error:
+            print(error)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            print(f"gym-tracer {' '.join(self.args)}\nexit status {self.process.returncode}; stderr:\n"
+                  f"{self.stderr()[-20000:]}")
 
     def stderr(self):
         return self.stderr_path.read_text(errors="replace")
@@ -146,20 +215,34 @@ class Agent:
 
     def wait_for_stderr(self, text, timeout=15):
         """Waits until `text` appears in a message of the agent's log; returns that message."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for message in self.log_messages():
-                if text in message:
-                    return message
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise AssertionError(f"{text!r} not in gym-tracer's stderr within {timeout} s:\n{self.stderr()}")
-            time.sleep(0.05)
+
+        def found():
+            message = next((m for m in self.log_messages() if text in m), None)
+            if message is None and self.process.poll() is not None:
+                raise AssertionError(f"gym-tracer exited before logging {text!r}:\n{self.stderr()}")
+            return message
+
+        return wait_until(found, timeout, lambda: f"{text!r} in gym-tracer's stderr:\n{self.stderr()}",
+                          interval=0.05)
+
+    def wait_for_spans(self, count, timeout=15, spans=None):
+        """Waits until `spans()` (or the given callable) has at least `count` spans; returns them.
+        Exactly how many there must be is the caller's assertion."""
+        spans = spans or self.spans
+
+        def enough():
+            now = spans()
+            return now if len(now) >= count else None
+
+        return wait_until(enough, timeout, lambda: f"{count} spans from gym-tracer (have {len(spans())})")
 
     def stdout_text(self):
         return self.stdout_path.read_text(errors="replace")
 
     def lines(self):
-        return [json.loads(line) for line in self.stdout_text().splitlines() if line.strip()]
+        """The complete JSON lines so far (a line still being written is not one yet)."""
+        complete = self.stdout_text().split("\n")[:-1]
+        return [json.loads(line) for line in complete if line.strip()]
 
     def spans(self):
         return [line for line in self.lines() if "span_id" in line]
@@ -176,12 +259,16 @@ class Agent:
         return dict(summary["counters"], events_lost_by_cpu=summary["events_lost_by_cpu"])
 
 
-def post_verify(port, count, pause_s=0.0):
-    """Sends `count` POST /verify requests over one keep-alive connection; each must be a 200."""
+def post_verify(port, count, pause_s=0.0, numbered_from=None):
+    """Sends `count` POST /verify requests over one keep-alive connection; each must be a 200.
+    With `numbered_from` = n, request i says `User-Agent: verify-<n + i>`, so a test can tell
+    which requests' spans arrived."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     for i in range(count):
-        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}),
-                           headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        if numbered_from is not None:
+            headers["User-Agent"] = f"verify-{numbered_from + i}"
+        connection.request("POST", "/verify", body=json.dumps({"answer": str(i)}), headers=headers)
         response = connection.getresponse()
         response.read()
         assert response.status == 200
@@ -191,13 +278,14 @@ def post_verify(port, count, pause_s=0.0):
 
 def wait_for_health(port, timeout=30):
     """Polls GET /health on 127.0.0.1:`port` until it answers; returns the answer."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answer():
         try:
             return http_get(f"http://127.0.0.1:{port}/health", timeout=1)
         except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing answered GET /health on port {port} within {timeout} s")
+            return None
+
+    return wait_until(answer, timeout, f"an answer to GET /health on port {port}")
 
 
 def http_get(url, timeout=10):
