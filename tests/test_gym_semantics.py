@@ -16,6 +16,7 @@ from gym_expect import assert_attached, assert_resource, gym_rollout_id
 from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, drive_rollouts,
                         rollout_mix, run_body, split_prefix)
 from harness import wait_until
+from servers.gym_common import CANARY, SECRET_HEADERS
 
 DEFAULT_CAPTURE = 4096
 HEAD_ALLOWANCE = 512  # the request line and headers of every request here fit in this
@@ -435,3 +436,34 @@ def test_without_route_harvest_only_gym_routes_are_templates(gym, tracer, user_r
     spans = finish(agent, run, expected)
     assert_server_spans(spans, run, expected, harvest=set(user_routes))
     assert_semantic_spans(spans, run)
+
+
+@pytest.mark.parametrize("output", ["json", "otlp"])
+def test_secret_headers_and_cookies_are_never_exported(gym, tracer, receiver, output):
+    """Credentials on the wire, inbound (the test's client sends Authorization, x-api-key and a
+    Cookie) and outbound (the agent server sends them to its peers; every server answers with
+    a Set-Cookie): the canary is in none of the tracer's output, its log, or what an OTLP
+    collector receives (spans, metrics, resources)."""
+    run = gym()
+    otlp = ["--otlp-endpoint", receiver.http_endpoint, "--otlp-protocol", "http/protobuf"] if output == "otlp" else []
+    agent = tracer(*otlp)
+    assert_attached(agent, run)
+    sent = [run.agent.send("POST", "/run", body, headers=SECRET_HEADERS) for body in rollout_mix(4)]
+    sent += [run.model.send("POST", "/v1/responses", {"input": PROMPT}, headers=SECRET_HEADERS),
+             run.resources.send("POST", "/ng-rollout/c-1/verify", {"reward": 1.0}, headers=SECRET_HEADERS)]
+    expected = seen_by_servers(run, sent)
+    if output == "otlp":
+        wait_until(lambda: len(receiver.received.spans) >= len(expected), 15, f"{len(expected)} spans received")
+        time.sleep(0.5)
+        agent.stop()
+        assert agent.returncode == 0, agent.stderr()
+        received = repr((receiver.received.spans, receiver.received.metric_points,
+                         receiver.received.histogram_points))
+        assert CANARY not in received, "a credential reached the collector"
+        assert {s["name"] for s in receiver.received.spans} >= {"POST /run", "POST /verify"}
+    else:
+        spans = finish(agent, run, expected)
+        assert_server_spans(spans, run, expected)
+    assert CANARY not in agent.stdout_text(), "a credential was exported"
+    assert CANARY not in agent.stderr(), "a credential was logged"
+    assert_nothing_secret(agent)
