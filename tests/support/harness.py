@@ -116,12 +116,15 @@ def wait_accepted(port, timeout=20):
     wait_until(queue_empty, timeout, f"the server on port {port} accepting its queue", interval=0.02)
 
 
-def rss_kib(pid):
+def rss_kib(pid, field="VmRSS"):
+    """A memory figure of /proc/PID/status, in KiB: VmRSS, or e.g. RssAnon (the heap alone,
+    without the mapped binary and the ring buffer, whose pages are all resident from the
+    start)."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
-    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 class Agent:
