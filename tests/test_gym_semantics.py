@@ -126,7 +126,7 @@ def seen(server, method, path, status, user_agent, harvest=True):
 
 
 def agent_calls(run, sent):
-    """The calls servers/gym_agent.py makes for one request (Gym's, through aiohttp)."""
+    """The calls support/servers/gym_agent.py makes for one request (Gym's, through aiohttp)."""
     route, _ = split_prefix(sent.path)
     if run[sent.server].type != AGENT or sent.method != "POST":
         return []

@@ -1,5 +1,5 @@
 """The real nemo-gym 0.7.0 servers (simple_agent, openai_model against a canned upstream,
-example_single_tool_call), launched as `ng_run` launches them (tests/real_gym/launch.py),
+example_single_tool_call), launched as `ng_run` launches them (tests/support/real_gym/launch.py),
 traced by gym-tracer with `--discover gym` through one rollout.
 
 The oracle for the SERVER spans is what the servers themselves logged: uvicorn's access log

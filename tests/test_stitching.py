@@ -3,7 +3,7 @@ one trace per rollout (contract-stitching.md), against Gym-shaped servers launch
 launches them, with the real agent and `--discover gym`.
 
 The side-by-side test compares the tracer with the REFERENCE: the same servers tracing
-themselves in process the way NeMo Gym 0.7.0 does (servers/gym_common.py, the
+themselves in process the way NeMo Gym 0.7.0 does (support/servers/gym_common.py, the
 GYM_TEST_INPROCESS_OTEL mode), exported over OTLP to the test's receiver. Structural
 differences fail it, except the reference's own documented quirks (REFERENCE_QUIRKS); every
 attribute the reference has and the tracer misses fails it too; every other difference
