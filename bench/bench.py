@@ -36,7 +36,8 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-sys.path.insert(0, str(ROOT / "tests"))
+SUPPORT_DIR = ROOT / "tests" / "support"
+sys.path.insert(0, str(SUPPORT_DIR))
 
 from gym_launch import DEFAULT_SERVERS, RESOURCES, AGENT, GymRun, run_body  # noqa: E402
 from harness import Agent, free_port  # noqa: E402
@@ -129,12 +130,27 @@ def start_agent(pids, receiver_url, health_port=None, servers=True):
     return agent
 
 
+class Counters(dict):
+    """The agent's counters by name, from `source` (its exit summary or its /metrics). A name
+    that is not there is a KeyError that says so: a renamed counter must fail the bench, not
+    read as 0 (which would pass as "nothing lost")."""
+
+    def __init__(self, values, source):
+        super().__init__(values)
+        self.source = source
+
+    def __missing__(self, name):
+        raise KeyError(f"the agent's {self.source} has no counter {name!r}: was it renamed? "
+                       f"update bench/bench.py (it has: {', '.join(sorted(self))})")
+
+
 def agent_metrics(port):
     """The agent's /metrics (Prometheus text) as {name: value}; refreshed by it every second."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {name: float(value) for name, value in
-            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+    return Counters({name: float(value) for name, value in
+                     (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))},
+                    "/metrics")
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,10 +307,10 @@ def measure(workload, variant, params, receiver, scripts):
                 load["requests"], 1)
             result["agent_peak_rss_kib"] = status_kib(agent.process.pid, "VmHWM")
             agent.stop()
-            summary = agent.summary()
+            summary = Counters(agent.summary(), "exit summary (--summary-file)")
             result["agent_summary"] = summary
-            result["events_lost"] = summary.get("events_lost_in_kernel")
-            result["agent_drops"] = sum(summary.get(name, 0) for name in LOSS_COUNTERS)
+            result["events_lost"] = summary["events_lost_in_kernel"]
+            result["agent_drops"] = sum(summary[name] for name in LOSS_COUNTERS)
         elif variant == "otel":
             run.stop()  # the SDK flushes its batch processor at exit
         if variant != "untraced":
@@ -338,8 +354,8 @@ def saturation(params, receiver, scripts):
             spans = minus(receiver.wait_stable([entry.pid]), spans_before).get("SERVER", 0)
             time.sleep(1.1)
             metrics_after = agent_metrics(health_port)
-            lost = {name: metrics_after.get(f"gym_tracer_{name}_total", 0) - metrics_before.get(
-                f"gym_tracer_{name}_total", 0) for name in LOSS_COUNTERS}
+            lost = {name: metrics_after[f"gym_tracer_{name}_total"] - metrics_before[f"gym_tracer_{name}_total"]
+                    for name in LOSS_COUNTERS}
             complete = (load["requests"] <= spans <= load["sent"] and not any(lost.values())
                         and load["errors"] == 0)
             steps.append(dict(load, server_spans=spans, lost=lost, complete=complete))
@@ -381,7 +397,7 @@ def connection_scale(params, receiver):
             [sys.executable, "-m", "uvicorn", "servers.gym_resources:app", "--host", "127.0.0.1", "--port", str(port),
              "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
              "--timeout-keep-alive", "3600", "--backlog", "4096"],
-            cwd=ROOT / "tests", env=dict(os.environ, PYTHONPATH=str(ROOT / "tests"))))
+            cwd=SUPPORT_DIR, env=dict(os.environ, PYTHONPATH=str(SUPPORT_DIR))))
     sockets, agent, samples = [], None, []
     try:
         deadline = time.monotonic() + 20
@@ -399,7 +415,7 @@ def connection_scale(params, receiver):
             time.sleep(2.2)  # the agent handles the last events; /metrics refreshes every second
             samples.append({"label": label, "connections_open": len(sockets),
                             "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
-                            "connections_tracked": agent_metrics(health_port).get("gym_tracer_connections_tracked")})
+                            "connections_tracked": agent_metrics(health_port)["gym_tracer_connections_tracked"]})
             print(f"  connections: {samples[-1]}", flush=True)
 
         sample("attached")
@@ -498,7 +514,7 @@ def soak(params, receiver, scripts):
             gauges = agent_metrics(health_port)
             samples.append({"seconds": round(time.monotonic() - start, 1),
                             "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
-                            **{name: gauges.get(f"gym_tracer_{name}") for name in
+                            **{name: gauges[f"gym_tracer_{name}"] for name in
                                ("connections_tracked", "spans_pending", "processes_traced")}})
             print(f"  soak: {samples[-1]}", flush=True)
             try:
@@ -749,7 +765,7 @@ def main(argv=None):
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:
-        # RuntimeError/AssertionError: a server or the agent did not start (tests/harness.py).
+        # RuntimeError/AssertionError: a server or the agent did not start (tests/support/harness.py).
         print(f"bench: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """A counting OTLP/HTTP receiver for the benchmark: it decodes each trace export and counts
 spans per (process.pid, span kind), and answers everything else (metrics) with 200.
 
-Unlike tests/otlp_receiver.py it keeps no span, so its memory stays flat and its CPU (it runs
+Unlike tests/support/otlp_receiver.py it keeps no span, so its memory stays flat and its CPU (it runs
 on the load generator's core) stays small at thousands of spans per second.
 
     python otlp_counter.py PORT_FILE     # writes its port to PORT_FILE once listening

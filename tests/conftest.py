@@ -1,9 +1,21 @@
+"""Fixtures every test module shares. Each one tears down what it started, also when the test
+fails, so no test leaks a server, a receiver or an agent into the next."""
+
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from harness import Agent, UvicornServer
-from otlp_receiver import OtlpReceiver
+# The support programs (harness, receiver, launchers, Gym-shaped servers) live in
+# tests/support and import each other by bare name, as they do when run as scripts; the test
+# modules import them the same way.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from gym_launch import GymRun  # noqa: E402
+from harness import Agent, UvicornServer  # noqa: E402
+from otlp_receiver import OtlpReceiver  # noqa: E402
 
 
 def pytest_configure(config):
@@ -15,10 +27,11 @@ def pytest_configure(config):
 def server_factory():
     servers = []
 
-    def start(**kwargs):
-        server = UvicornServer(**kwargs).start()
+    def start(spawn=subprocess.Popen, **kwargs):
+        """`UvicornServer(**kwargs)`, started with `spawn` (a Popen-like callable)."""
+        server = UvicornServer(**kwargs)
         servers.append(server)
-        return server
+        return server.start(spawn)
 
     yield start
     for server in servers:
@@ -33,18 +46,58 @@ def receiver():
 
 
 @pytest.fixture
-def tracer():
-    """Starts gym-tracer with `--discover gym` (plus any flags); a test that does not stop it
-    itself gets it killed at teardown."""
-    agents = []
+def collector():
+    """An OTLP receiver that is NOT started: each test starts, stops and restarts it."""
+    receivers = []
+
+    def make(**kwargs):
+        receiver = OtlpReceiver(**kwargs)
+        receivers.append(receiver)
+        return receiver
+
+    yield make
+    for receiver in receivers:
+        receiver.delay_s = 0
+        receiver.stop()
+
+
+@pytest.fixture
+def agents():
+    """Makes gym-tracer agents (`Agent(...)` arguments; started unless start=False). At teardown
+    each one still running is stopped, or killed, and its stderr printed (pytest shows it for a
+    failed test)."""
+    made = []
+
+    def make(*args, start=True, **kwargs):
+        agent = Agent(*args, **kwargs)
+        made.append(agent)
+        return agent.start() if start else agent
+
+    yield make
+    for agent in made:
+        agent.close()
+
+
+@pytest.fixture
+def tracer(agents):
+    """Starts gym-tracer with `--discover gym` (plus any flags)."""
 
     def start(*extra_args, env=None):
-        agent = Agent(discover=True, extra_args=extra_args, env=env)
-        agents.append(agent)
-        return agent.start()
+        return agents(discover=True, extra_args=extra_args, env=env)
+
+    return start
+
+
+@pytest.fixture
+def gym():
+    """Launches Gym-shaped runs (gym_launch.GymRun); every server is stopped at teardown."""
+    runs = []
+
+    def start(servers=None, env=None, launch=True):
+        run = GymRun(servers, env)
+        runs.append(run)
+        return run.start() if launch else run
 
     yield start
-    for agent in agents:
-        if agent.process and agent.process.poll() is None:
-            agent.process.kill()
-            agent.process.wait()
+    for run in runs:
+        run.stop()

@@ -12,36 +12,9 @@ import urllib.request
 
 import pytest
 
-from harness import Agent, post_verify
-from otlp_receiver import OtlpReceiver
+from harness import post_verify, wait_until
 
 PROTOCOLS = ["grpc", "http/protobuf"]
-
-
-@pytest.fixture
-def collector():
-    """An OTLP receiver that is NOT started: each test starts, stops and restarts it."""
-    receivers = []
-
-    def make():
-        receiver = OtlpReceiver()
-        receivers.append(receiver)
-        return receiver
-
-    yield make
-    for receiver in receivers:
-        receiver.delay_s = 0
-        receiver.stop()
-
-
-@pytest.fixture
-def agents():
-    started = []
-    yield started
-    for agent in started:
-        if agent.process and agent.process.poll() is None:
-            agent.process.kill()
-            agent.process.wait()
 
 
 def endpoint_of(receiver, protocol):
@@ -49,7 +22,7 @@ def endpoint_of(receiver, protocol):
 
 
 def start_agent(agents, server, receiver, protocol, *args, metric_interval=3600, otlp_timeout_ms=1000):
-    agent = Agent(
+    return agents(
         [server.pid],
         metric_interval=metric_interval,
         extra_args=[
@@ -57,20 +30,17 @@ def start_agent(agents, server, receiver, protocol, *args, metric_interval=3600,
             "--otlp-timeout", str(otlp_timeout_ms), "--stitch-delay-ms", "50", "--no-route-harvest", *args,
         ],
     )
-    agents.append(agent)
-    return agent.start()
 
 
-def send_verify(server, count, pause_s=0.0):
-    post_verify(server.port, count, pause_s)
+# A POST /verify to the Gym-shaped server, attached by --pid without a server type: its
+# SERVER span and nothing else.
+SPANS_PER_VERIFY = 1
 
 
-def wait_until(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
+def send_verify(server, count, pause_s=0.0, numbered_from=None):
+    """Sends `count` POST /verify; returns `count`, so a test can add up what it sent."""
+    post_verify(server.port, count, pause_s, numbered_from)
+    return count
 
 
 def stopped(agent):
@@ -81,11 +51,11 @@ def stopped(agent):
     return summary
 
 
-def assert_everything_delivered(agent, receiver, summary):
-    """Every span the agent produced reached the collector (some maybe twice: a slow collector
-    may take a batch whose answer came too late), and nothing was dropped."""
+def assert_everything_delivered(agent, receiver, summary, sent):
+    """Every request sent got its span, and every span reached the collector (some maybe twice:
+    a slow collector may take a batch whose answer came too late); nothing was dropped."""
     produced = summary["spans_queued"]
-    assert produced > 0, agent.stderr()
+    assert produced == sent * SPANS_PER_VERIFY, agent.stderr()
     assert summary["spans_dropped_queue_full"] == 0
     assert summary["spans_export_failed"] == 0, agent.stderr()
     assert summary["spans_exported"] == produced, agent.stderr()
@@ -101,14 +71,14 @@ def test_collector_down_at_start_gets_everything_once_it_is_up(server_factory, c
     server = server_factory()
     receiver = collector()
     agent = start_agent(agents, server, receiver, protocol)
-    send_verify(server, 20)
+    sent = send_verify(server, 20)
     agent.wait_for_stderr("spans failed")
     assert agent.process.poll() is None, "the agent keeps running"
     receiver.start()
     message = outage_over(agent)
     assert ", 0 dropped" in message, message
     summary = stopped(agent)
-    assert_everything_delivered(agent, receiver, summary)
+    assert_everything_delivered(agent, receiver, summary, sent)
     assert summary["spans_delivered_late"] == summary["spans_queued"]
     assert summary["exports_failed"] >= 1
 
@@ -118,18 +88,18 @@ def test_collector_down_mid_run_gets_what_was_sent_meanwhile(server_factory, col
     server = server_factory()
     receiver = collector().start()
     agent = start_agent(agents, server, receiver, protocol)
-    send_verify(server, 5)
+    sent = send_verify(server, 5)
     wait_until(lambda: receiver.received.spans, 20, "the first spans arrive")
 
     receiver.stop()
-    send_verify(server, 16, pause_s=1.0)  # requests go on for ~16 s while it is down
+    sent += send_verify(server, 16, pause_s=1.0)  # requests go on for ~16 s while it is down
     agent.wait_for_stderr("spans failed")
     receiver.start()
     outage_over(agent)
-    send_verify(server, 5)
+    sent += send_verify(server, 5)
     time.sleep(1.5)  # the last batch goes out on the next tick
     summary = stopped(agent)
-    assert_everything_delivered(agent, receiver, summary)
+    assert_everything_delivered(agent, receiver, summary, sent)
     assert summary["spans_delivered_late"] >= 16, "the spans of the outage were held and sent later"
     assert summary["exports_failed"] >= 2, "it retried"
 
@@ -141,14 +111,14 @@ def test_slow_collector_is_retried_until_it_answers_in_time(server_factory, coll
     receiver.delay_s = 2.5  # longer than --otlp-timeout 1000
     receiver.start()
     agent = start_agent(agents, server, receiver, protocol)
-    send_verify(server, 10)
+    sent = send_verify(server, 10)
     agent.wait_for_stderr("spans failed", timeout=30)
     time.sleep(3)
     assert agent.process.poll() is None, "the agent keeps running"
     receiver.delay_s = 0
     outage_over(agent)
     summary = stopped(agent)
-    assert_everything_delivered(agent, receiver, summary)
+    assert_everything_delivered(agent, receiver, summary, sent)
     assert summary["exports_failed"] >= 1
 
 
@@ -159,7 +129,7 @@ def test_refusing_collector_is_retried_then_delivered_to(server_factory, collect
     receiver.mode = "refuse"  # gRPC UNAVAILABLE / HTTP 503: retryable
     receiver.start()
     agent = start_agent(agents, server, receiver, protocol)
-    send_verify(server, 10)
+    sent = send_verify(server, 10)
     message = agent.wait_for_stderr("spans failed")
     assert "retrying with backoff" in message, message
     wait_until(lambda: receiver.refusals["refuse"] >= 3, 30, "the agent retries")
@@ -167,7 +137,7 @@ def test_refusing_collector_is_retried_then_delivered_to(server_factory, collect
     receiver.mode = "accept"
     outage_over(agent)
     summary = stopped(agent)
-    assert_everything_delivered(agent, receiver, summary)
+    assert_everything_delivered(agent, receiver, summary, sent)
     assert summary["exports_failed"] >= 3
 
 
@@ -178,13 +148,13 @@ def test_rejected_spans_are_dropped_and_counted_at_once(server_factory, collecto
     receiver.mode = "reject"  # gRPC INVALID_ARGUMENT / HTTP 400: retrying cannot help
     receiver.start()
     agent = start_agent(agents, server, receiver, protocol)
-    send_verify(server, 10)
+    sent = send_verify(server, 10)
     message = agent.wait_for_stderr("spans failed")
     assert "spans_dropped_rejected" in message, message
     time.sleep(2)
     summary = stopped(agent)
     assert receiver.received.spans == []
-    assert summary["spans_queued"] > 0
+    assert summary["spans_queued"] == sent * SPANS_PER_VERIFY > 0
     assert summary["spans_dropped_rejected"] == summary["spans_queued"], agent.stderr()
     assert summary["spans_dropped_export_buffer_full"] == 0
     assert summary["spans_dropped_undelivered_at_shutdown"] == 0, "nothing was kept for retry"
@@ -205,8 +175,9 @@ def test_a_full_buffer_drops_the_oldest_and_counts_them_exactly(server_factory, 
     receiver = collector()
     agent = start_agent(agents, server, receiver, protocol, "--export-buffer-spans", "5",
                         "--export-batch-size", "4", "--health-listen", "0")
+    sent = 0
     for _ in range(6):
-        send_verify(server, 5)
+        sent += send_verify(server, 5, numbered_from=sent)
         time.sleep(0.7)  # several batches, so the buffer overflows more than once
     wait_until(lambda: health_metrics(agent)["gym_tracer_spans_dropped_export_buffer_full_total"] > 0, 20,
                "the buffer overflows")
@@ -218,11 +189,16 @@ def test_a_full_buffer_drops_the_oldest_and_counts_them_exactly(server_factory, 
     outage_over(agent)
     summary = stopped(agent)
     produced = summary["spans_queued"]
+    assert produced == sent * SPANS_PER_VERIFY, agent.stderr()
     exported = summary["spans_exported"]
     assert 0 < exported <= 5, "no more than the buffer held"
     assert exported + summary["spans_dropped_export_buffer_full"] == produced, agent.stderr()
     assert summary["spans_export_failed"] == summary["spans_dropped_export_buffer_full"]
     assert len(receiver.received.span_ids()) == exported
+    # The spans that survived are those of the last requests: the buffer dropped the oldest.
+    received = sorted(int(span["attributes"]["user_agent.original"].removeprefix("verify-"))
+                      for span in receiver.received.spans)
+    assert received == list(range(sent - exported, sent)), received
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -234,7 +210,7 @@ def test_shutdown_with_the_collector_gone_is_bounded_and_counts_what_is_left(
     receiver.start()
     agent = start_agent(agents, server, receiver, protocol, "--shutdown-timeout", "2000",
                         otlp_timeout_ms=15000)
-    send_verify(server, 10)
+    sent = send_verify(server, 10)
     time.sleep(1.5)
     started = time.monotonic()
     summary = stopped(agent)
@@ -242,7 +218,8 @@ def test_shutdown_with_the_collector_gone_is_bounded_and_counts_what_is_left(
     # Not a timing figure: without the bound one attempt alone would take --otlp-timeout (15 s).
     assert took < 12, f"the agent took {took:.1f} s to stop with --shutdown-timeout 2000"
     assert summary["spans_exported"] == 0
-    assert summary["spans_dropped_undelivered_at_shutdown"] == summary["spans_queued"] > 0, agent.stderr()
+    assert summary["spans_dropped_undelivered_at_shutdown"] == summary["spans_queued"] == sent * SPANS_PER_VERIFY, \
+        agent.stderr()
     assert any("not delivered within --shutdown-timeout" in m for m in agent.log_messages()), agent.stderr()
     assert any("final metric export failed" in m for m in agent.log_messages()), agent.stderr()
 
@@ -282,8 +259,7 @@ def test_self_telemetry_arrives_as_gym_tracer_metrics(server_factory, collector,
 
 def test_self_telemetry_is_printed_among_the_json_metrics(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid], extra_args=["--stitch-delay-ms", "50", "--no-route-harvest"])
-    agents.append(agent.start())
+    agent = agents([server.pid], extra_args=["--stitch-delay-ms", "50", "--no-route-harvest"])
     send_verify(server, 5)
     time.sleep(1.5)
     summary = stopped(agent)  # the final export prints every metric once

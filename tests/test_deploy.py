@@ -9,15 +9,14 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from gym_launch import GymRun, run_body
-from harness import ROOT, Agent, agent_binary
+from gym_launch import run_body
+from harness import ROOT, agent_binary, wait_until
 
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "gym-tracer.service"
@@ -423,7 +422,7 @@ def test_systemd_unit_exposure_is_low(installed_unit):
     assert float(match[1]) <= 3.0, result.stdout
 
 
-def test_agent_traces_with_only_the_units_privileges(tmp_path):
+def test_agent_traces_with_only_the_units_privileges(tmp_path, gym, agents):
     """The unit's identity, as far as it can be had without systemd: an unprivileged user with
     the unit's capabilities as its ambient (and bounding) set and no_new_privs, tracing Gym
     servers that belong to root."""
@@ -432,24 +431,19 @@ def test_agent_traces_with_only_the_units_privileges(tmp_path):
         pytest.skip("setpriv (util-linux) is not installed: cannot drop to the unit's privileges")
     caps = ",".join(f"+{c.lower()}" for c in sorted(unit_capabilities()))
     nobody = 65534
-    run = GymRun().start()
-    agent = Agent(discover=True)
+    run = gym()
+    agent = agents(discover=True, start=False)
     os.chmod(agent.workdir, 0o777)  # the agent creates its ready file there
     agent.args = [setpriv, f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
                   f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{caps}",
                   "--no-new-privs", *agent.args]
-    try:
-        agent.start()
-        status = Path(f"/proc/{agent.process.pid}/status").read_text()
-        sent = run.agent.send("POST", "/run", run_body(7, 0))
-        assert sent.status == 200
-        deadline = time.monotonic() + 10
-        while not any(s["name"] == "gym.rollout" for s in agent.spans()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        if agent.process and agent.process.poll() is None:
-            agent.stop()
-        run.stop()
+    agent.start()
+    status = Path(f"/proc/{agent.process.pid}/status").read_text()
+    sent = run.agent.send("POST", "/run", run_body(7, 0))
+    assert sent.status == 200
+    wait_until(lambda: any(s["name"] == "gym.rollout" for s in agent.spans()), 10, "a gym.rollout span")
+    agent.stop()
+    run.stop()
     fields = dict(line.split(":", 1) for line in status.splitlines())
     assert fields["Uid"].split()[1] == str(nobody), "the agent did not run as the unprivileged user"
     assert fields["NoNewPrivs"].strip() == "1"
@@ -527,7 +521,7 @@ def test_collector_manifest_serves_the_config_and_its_receivers(rendered):
 # the image
 
 
-def test_dockerfile_lints_and_builds_as_xtask_does():
+def test_dockerfile_passes_hadolint_and_its_build_steps_are_xtasks():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     hadolint = Path(sys.executable).parent / "hadolint"
     if not hadolint.exists():

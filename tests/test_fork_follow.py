@@ -2,13 +2,12 @@
 traced from their first request, under the parent's identity."""
 
 import collections
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness import TESTS_DIR, Agent, free_port, http_get, wait_for_health
+from harness import SUPPORT_DIR, free_port, http_get, server_env, wait_for_health
 
 WORKERS = 2
 REQUESTS = 40
@@ -21,27 +20,24 @@ def start_gated_uvicorn(port, gate):
                "--workers", str(WORKERS), "--no-access-log", "--log-level", "warning"]
     waiter = (f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
               f"os.execv({sys.executable!r}, {command!r})")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
-    return subprocess.Popen([sys.executable, "-c", waiter], cwd=TESTS_DIR, env=dict(env, PYTHONPATH=str(TESTS_DIR)))
+    env = {k: v for k, v in server_env().items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
+    return subprocess.Popen([sys.executable, "-c", waiter], cwd=SUPPORT_DIR, env=env)
 
 
 
-def test_workers_forked_after_attach_are_traced_with_the_parent_identity(tmp_path):
+def test_workers_forked_after_attach_are_traced_with_the_parent_identity(tmp_path, agents):
     port, gate = free_port(), Path(tmp_path) / "go"
     launcher = start_gated_uvicorn(port, gate)
-    agent = None
     try:
-        agent = Agent([launcher.pid], extra_args=["--server-name", "forked_server", "--server-type", "resources"])
-        agent.start()
+        agent = agents([launcher.pid], extra_args=["--server-name", "forked_server", "--server-type", "resources"])
         gate.touch()
         wait_for_health(port)  # one /health, served by some worker
         for i in range(REQUESTS):
             status, _ = http_get(f"http://127.0.0.1:{port}/health")
             assert status == 200
         time.sleep(1.0)
+        agent.stop()
     finally:
-        if agent is not None:
-            agent.stop()
         launcher.terminate()
         launcher.wait(15)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import Agent, agent_binary
+from harness import agent_binary
 from servers import gym_shaped
 
 SERVER_FLAVOURS = [
@@ -80,20 +80,13 @@ def drive_known_mix(server):
     return expected
 
 
-def wait_for_spans(agent, count, timeout=5.0):
-    """Spans are exported in batches; give the exporter a moment before stopping."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and len(agent.spans()) < count:
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("flavour", SERVER_FLAVOURS)
-def test_json_lines_spans_for_a_known_mix_of_requests(server_factory, flavour):
+def test_json_lines_spans_for_a_known_mix_of_requests(server_factory, flavour, agents):
     server = server_factory(**flavour)
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     agent.wait_for_routes(server.pid)
     expected = drive_known_mix(server)
-    wait_for_spans(agent, sum(expected.values()))
+    agent.wait_for_spans(sum(expected.values()))
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
 
@@ -146,13 +139,13 @@ def test_json_lines_spans_for_a_known_mix_of_requests(server_factory, flavour):
     assert summary["spans_exported"] == sum(expected.values())
 
 
-def test_traceparent_is_adopted_as_parent(server_factory):
+def test_traceparent_is_adopted_as_parent(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     post_json(connection, "/verify", {"answer": "1"}, headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
-    wait_for_spans(agent, 1)
+    agent.wait_for_spans(1)
     agent.stop()
     [span] = agent.spans()
     assert span["trace_id"] == trace_id
@@ -178,14 +171,14 @@ def raw_exchange(port, payload, read_until_count=1, delay_between=None):
         return data
 
 
-def test_pipelined_requests_and_split_headers(server_factory):
+def test_pipelined_requests_and_split_headers(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     two = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\nGET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
     raw_exchange(server.port, two, read_until_count=2)
     request = b"GET /health HTTP/1.1\r\nHost: a\r\nUser-Agent: split\r\n\r\n"
     raw_exchange(server.port, [request[:7], request[7:30], request[30:]], delay_between=0.05)
-    wait_for_spans(agent, 3)
+    agent.wait_for_spans(3)
     agent.stop()
     names = [span["name"] for span in agent.spans()]
     assert sorted(names) == ["GET /health", "GET /health", "GET /slow"]
@@ -193,9 +186,9 @@ def test_pipelined_requests_and_split_headers(server_factory):
     assert len(split) == 1
 
 
-def test_expect_100_continue(server_factory):
+def test_expect_100_continue(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     body = b'{"answer": "42"}'
     head = (
         b"POST /verify HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
@@ -208,16 +201,16 @@ def test_expect_100_continue(server_factory):
         s.sendall(body)
         final = s.recv(65536)
         assert b" 200 " in final.split(b"\r\n", 1)[0]
-    wait_for_spans(agent, 1)
+    agent.wait_for_spans(1)
     agent.stop()
     [span] = agent.spans()
     assert span["name"] == "POST /verify"
     assert span["attributes"]["http.response.status_code"] == 200
 
 
-def test_chunked_streaming_response_ends_at_its_last_chunk(server_factory):
+def test_chunked_streaming_response_ends_at_its_last_chunk(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     for _ in range(2):  # twice on one connection: the first must end for the second to start
         connection.request("GET", "/stream")
@@ -225,7 +218,7 @@ def test_chunked_streaming_response_ends_at_its_last_chunk(server_factory):
         assert response.getheader("transfer-encoding") == "chunked"
         assert len(response.read()) == gym_shaped.STREAM_CHUNKS * gym_shaped.STREAM_CHUNK_BYTES
     connection.close()
-    wait_for_spans(agent, 2)
+    agent.wait_for_spans(2)
     agent.stop()
     spans = agent.spans()
     assert [span["name"] for span in spans] == ["GET /stream", "GET /stream"]
@@ -235,9 +228,9 @@ def test_chunked_streaming_response_ends_at_its_last_chunk(server_factory):
         assert (span["end_time_unix_nano"] - span["start_time_unix_nano"]) / 1e9 >= minimum
 
 
-def test_client_that_disconnects_mid_request_gives_an_error_span(server_factory):
+def test_client_that_disconnects_mid_request_gives_an_error_span(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
         time.sleep(0.05)
@@ -246,7 +239,7 @@ def test_client_that_disconnects_mid_request_gives_an_error_span(server_factory)
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     connection.request("GET", "/health")
     assert connection.getresponse().status == 200
-    wait_for_spans(agent, 2)
+    agent.wait_for_spans(2)
     agent.stop()
     spans = {span["name"]: span for span in agent.spans()}
     assert set(spans) == {"GET /slow", "GET /health"}
@@ -257,13 +250,13 @@ def test_client_that_disconnects_mid_request_gives_an_error_span(server_factory)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_otlp_export(server_factory, receiver, protocol):
+def test_otlp_export(server_factory, receiver, protocol, agents):
     server = server_factory()
     endpoint = receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
-    agent = Agent(
+    agent = agents(
         [server.pid],
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol},
-    ).start()
+    )
     # Requests before the route table arrives have no http.route: a separate histogram point.
     agent.wait_for_routes(server.pid)
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -291,22 +284,22 @@ def test_otlp_export(server_factory, receiver, protocol):
     assert all(point["unit"] == "s" for point in points)
 
 
-def test_service_name_override(server_factory):
+def test_service_name_override(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid], env={"OTEL_SERVICE_NAME": "my-verifier"}).start()
+    agent = agents([server.pid], env={"OTEL_SERVICE_NAME": "my-verifier"})
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     connection.request("GET", "/health")
     connection.getresponse().read()
-    wait_for_spans(agent, 1)
+    agent.wait_for_spans(1)
     agent.stop()
     [span] = agent.spans()
     assert span["resource"]["service.name"] == "my-verifier"
 
 
-def test_no_loss_at_a_few_thousand_requests(server_factory):
+def test_no_loss_at_a_few_thousand_requests(server_factory, agents):
     """Thousands of requests over keep-alive connections: every one becomes a span."""
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     per_connection, connections = 250, 8
     errors = []
 
@@ -327,7 +320,7 @@ def test_no_loss_at_a_few_thousand_requests(server_factory):
         thread.join()
     assert not errors
     total = per_connection * connections
-    wait_for_spans(agent, total, timeout=10)
+    agent.wait_for_spans(total, timeout=10)
     agent.stop()
     assert len(agent.spans()) == total
     summary = agent.summary()
@@ -355,16 +348,16 @@ def test_clear_errors(server_factory):
     assert bad_flag.returncode != 0 and "capture-bytes" in bad_flag.stderr
 
 
-def test_untraced_process_is_not_reported(server_factory):
+def test_untraced_process_is_not_reported(server_factory, agents):
     traced = server_factory()
     untraced = server_factory()
-    agent = Agent([traced.pid]).start()
+    agent = agents([traced.pid])
     for server in (traced, untraced, untraced):
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         connection.request("GET", "/health")
         connection.getresponse().read()
         connection.close()
-    wait_for_spans(agent, 1)
+    agent.wait_for_spans(1)
     time.sleep(0.6)
     agent.stop()
     spans = agent.spans()
@@ -372,9 +365,9 @@ def test_untraced_process_is_not_reported(server_factory):
     assert spans[0]["resource"]["process.pid"] == traced.pid
 
 
-def test_agent_exits_when_the_traced_process_exits(server_factory):
+def test_agent_exits_when_the_traced_process_exits(server_factory, agents):
     server = server_factory()
-    agent = Agent([server.pid]).start()
+    agent = agents([server.pid])
     server.stop()
     agent.process.wait(timeout=20)
     assert agent.process.returncode == 0

@@ -5,18 +5,18 @@ gym.* INTERNAL spans, rollout ids, resources, span groups, discovery, and the gy
 
 import collections
 import json
-import os
 import re
-import socket
-import sys
 import time
 from dataclasses import dataclass, replace
 
 import pytest
 from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
-from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, ROLLOUT_ID, SECRET, USER_AGENT, GymRun,
-                        drive_rollouts, rollout_mix, run_body, split_prefix)
+from gym_expect import assert_attached, assert_resource, gym_rollout_id
+from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, drive_rollouts,
+                        rollout_mix, run_body, split_prefix)
+from harness import wait_until
+from servers.gym_common import CANARY, SECRET_HEADERS
 
 DEFAULT_CAPTURE = 4096
 HEAD_ALLOWANCE = 512  # the request line and headers of every request here fit in this
@@ -84,21 +84,6 @@ class Seen:
     user_agent: str
 
 
-def gym_rollout_id(body):
-    """Gym's maybe_rollout_id_from_run_body, written anew; ValueError for a malformed id."""
-    explicit = body.get("_ng_rollout_id")
-    if explicit is not None:
-        if not (isinstance(explicit, str) and ROLLOUT_ID.match(explicit)):
-            raise ValueError(explicit)
-        rollout_id = explicit
-    elif body.get("_ng_task_index") is None or body.get("_ng_rollout_index") is None:
-        return None
-    else:
-        rollout_id = f"{body['_ng_task_index']}-{body['_ng_rollout_index']}"
-    attempt = body.get("_ng_attempt_index")
-    return f"{rollout_id}-a{int(attempt)}" if attempt is not None and int(attempt) > 0 else rollout_id
-
-
 def visible_run_id(body, capture):
     """The id of a /run body as far as the first `capture` bytes of the request show it: the
     whole body, or a cut one whose visible part already decides the id — an `_ng_rollout_id`
@@ -141,7 +126,7 @@ def seen(server, method, path, status, user_agent, harvest=True):
 
 
 def agent_calls(run, sent):
-    """The calls servers/gym_agent.py makes for one request (Gym's, through aiohttp)."""
+    """The calls support/servers/gym_agent.py makes for one request (Gym's, through aiohttp)."""
     route, _ = split_prefix(sent.path)
     if run[sent.server].type != AGENT or sent.method != "POST":
         return []
@@ -211,29 +196,13 @@ def finish(agent, run, expected, groups=PER_ROLLOUT):
     """Waits for the expected SERVER + semantic spans, stops the agent (SIGINT), returns our spans."""
     by_name = {s.name: s for s in run.servers.values()}
     want = sum(("server" in groups) + bool(semantic(by_name[e.server], e.name, e.status, groups)) for e in expected)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and sum(s["kind"] != "CLIENT" for s in our_spans(agent, run)) < want:
-        time.sleep(0.1)
+    wait_until(lambda: sum(s["kind"] != "CLIENT" for s in our_spans(agent, run)) >= want, 15,
+               f"{want} SERVER and gym.* spans")
     time.sleep(0.5)  # room for a span too many to show up
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
     print(agent.log_messages()[-1])  # the counters, shown if the test fails
     return our_spans(agent, run)
-
-
-def expected_resource(server, group="nemo"):
-    exe = os.path.realpath(sys.executable)
-    return {
-        "service.name": f"{group}/{server.name}", "nemo.gym.server.name": server.name,
-        "nemo.gym.server.type": server.type, "nemo.gym.service_group": group, "process.pid": server.pid,
-        "process.executable.name": os.path.basename(exe), "process.executable.path": exe,
-        "host.name": socket.gethostname(),
-    }
-
-
-def assert_resource(resource, server, group="nemo"):
-    expected = expected_resource(server, group)
-    assert {key: resource.get(key) for key in expected} == expected
 
 
 def assert_server_spans(spans, run, expected, harvest=True, groups=PER_ROLLOUT):
@@ -288,34 +257,10 @@ def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 
 
-def assert_attached(agent, run, *names, routes=True):
-    """Each server attached, and (unless --no-route-harvest) its route table harvested."""
-    for server in [run[n] for n in names] if names else run.servers.values():
-        agent.wait_for_stderr(f"attached pid {server.pid} as {server.name} ({server.type})")
-        if routes:
-            agent.wait_for_routes(server.pid)
-
-
 def assert_nothing_secret(agent):
     for text in NEVER_EXPORTED:
         assert text not in agent.stdout_text(), f"{text!r} exported"
         assert text not in agent.stderr(), f"{text!r} printed"
-
-
-# ---- fixtures ----
-
-@pytest.fixture
-def gym():
-    runs = []
-
-    def start(servers=None, env=None, launch=True):
-        run = GymRun(servers, env)
-        runs.append(run)
-        return run.start() if launch else run
-
-    yield start
-    for run in runs:
-        run.stop()
 
 
 # ---- tests ----
@@ -491,3 +436,37 @@ def test_without_route_harvest_only_gym_routes_are_templates(gym, tracer, user_r
     spans = finish(agent, run, expected)
     assert_server_spans(spans, run, expected, harvest=set(user_routes))
     assert_semantic_spans(spans, run)
+
+
+@pytest.mark.parametrize("output", ["json", "otlp"])
+def test_secret_headers_and_cookies_are_never_exported(gym, tracer, receiver, output):
+    """Credentials on the wire, inbound (the test's client sends Authorization, x-api-key and a
+    Cookie) and outbound (the agent server sends them to its peers; every server answers with
+    a Set-Cookie): the canary is in none of the tracer's output, its log, or what an OTLP
+    collector receives (spans, metrics, resources)."""
+    run = gym()
+    otlp = ["--otlp-endpoint", receiver.http_endpoint, "--otlp-protocol", "http/protobuf"] if output == "otlp" else []
+    agent = tracer(*otlp)
+    assert_attached(agent, run)
+    sent = [run.agent.send("POST", "/run", body, headers=SECRET_HEADERS) for body in rollout_mix(4)]
+    sent += [run.model.send("POST", "/v1/responses", {"input": PROMPT}, headers=SECRET_HEADERS),
+             run.resources.send("POST", "/ng-rollout/c-1/verify", {"reward": 1.0}, headers=SECRET_HEADERS)]
+    expected = seen_by_servers(run, sent)
+    if output == "otlp":
+        wait_until(lambda: len(receiver.received.spans) >= len(expected), 15, f"{len(expected)} spans received")
+        time.sleep(0.5)
+        agent.stop()
+        assert agent.returncode == 0, agent.stderr()
+        received = repr((receiver.received.spans, receiver.received.metric_points,
+                         receiver.received.histogram_points))
+        assert CANARY not in received, "a credential reached the collector"
+        assert not any(CANARY.encode() in payload for payload in receiver.received.payloads), \
+            "a credential reached the collector (in a field the receiver does not decode)"
+        assert {s["name"] for s in receiver.received.spans} >= {"POST /run", "POST /verify"}
+        assert receiver.received.histogram_points, "the final metric export was checked too"
+    else:
+        spans = finish(agent, run, expected)
+        assert_server_spans(spans, run, expected)
+    assert CANARY not in agent.stdout_text(), "a credential was exported"
+    assert CANARY not in agent.stderr(), "a credential was logged"
+    assert_nothing_secret(agent)

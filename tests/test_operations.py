@@ -4,11 +4,10 @@ agent applies it, check-config, the health endpoint, and the structured log."""
 import json
 import re
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
-from harness import Agent, agent_binary, free_port, http_get
+from harness import agent_binary, free_port, http_get, wait_until
 
 
 def write_config(tmp_path, text):
@@ -17,7 +16,7 @@ def write_config(tmp_path, text):
     return path
 
 
-def test_config_layers_reach_the_exported_spans(server_factory, tmp_path):
+def test_config_layers_reach_the_exported_spans(server_factory, tmp_path, agents):
     server = server_factory()
     config = write_config(tmp_path, f"""
 pid = [{server.pid}]
@@ -27,7 +26,7 @@ resource-attributes = "team=file"
 """)
     env = {"OTEL_SERVICE_NAME": "env-group", "OTEL_RESOURCE_ATTRIBUTES": "team=env,k8s.node.name=env-node"}
     flags = ["--config", str(config), "--resource-attributes", "team=flag"]
-    agent = Agent(extra_args=flags, env=env).start()
+    agent = agents(extra_args=flags, env=env)
     for _ in range(3):
         assert http_get(f"{server.base_url}/health")[0] == 200
     agent.stop()
@@ -96,9 +95,9 @@ def get(url):
         return error.code, error.read().decode()
 
 
-def test_health_endpoint_serves_status_and_counters(server_factory):
+def test_health_endpoint_serves_status_and_counters(server_factory, agents):
     server = server_factory()
-    agent = Agent(pids=[server.pid], extra_args=["--health-listen", "127.0.0.1:0"]).start()
+    agent = agents(pids=[server.pid], extra_args=["--health-listen", "127.0.0.1:0"])
     base = f"http://127.0.0.1:{health_port(agent)}"
     status, body = get(f"{base}/healthz")
     assert status == 200, body
@@ -106,17 +105,26 @@ def test_health_endpoint_serves_status_and_counters(server_factory):
     assert health["status"] == "ok" and health["probes_attached"] is True
     assert health["exporter"]["reachable"] is True
 
-    for _ in range(5):
+    requests = 5
+    for _ in range(requests):
         assert http_get(f"{server.base_url}/health")[0] == 200
-    deadline = time.monotonic() + 10
-    while True:
+
+    def counters():
         status, text = get(f"{base}/metrics")
         assert status == 200
-        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        if int(values["gym_tracer_exchanges_total"]) >= 5 or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert int(values["gym_tracer_exchanges_total"]) >= 5, text
+        return text, dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+
+    def all_counted():
+        # /metrics is a snapshot refreshed every second; a span is exported after the 500 ms
+        # stitch delay, so both counters are polled until they reach the exact count. The
+        # agent's own route-harvest request is an exchange too, counted as ignored
+        # (agent.rs, handle_exchange), and exports nothing.
+        text, values = counters()
+        ours = int(values["gym_tracer_exchanges_total"]) - int(values["gym_tracer_self_requests_ignored_total"])
+        done = ours == requests and int(values["gym_tracer_spans_exported_total"]) == requests
+        return (text, values) if done else None
+
+    text, values = wait_until(all_counted, 10, lambda: f"{requests} exchanges and spans exported:\n{counters()[0]}")
     assert values["gym_tracer_processes_traced"] == "1", text
     assert values["gym_tracer_probes_attached"] == "1", text
     assert values["gym_tracer_events_lost_in_kernel_total"] == "0", text
@@ -132,22 +140,21 @@ def test_health_endpoint_serves_status_and_counters(server_factory):
     assert agent.returncode == 0, agent.stderr()
 
 
-def test_health_turns_unhealthy_while_the_collector_is_unreachable(server_factory):
+def test_health_turns_unhealthy_while_the_collector_is_unreachable(server_factory, agents):
     server = server_factory()
     closed_port = free_port()  # nothing listens there
-    agent = Agent(pids=[server.pid], extra_args=[
+    agent = agents(pids=[server.pid], extra_args=[
         "--health-listen", "127.0.0.1:0", "--otlp-endpoint", f"http://127.0.0.1:{closed_port}",
         "--otlp-protocol", "http/protobuf", "--otlp-timeout", "2000", "--stitch-delay-ms", "50",
-    ]).start()
+    ])
     base = f"http://127.0.0.1:{health_port(agent)}"
     assert get(f"{base}/healthz")[0] == 200, "nothing failed yet"
     assert http_get(f"{server.base_url}/health")[0] == 200
-    deadline = time.monotonic() + 20
-    while True:
-        status, body = get(f"{base}/healthz")
-        if status == 503 or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    def unhealthy():
+        answer = get(f"{base}/healthz")
+        return answer if answer[0] == 503 else None
+
+    status, body = wait_until(unhealthy, 20, "/healthz answering 503", interval=0.3)
     assert status == 503, body
     health = json.loads(body)
     assert health["exporter"]["reachable"] is False and health["exporter"]["last_error"], body
@@ -157,9 +164,9 @@ def test_health_turns_unhealthy_while_the_collector_is_unreachable(server_factor
     assert agent.summary()["spans_export_failed"] >= 1, agent.log_messages()[-1]
 
 
-def test_log_is_structured_and_levelled(server_factory):
+def test_log_is_structured_and_levelled(server_factory, agents):
     server = server_factory()
-    agent = Agent(pids=[server.pid]).start()
+    agent = agents(pids=[server.pid])
     agent.wait_for_stderr(f"attached pid {server.pid}")
     agent.stop()
     records = agent.log()
@@ -168,12 +175,12 @@ def test_log_is_structured_and_levelled(server_factory):
     attached = next(r for r in records if r["message"].startswith(f"attached pid {server.pid}"))
     assert attached["pid"] == server.pid, "structured fields, not only text"
 
-    quiet = Agent(pids=[server.pid], env={"RUST_LOG": "warn"}).start()
+    quiet = agents(pids=[server.pid], env={"RUST_LOG": "warn"})
     quiet.stop()
     assert quiet.returncode == 0
     assert not any(r["message"].startswith("attached pid") for r in quiet.log()), quiet.stderr()
 
-    text = Agent(pids=[server.pid], extra_args=["--log-format", "text"]).start()
+    text = agents(pids=[server.pid], extra_args=["--log-format", "text"])
     text.stop()
     lines = text.stderr().splitlines()
     assert any(f"attached pid {server.pid}" in line and not line.startswith("{") for line in lines), lines

@@ -4,11 +4,10 @@ CLI), with mutual TLS, an authorization header and gzip, and to a collector it c
 
 import collections
 import subprocess
-import time
 
 import pytest
 
-from harness import Agent, post_verify
+from harness import post_verify, wait_until
 from otlp_receiver import OtlpReceiver, Tls
 
 PROTOCOLS = ["grpc", "http/protobuf"]
@@ -68,22 +67,16 @@ def endpoint_of(receiver, protocol):
     return receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
 
 
-def trace_with_otlp(server, receiver, protocol, *otlp_args):
+def trace_with_otlp(agents, server, receiver, protocol, *otlp_args):
     """Starts the agent on `server` exporting to `receiver`, sends REQUESTS requests and returns
     the running agent."""
-    agent = Agent(
+    agent = agents(
         [server.pid],
         extra_args=["--otlp-endpoint", endpoint_of(receiver, protocol), "--otlp-protocol", protocol, *otlp_args],
-    ).start()
+    )
     agent.wait_for_routes(server.pid)
     post_verify(server.port, REQUESTS)
     return agent
-
-
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def assert_everything_arrived(agent, receiver, server):
@@ -98,28 +91,28 @@ def assert_everything_arrived(agent, receiver, server):
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_otlp_over_tls(server_factory, tls_receiver, pki, protocol):
+def test_otlp_over_tls(server_factory, tls_receiver, pki, protocol, agents):
     server = server_factory()
     receiver = tls_receiver()
-    agent = trace_with_otlp(server, receiver, protocol, "--otlp-ca-file", str(pki / "ca.pem"))
-    wait_for(lambda: len(receiver.received.spans) >= REQUESTS)
+    agent = trace_with_otlp(agents, server, receiver, protocol, "--otlp-ca-file", str(pki / "ca.pem"))
+    wait_until(lambda: len(receiver.received.spans) >= REQUESTS, 10, f"{REQUESTS} spans received")
     agent.stop()
     assert_everything_arrived(agent, receiver, server)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_otlp_over_mutual_tls_with_an_auth_header_and_gzip(server_factory, tls_receiver, pki, protocol):
+def test_otlp_over_mutual_tls_with_an_auth_header_and_gzip(server_factory, tls_receiver, pki, protocol, agents):
     server = server_factory()
     receiver = tls_receiver(mutual=True)
     agent = trace_with_otlp(
-        server, receiver, protocol,
+        agents, server, receiver, protocol,
         "--otlp-ca-file", str(pki / "ca.pem"),
         "--otlp-client-cert", str(pki / "client.pem"),
         "--otlp-client-key", str(pki / "client.key"),
         "--otlp-headers", f"authorization=Bearer%20{TOKEN}",
         "--otlp-compression", "gzip",
     )
-    wait_for(lambda: len(receiver.received.spans) >= REQUESTS)
+    wait_until(lambda: len(receiver.received.spans) >= REQUESTS, 10, f"{REQUESTS} spans received")
     agent.stop()
     assert_everything_arrived(agent, receiver, server)
 
@@ -131,13 +124,13 @@ def test_otlp_over_mutual_tls_with_an_auth_header_and_gzip(server_factory, tls_r
     assert TOKEN not in agent.stderr(), "header values are never logged"
 
 
-def test_grpc_exports_are_really_gzip_compressed(server_factory):
+def test_grpc_exports_are_really_gzip_compressed(server_factory, agents):
     """gRPC hides the encoding from the receiver's handler: a receiver that refuses gzip shows
     that --otlp-compression gzip compresses."""
     server = server_factory()
     receiver = OtlpReceiver(grpc_gzip=False).start()
     try:
-        agent = trace_with_otlp(server, receiver, "grpc", "--otlp-compression", "gzip")
+        agent = trace_with_otlp(agents, server, receiver, "grpc", "--otlp-compression", "gzip")
         agent.wait_for_stderr("spans failed")
         agent.stop()
     finally:
@@ -148,11 +141,11 @@ def test_grpc_exports_are_really_gzip_compressed(server_factory):
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_collector_with_an_untrusted_certificate_gets_nothing(server_factory, tls_receiver, pki, protocol):
+def test_a_collector_with_an_untrusted_certificate_gets_nothing(server_factory, tls_receiver, pki, protocol, agents):
     server = server_factory()
     receiver = tls_receiver()
     agent = trace_with_otlp(
-        server, receiver, protocol, "--otlp-ca-file", str(pki / "other-ca.pem"), "--otlp-timeout", "1000"
+        agents, server, receiver, protocol, "--otlp-ca-file", str(pki / "other-ca.pem"), "--otlp-timeout", "1000"
     )
     agent.wait_for_stderr("spans failed")
     assert agent.process.poll() is None, "the agent keeps running when exports fail"
@@ -175,12 +168,13 @@ def test_a_collector_with_an_untrusted_certificate_gets_nothing(server_factory, 
     assert sum("spans failed" in message for message in agent.log_messages()) == 1
 
 
-def test_a_ca_file_that_is_not_pem_stops_the_agent_at_startup(server_factory, tls_receiver, pki):
+def test_a_ca_file_that_is_not_pem_stops_the_agent_at_startup(server_factory, tls_receiver, pki, agents):
     server = server_factory()
     receiver = tls_receiver()
-    agent = Agent(
+    agent = agents(
         [server.pid],
         extra_args=["--otlp-endpoint", receiver.http_endpoint, "--otlp-ca-file", str(pki / "ca.key")],
+        start=False,
     )
     with pytest.raises(RuntimeError) as failure:
         agent.start()

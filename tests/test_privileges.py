@@ -7,13 +7,12 @@ import os
 import re
 import struct
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from harness import Agent, agent_binary
+from harness import agent_binary
 
 # The set the README, the systemd unit and the DaemonSet grant; names as setpriv spells them.
 REQUIRED = ["bpf", "perfmon", "dac_read_search", "sys_ptrace"]
@@ -142,27 +141,23 @@ def traced_requests(server, agent, count=3):
     for _ in range(count):
         with urllib.request.urlopen(f"{server.base_url}/health", timeout=10) as response:
             response.read()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(agent.spans()) < count:
-        time.sleep(0.1)
+    agent.wait_for_spans(count, timeout=10)
 
 
 @pytest.mark.parametrize("uid", [NOBODY, 0], ids=["nobody-ambient", "root-bounding-set"])
-def test_the_agent_traces_with_only_the_documented_capabilities(server_factory, uid):
+def test_the_agent_traces_with_only_the_documented_capabilities(server_factory, agents, uid):
     server = server_factory()  # runs as root: the agent needs CAP_SYS_PTRACE for its /proc entries
     result, rows = doctor(setpriv(uid, REQUIRED), pids=[server.pid])
     assert result.returncode == 0, result.stdout
     assert rows[f"pid {server.pid}"][0] == "ok", rows[f"pid {server.pid}"]
 
-    agent = Agent([server.pid])
+    agent = agents([server.pid], start=False)
     agent.args = setpriv(uid, REQUIRED) + agent.args
     os.chmod(agent.workdir, 0o777)  # the ready file is written by the agent's uid
     agent.start()
-    try:
-        agent.wait_for_routes(server.pid)  # /proc/<pid>/fd → listening port → /openapi.json
-        traced_requests(server, agent)
-    finally:
-        agent.stop()
+    agent.wait_for_routes(server.pid)  # /proc/<pid>/fd → listening port → /openapi.json
+    traced_requests(server, agent)
+    agent.stop()
     assert agent.returncode == 0, agent.stderr()
     spans = [span for span in agent.spans() if span["attributes"].get("url.path") == "/health"]
     assert len(spans) == 3, agent.stdout_text()

@@ -1,5 +1,5 @@
 """The real nemo-gym 0.7.0 servers (simple_agent, openai_model against a canned upstream,
-example_single_tool_call), launched as `ng_run` launches them (tests/real_gym/launch.py),
+example_single_tool_call), launched as `ng_run` launches them (tests/support/real_gym/launch.py),
 traced by gym-tracer with `--discover gym` through one rollout.
 
 The oracle for the SERVER spans is what the servers themselves logged: uvicorn's access log
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gym_launch import split_prefix
-from harness import ROOT
+from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
 
 TASK, ROLLOUT = 3, 1
@@ -108,12 +108,11 @@ def new_requests(run, before):
 
 
 def wait_for_requests(run, before, count, timeout=15):
-    deadline = time.monotonic() + timeout
-    while True:
+    def enough():
         seen = new_requests(run, before)
-        if len(seen) >= count or time.monotonic() > deadline:
-            return seen
-        time.sleep(0.1)
+        return seen if len(seen) >= count else None
+
+    return wait_until(enough, timeout, lambda: f"{count} requests in the access logs: {run.access_log_paths()}")
 
 
 @pytest.fixture
@@ -169,12 +168,8 @@ def test_one_real_rollout(real_gym, tracer, observability):
     assert collections.Counter(served) == expected_paths, run.access_log_paths()
 
     # Wait for the SERVER spans, then stop the agent (SIGINT: final metric export).
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        ours = [s for s in agent.spans() if s["resource"].get("process.pid") in by_pid]
-        if sum(s["kind"] == "SERVER" for s in ours) >= len(served):
-            break
-        time.sleep(0.1)
+    wait_until(lambda: sum(s["kind"] == "SERVER" and s["resource"].get("process.pid") in by_pid
+                           for s in agent.spans()) >= len(served), 15, f"{len(served)} SERVER spans")
     time.sleep(0.5)
     agent.stop()
     assert agent.returncode == 0, agent.stderr()

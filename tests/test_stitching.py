@@ -3,10 +3,11 @@ one trace per rollout (contract-stitching.md), against Gym-shaped servers launch
 launches them, with the real agent and `--discover gym`.
 
 The side-by-side test compares the tracer with the REFERENCE: the same servers tracing
-themselves in process the way NeMo Gym 0.7.0 does (servers/gym_common.py, the
+themselves in process the way NeMo Gym 0.7.0 does (support/servers/gym_common.py, the
 GYM_TEST_INPROCESS_OTEL mode), exported over OTLP to the test's receiver. Structural
 differences fail it, except the reference's own documented quirks (REFERENCE_QUIRKS); every
-other difference (attributes, statuses, timing) is printed (`pytest -s`) and written to
+attribute the reference has and the tracer misses fails it too; every other difference
+(attributes, statuses, timing) is printed (`pytest -s`) and written to
 `side_by_side_report.txt` in the test's tmp dir."""
 
 import collections
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gym_launch import PROMPT, GymRun, drive_rollouts, run_body
+from gym_expect import assert_attached, assert_resource, gym_rollout_id
+from gym_launch import PROMPT, drive_rollouts, run_body, split_prefix
+from harness import wait_until
 from servers.gym_common import INPROCESS_OTEL_CLIENT_ENV, INPROCESS_OTEL_ENV
-from test_gym_semantics import assert_attached, assert_resource, gym, gym_rollout_id, split_prefix  # noqa: F401
 
 SPANS_PER_RUN = 8  # SERVER /run, gym.rollout, 2 CLIENT, 2 callee SERVER, gym.model.responses, gym.verify
 SPANS_PER_PROXY = 5  # agent SERVER, gym.agent.responses, CLIENT, model SERVER, gym.model.responses
@@ -94,9 +96,7 @@ def without_foreign_harvests(spans):
 
 
 def wait_for(count_now, want, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and count_now() < want:
-        time.sleep(0.1)
+    wait_until(lambda: count_now() >= want, timeout, lambda: f"{want} spans (have {count_now()})")
     time.sleep(1.0)  # the stitch delay, and room for a span too many to show up
 
 
@@ -330,7 +330,8 @@ REFERENCE_QUIRKS = {
         "tracer name it `HTTP POST`."),
 }
 
-# Known attribute/status differences, explained (printed, never failed).
+# Known attribute/status differences, explained (printed, never failed; an attribute the
+# tracer misses fails the side-by-side test).
 ATTRIBUTE_QUIRKS = {
     "old-http-semconv": "The instrumentors default to the old HTTP semconv (http.method, http.status_code, "
                         "http.target, http.url, net.*); compared here through aliases, the raw keys differ.",
@@ -561,3 +562,7 @@ def test_side_by_side_with_in_process_telemetry(gym, tracer, receiver, tmp_path,
     print(f"\n{text}(report: {path})")
     assert not result.structural, f"{len(result.structural)} structural differences (report: {path}):\n" + \
         "\n".join(result.structural[:20])
+    misses = [f"{where}: {attribute}: reference {ref_value!r}" for _, where, attribute, ref_value, _, explanation
+              in result.attributes if explanation == "TRACER MISSES IT"]
+    assert not misses, f"{len(misses)} attributes the reference has and the tracer misses (report: {path}):\n" + \
+        "\n".join(misses[:20])

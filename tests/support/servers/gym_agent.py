@@ -14,7 +14,8 @@ under the same prefix. POST /aggregate_metrics.
 import aiohttp
 from fastapi import Request
 
-from servers.gym_common import ROLLOUT_ID_PATTERN, base_url, client_span, new_app, own_entry, serve, traced
+from servers.gym_common import (ROLLOUT_ID_PATTERN, SECRET_HEADERS, base_url, client_span, new_app, own_entry, serve,
+                                traced)
 
 CONFIG = own_entry()
 MODEL_URL = base_url(CONFIG["model_server"]["name"])
@@ -32,7 +33,7 @@ def client():
 
 async def post(url, payload):
     with client_span("POST", url) as call:  # Gym's CLIENT span, in the in-process OTel mode only
-        response = await client().post(url, json=payload, headers=call.headers)
+        response = await client().post(url, json=payload, headers={**SECRET_HEADERS, **(call.headers or {})})
         call.status(response.status)
     async with response:
         response.raise_for_status()

@@ -2,7 +2,7 @@
 under hostile input"): the real agent attached to a Gym-shaped uvicorn server, its RSS
 before and after N connections, idle and holding a partial head. Run as root:
 
-    GYM_TRACER_BIN=target/release/gym-tracer target/venv/bin/python tests/measure_connection_memory.py [N]
+    GYM_TRACER_BIN=target/release/gym-tracer target/venv/bin/python tests/support/measure_connection_memory.py [N]
 """
 
 import resource
@@ -10,15 +10,15 @@ import socket
 import sys
 import time
 
-from harness import Agent
-from test_hostile import Server, rss_kib, start_server, wait_accepted
+from harness import Agent, UvicornServer, rss_kib, wait_accepted
 
 
 def measure(connections, partial_head):
-    server = Server(*start_server())
-    agent = Agent([server.pid], extra_args=["--no-route-harvest"]).start()
+    server = UvicornServer(extra_args=["--log-level", "critical", "--backlog", "4096"]).start()
+    agent = None
     sockets = []
     try:
+        agent = Agent([server.pid], extra_args=["--no-route-harvest"]).start()
         time.sleep(1)
         before = rss_kib(agent.process.pid)
         for i in range(connections):
@@ -34,7 +34,8 @@ def measure(connections, partial_head):
     finally:
         for sock in sockets:
             sock.close()
-        agent.stop()
+        if agent is not None:
+            agent.stop()
         server.stop()
     return before, after
 

@@ -14,21 +14,20 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from harness import TESTS_DIR, free_port
+from harness import SUPPORT_DIR, free_port, wait_until
 
 AGENT, MODEL, RESOURCES = "responses_api_agents", "responses_api_models", "resources_servers"
 SECRET = "sk-SECRET-0123456789abcdef-never-export"
 PROMPT = "PROMPT-TEXT-never-export: what is six times seven?"
 USER_AGENT = "gym-tests"
 
-# server type -> (impl name, script under tests/servers, the FastAPI routes it serves)
+# server type -> (impl name, script under support/servers, the FastAPI routes it serves)
 KINDS = {
     AGENT: ("simple_agent", "gym_agent.py", {"/run", "/v1/responses", "/aggregate_metrics", "/health"}),
     MODEL: ("canned_model", "gym_model.py", {"/v1/chat/completions", "/v1/responses", "/v1/messages", "/health"}),
@@ -133,10 +132,10 @@ class GymRun:
         started = [self.servers[n] for n in names] if names else [s for s in self.servers.values() if not s.process]
         base_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
         for server in started:
-            env = dict(base_env, PYTHONPATH=str(TESTS_DIR), NEMO_GYM_CONFIG_PATH=server.name,
+            env = dict(base_env, PYTHONPATH=str(SUPPORT_DIR), NEMO_GYM_CONFIG_PATH=server.name,
                        NEMO_GYM_CONFIG_DICT=self.config_yaml, **server.env)
             log = open(self.logdir / f"{server.name}.log", "wb")
-            server.process = subprocess.Popen([sys.executable, server.script], cwd=TESTS_DIR / "servers", env=env,
+            server.process = subprocess.Popen([sys.executable, server.script], cwd=SUPPORT_DIR / "servers", env=env,
                                               stdout=log, stderr=subprocess.STDOUT)
         for server in started:
             wait_listening(server, self.logdir / f"{server.name}.log")
@@ -158,16 +157,17 @@ class GymRun:
 
 def wait_listening(server, log_path, timeout=30):
     """A bare TCP connect, no HTTP request: readiness leaves no span behind."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def listening():
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.process.returncode}: {log_path.read_text()}")
         try:
             with socket.create_connection(("127.0.0.1", server.port), timeout=0.2):
-                return
+                return True
         except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{server.name} did not listen within {timeout} s")
+            return False
+
+    wait_until(listening, timeout, f"{server.name} listening on port {server.port}", interval=0.05)
 
 
 # Gym's rollout id pattern, and the prefix as the tracer strips it (any non-slash segment,

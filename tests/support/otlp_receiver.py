@@ -56,6 +56,9 @@ class Received:
         self.requests = 0
         # One entry per export request: {"transport", "path", "headers"} (header names lower-case).
         self.request_headers = []
+        # Every export request as it was encoded (protobuf), for checks of anything in it, also
+        # fields the dicts above leave out (span events, links, scopes, status messages).
+        self.payloads = []
 
     def add_headers(self, transport, path, headers):
         with self.lock:
@@ -71,6 +74,7 @@ class Received:
     def add_traces(self, request):
         with self.lock:
             self.requests += 1
+            self.payloads.append(request.SerializeToString())
             for resource_spans in request.resource_spans:
                 resource = _attributes(resource_spans.resource.attributes)
                 for scope_spans in resource_spans.scope_spans:
@@ -93,6 +97,7 @@ class Received:
     def add_metrics(self, request):
         with self.lock:
             self.requests += 1
+            self.payloads.append(request.SerializeToString())
             for resource_metrics in request.resource_metrics:
                 resource = _attributes(resource_metrics.resource.attributes)
                 for scope_metrics in resource_metrics.scope_metrics:

@@ -34,6 +34,13 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+# Credentials a real Gym server sends and receives (an API key, a bearer token, a session
+# cookie), as a canary the tracer must never export: every server sends them on its outbound
+# calls and sets the cookie on every response; the tests send them inbound.
+CANARY = "canary-5f1d7c-secret-never-export"
+SECRET_HEADERS = {"Authorization": f"Bearer {CANARY}", "x-api-key": CANARY, "Cookie": f"session={CANARY}"}
+SET_COOKIE = f"session={CANARY}; Path=/; HttpOnly"
+
 # Gym's rollout id (nemo_gym/rollout_correlation.py).
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Gym's current_rollout_id() (nemo_gym/rollout_correlation.py `_ROLLOUT_ID`).
@@ -103,11 +110,14 @@ def new_app():
 
     @app.middleware("http")
     async def exception_handling_middleware(request: Request, call_next):
-        """Gym's: an exception becomes a JSON 500 and the connection stays open."""
+        """Gym's: an exception becomes a JSON 500 and the connection stays open. Every
+        response sets the canary session cookie."""
         try:
-            return await call_next(request)
+            response = await call_next(request)
         except Exception as error:  # noqa: BLE001
-            return JSONResponse(content=repr(error), status_code=500)
+            response = JSONResponse(content=repr(error), status_code=500)
+        response.headers["set-cookie"] = SET_COOKIE
+        return response
 
     @app.get("/health")
     async def health():

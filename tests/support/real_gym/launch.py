@@ -33,7 +33,7 @@ Use with the gym venv (`cargo xtask setup` makes target/gym-venv):
     result = run.drive_rollout(task_index=0, rollout_index=0)
     run.stop()
 
-Or by hand: `python tests/real_gym/launch.py --venv target/gym-venv [--observability]`.
+Or by hand: `python tests/support/real_gym/launch.py --venv target/gym-venv [--observability]`.
 """
 
 import argparse
@@ -79,7 +79,7 @@ def free_ports(n):
 
 
 def default_venv():
-    return Path(os.environ.get("GYM_REAL_VENV") or HERE.parent.parent / "target" / "gym-venv")
+    return Path(os.environ.get("GYM_REAL_VENV") or HERE.parents[2] / "target" / "gym-venv")
 
 
 def run_config(ports, upstream_port, observability, capture_dir, access_log):

@@ -1,0 +1,46 @@
+"""What the tracer must show of a Gym-shaped run (gym_launch.GymRun), shared by the test
+modules that check it: Gym's rollout id rule, each server's resource, and its attachment."""
+
+import os
+import socket
+import sys
+
+from gym_launch import ROLLOUT_ID
+
+
+def gym_rollout_id(body):
+    """Gym's maybe_rollout_id_from_run_body, written anew; ValueError for a malformed id."""
+    explicit = body.get("_ng_rollout_id")
+    if explicit is not None:
+        if not (isinstance(explicit, str) and ROLLOUT_ID.match(explicit)):
+            raise ValueError(explicit)
+        rollout_id = explicit
+    elif body.get("_ng_task_index") is None or body.get("_ng_rollout_index") is None:
+        return None
+    else:
+        rollout_id = f"{body['_ng_task_index']}-{body['_ng_rollout_index']}"
+    attempt = body.get("_ng_attempt_index")
+    return f"{rollout_id}-a{int(attempt)}" if attempt is not None and int(attempt) > 0 else rollout_id
+
+
+def expected_resource(server, group="nemo"):
+    exe = os.path.realpath(sys.executable)
+    return {
+        "service.name": f"{group}/{server.name}", "nemo.gym.server.name": server.name,
+        "nemo.gym.server.type": server.type, "nemo.gym.service_group": group, "process.pid": server.pid,
+        "process.executable.name": os.path.basename(exe), "process.executable.path": exe,
+        "host.name": socket.gethostname(),
+    }
+
+
+def assert_resource(resource, server, group="nemo"):
+    expected = expected_resource(server, group)
+    assert {key: resource.get(key) for key in expected} == expected
+
+
+def assert_attached(agent, run, *names, routes=True):
+    """Each server attached, and (unless --no-route-harvest) its route table harvested."""
+    for server in [run[n] for n in names] if names else run.servers.values():
+        agent.wait_for_stderr(f"attached pid {server.pid} as {server.name} ({server.type})")
+        if routes:
+            agent.wait_for_routes(server.pid)
