@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import SUPPORT_DIR, free_port, wait_until
+from harness import SUPPORT_DIR, free_port, wait_listening, wait_until
 
 AGENT, MODEL, RESOURCES = "responses_api_agents", "responses_api_models", "resources_servers"
 SECRET = "sk-SECRET-0123456789abcdef-never-export"
@@ -138,7 +137,9 @@ class GymRun:
             server.process = subprocess.Popen([sys.executable, server.script], cwd=SUPPORT_DIR / "servers", env=env,
                                               stdout=log, stderr=subprocess.STDOUT)
         for server in started:
-            wait_listening(server, self.logdir / f"{server.name}.log")
+            log_path = self.logdir / f"{server.name}.log"
+            wait_listening(server.process, server.port, server.name,
+                           describe_exit=lambda log_path=log_path: f": {log_path.read_text()}")
         return self
 
     def stop(self, *names):
@@ -153,21 +154,6 @@ class GymRun:
 
     def log(self, name):
         return (self.logdir / f"{name}.log").read_text(errors="replace")
-
-
-def wait_listening(server, log_path, timeout=30):
-    """A bare TCP connect, no HTTP request: readiness leaves no span behind."""
-
-    def listening():
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.process.returncode}: {log_path.read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", server.port), timeout=0.2):
-                return True
-        except OSError:
-            return False
-
-    wait_until(listening, timeout, f"{server.name} listening on port {server.port}", interval=0.05)
 
 
 # Gym's rollout id pattern, and the prefix as the tracer strips it (any non-slash segment,

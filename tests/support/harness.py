@@ -34,6 +34,22 @@ def wait_until(condition, timeout, what, interval=0.1):
         time.sleep(interval)
 
 
+def wait_listening(process, port, what, timeout=30, describe_exit=lambda: ""):
+    """Waits until `process` accepts TCP connections on 127.0.0.1:`port`: a bare connect, no
+    HTTP request, so readiness leaves no span behind. Fails at once if the process exits."""
+
+    def listening():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}{describe_exit()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    wait_until(listening, timeout, f"{what} listening on port {port}", interval=0.05)
+
+
 def server_env(env=None):
     """The environment a Gym-shaped server runs in: ours, with the support dir importable."""
     return dict(os.environ, PYTHONPATH=str(SUPPORT_DIR), **(env or {}))
@@ -71,17 +87,7 @@ class UvicornServer:
     def start(self, spawn=subprocess.Popen):
         """Starts it with `spawn` (a Popen-like callable) and waits until it listens."""
         self.process = spawn(self.command(), env=self.env, cwd=SUPPORT_DIR)
-
-        def listening():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {self.process.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return True
-            except OSError:
-                return False
-
-        wait_until(listening, 20, f"uvicorn ({self.app}) listening on port {self.port}")
+        wait_listening(self.process, self.port, f"uvicorn ({self.app})", timeout=20)
         return self
 
     @property
