@@ -272,8 +272,8 @@ impl Agent {
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
-        for (socket, conn_id) in std::mem::take(&mut self.pipeline.output.untrack) {
-            probes.untrack_socket(socket.pid, socket.fd, conn_id);
+        for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
+            probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {

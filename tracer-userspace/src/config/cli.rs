@@ -361,11 +361,12 @@ pub struct RunArgs {
     /// Connections tracked at once, idle keep-alive ones included. The agent's table: when
     /// full, a new connection evicts the least recently active one (idle before
     /// waiting-on-a-response), counted as connections_evicted. The kernel's socket map has
-    /// as many entries, allocated at start: past it a new connection is not followed,
-    /// counted as sockets_untracked_map_full (and its requests as
-    /// transfers_on_unknown_sockets). Each connection costs ~100 bytes of kernel memory
-    /// whether used or not (6.4 MiB at the default) and, while open, ~2 KiB of agent memory
-    /// (16,384 idle connections: ~73 MiB agent RSS in all).
+    /// twice as many entries, allocated at start (room for sockets the table gave up as not
+    /// HTTP): past it a new connection is not followed, counted as
+    /// sockets_untracked_map_full (and its transfers as transfers_on_unknown_sockets). Each
+    /// connection costs 2 × 96 bytes of kernel memory whether used or not (12 MiB at the
+    /// default) and, while open, ~2 KiB of agent memory (16,384 idle connections: ~70 MiB
+    /// agent RSS in all).
     #[arg(
         long,
         value_name = "N",

@@ -55,9 +55,12 @@ pub struct LoadOptions {
 }
 
 impl LoadOptions {
-    /// The socket map's size: a map needs one entry at least, and the kernel takes a u32.
+    /// The socket map's size: twice the table's, so that the table, not the kernel, decides
+    /// which connections to follow up to `--max-connections` (the kernel also holds the
+    /// sockets the table gave up as not HTTP, and opens the table has not read yet). A map
+    /// needs one entry at least, and the kernel takes a u32.
     pub fn socket_map_entries(&self) -> u32 {
-        u32::try_from(self.max_connections)
+        u32::try_from(self.max_connections.saturating_mul(2))
             .unwrap_or(u32::MAX)
             .max(1)
     }
@@ -761,19 +764,26 @@ impl LoadedProbes {
         BpfHashMap::try_from(self.ebpf.map_mut("PENDING_CALLS")?).ok()
     }
 
-    /// Stops the kernel from reporting a socket, if it still is the connection `conn_id`. The
-    /// entry stays (marked ignored) until the socket is closed, so that its transfers are not
-    /// counted as transfers on sockets the kernel does not know.
-    pub fn untrack_socket(&mut self, pid: u32, fd: i32, conn_id: u64) {
+    /// Stops the kernel from reporting a socket, if it still is the connection `conn_id`. A
+    /// socket that is not HTTP stays (marked ignored) until it is closed, so that its
+    /// transfers are not counted as transfers on sockets the kernel does not know; an evicted
+    /// one is deleted, making room, and its transfers are counted so.
+    pub fn untrack_socket(&mut self, pid: u32, fd: i32, conn_id: u64, keep_ignored: bool) {
         let Some(mut sockets) = self.sockets() else {
             return;
         };
         let key = SocketKey { tgid: pid, fd };
-        if let Ok(mut state) = sockets.get(&key, 0)
-            && state.conn_id == conn_id
-        {
+        let Ok(mut state) = sockets.get(&key, 0) else {
+            return;
+        };
+        if state.conn_id != conn_id {
+            return;
+        }
+        if keep_ignored {
             state.ignored = 1;
             let _ = sockets.insert(key, state, BPF_EXIST);
+        } else {
+            let _ = sockets.remove(&key);
         }
     }
 
@@ -1021,7 +1031,7 @@ mod tests {
             }
             .socket_map_entries()
         };
-        assert_eq!(entries(16_384), 16_384);
+        assert_eq!(entries(16_384), 32_768);
         assert_eq!(entries(0), 1, "a map of no entries cannot be created");
         assert_eq!(entries(usize::MAX), u32::MAX);
     }
