@@ -168,7 +168,11 @@ pub struct SocketState {
     /// Bytes of the current outbound message still to be captured.
     pub write_budget: u32,
     pub role: u8,
-    pub _pad: [u8; 7],
+    /// Non-zero once user space has stopped following the socket (not HTTP, or evicted from
+    /// its table): the kernel still knows it, so its transfers are skipped without being
+    /// counted as transfers on unknown sockets.
+    pub ignored: u8,
+    pub _pad: [u8; 6],
 }
 
 /// Key of the per-socket map: one process's file descriptor.
@@ -201,6 +205,24 @@ pub const CALL_READ_MSGHDR: u32 = 5;
 pub const CALL_WRITE_MSGHDR: u32 = 6;
 pub const CALL_ACCEPT: u32 = 7;
 pub const CALL_CONNECT: u32 = 8;
+/// A transfer on a TCP socket `SOCKETS` does not hold: the exit only counts it (if it moved
+/// bytes) as [`UNTRACKED_UNKNOWN_SOCKET_TRANSFER`].
+pub const CALL_ON_UNKNOWN_SOCKET: u32 = 9;
+
+/// Threads of traced processes inside a socket call at once (`PENDING_CALLS`); a call that
+/// does not fit is counted as [`UNTRACKED_PENDING_CALLS_FULL`].
+pub const MAX_PENDING_CALLS: u32 = 16384;
+
+/// Slots of the kernel's `UNTRACKED` per-CPU counter map: why the kernel did not follow a
+/// connection or a transfer of a traced process.
+/// A connection opened while `SOCKETS` (sized from `--max-connections`) was full.
+pub const UNTRACKED_SOCKET_MAP_FULL: u32 = 0;
+/// A transfer that moved bytes on a TCP socket the kernel does not know: opened before the
+/// process was traced, or refused as [`UNTRACKED_SOCKET_MAP_FULL`].
+pub const UNTRACKED_UNKNOWN_SOCKET_TRANSFER: u32 = 1;
+/// A socket call (open or transfer) not followed because `PENDING_CALLS` was full.
+pub const UNTRACKED_PENDING_CALLS_FULL: u32 = 2;
+pub const UNTRACKED_REASONS: u32 = 3;
 
 /// Field offsets inside kernel structs, read by user space from the kernel's BTF and passed
 /// in as a global: Rust eBPF has no CO-RE relocations. `valid == 0` means they could not be
@@ -222,6 +244,9 @@ pub struct KernelOffsets {
     pub sock_num: u32,
     pub sock_v6_daddr: u32,
     pub sock_v6_rcv_saddr: u32,
+    /// `socket.file`: a socket's file points back at it, which tells a socket's fd from any
+    /// other (whose `private_data` is something else).
+    pub socket_file: u32,
 }
 
 /// Offsets of the tracepoint fields the fork and exit programs read, from the tracepoints'
@@ -257,7 +282,7 @@ const _: () = assert!(size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
 const _: () = assert!(size_of::<SocketState>() == 24);
 const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 24);
-const _: () = assert!(size_of::<KernelOffsets>() == 56);
+const _: () = assert!(size_of::<KernelOffsets>() == 60);
 const _: () = assert!(size_of::<TracepointLayout>() == 16);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
 
@@ -272,6 +297,8 @@ mod user {
     unsafe impl aya::Pod for SocketState {}
     // SAFETY: as above.
     unsafe impl aya::Pod for KernelOffsets {}
+    // SAFETY: as above (two u32 and two u64, no padding).
+    unsafe impl aya::Pod for PendingCall {}
     // SAFETY: as above.
     unsafe impl aya::Pod for TracepointLayout {}
 }

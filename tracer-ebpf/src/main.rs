@@ -31,17 +31,18 @@ use aya_ebpf::{
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, tracepoint},
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{HashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use tracer_abi::{
-    AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_READ_BUFFER, CALL_READ_IOVEC,
-    CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, CLONE_THREAD,
-    ConnOpenEvent, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent,
+    AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET, CALL_READ_BUFFER,
+    CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR,
+    CLONE_THREAD, ConnOpenEvent, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent,
     DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES,
-    MAX_IOVECS, MAX_TRACED_PIDS, PendingCall, ProcessForkEvent, RING_WAKEUP_BYTES, ROLE_CLIENT,
-    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
-    TracepointLayout,
+    MAX_IOVECS, MAX_PENDING_CALLS, MAX_TRACED_PIDS, PendingCall, ProcessForkEvent,
+    RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
+    TRACED_AS_CHILD, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS,
+    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -65,6 +66,7 @@ static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
     sock_num: 0,
     sock_v6_daddr: 0,
     sock_v6_rcv_saddr: 0,
+    socket_file: 0,
 };
 
 /// Tracepoint field offsets from the `format` files; set by user space at load time (it
@@ -81,14 +83,21 @@ static TRACEPOINT_LAYOUT: TracepointLayout = TracepointLayout {
 #[map]
 static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_TRACED_PIDS, 0);
 
-/// Arguments of a socket call between its enter and exit, per thread. LRU so that a thread
-/// that dies inside a syscall cannot leak an entry forever.
+/// Arguments of a socket call between its enter and exit, per thread. A plain hash, like
+/// `SOCKETS` and for the same reason: an LRU would evict the entry of a thread blocked in a
+/// long call, and its connection or transfer would be lost uncounted. User space deletes the
+/// entries of processes and threads that are gone.
 #[map]
-static PENDING_CALLS: LruHashMap<u64, PendingCall> = LruHashMap::with_max_entries(16384, 0);
+static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
 
-/// TCP sockets of traced processes, from accept/connect until close.
+/// TCP sockets of traced processes, from accept/connect until close. Sized by user space from
+/// `--max-connections`. A plain hash: the kernel's LRU hash evicts long before `max_entries`
+/// (its free lists are per CPU, and a CPU short of free entries evicts its own rather than
+/// take another CPU's), silently, so idle keep-alive connections were forgotten. A socket
+/// that does not fit is counted here instead, and user space deletes the entries of
+/// processes that died without closing their sockets.
 #[map]
-static SOCKETS: LruHashMap<SocketKey, SocketState> = LruHashMap::with_max_entries(65536, 0);
+static SOCKETS: HashMap<SocketKey, SocketState> = HashMap::with_max_entries(65536, 0);
 
 /// Records for user space. Its size is set at load time (`--ring-buffer-bytes`).
 #[map]
@@ -105,6 +114,11 @@ static LOST_EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// New threads of traced processes, kept out of the PID filter, per CPU.
 #[map]
 static THREADS_IGNORED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Connections and transfers of traced processes the kernel did not follow, per CPU, by
+/// reason (`UNTRACKED_*`).
+#[map]
+static UNTRACKED: PerCpuArray<u64> = PerCpuArray::with_max_entries(UNTRACKED_REASONS, 0);
 
 const EINPROGRESS: i64 = 115;
 
@@ -137,7 +151,12 @@ fn traced_tgid() -> Option<(u64, u32)> {
 
 #[inline(always)]
 fn count(counter: &PerCpuArray<u64>) {
-    if let Some(counter) = counter.get_ptr_mut(0) {
+    count_at(counter, 0);
+}
+
+#[inline(always)]
+fn count_at(counter: &PerCpuArray<u64>, index: u32) {
+    if let Some(counter) = counter.get_ptr_mut(index) {
         // SAFETY: per-CPU value, no concurrent writer on this CPU.
         unsafe { *counter += 1 };
     }
@@ -201,9 +220,16 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         )
     };
     let is_transfer = call != CALL_ACCEPT && call != CALL_CONNECT;
-    // SAFETY: presence test only.
-    if is_transfer && unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.is_none() {
-        return 0;
+    let mut call = call;
+    if is_transfer {
+        // SAFETY: the value is copied out.
+        match unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.copied() {
+            Some(state) if state.ignored != 0 => return 0,
+            Some(_) => {}
+            // Only the exit knows whether it moved bytes, so it is the exit that counts it.
+            None if is_tcp_socket(fd) => call = CALL_ON_UNKNOWN_SOCKET,
+            None => return 0,
+        }
     }
     let pending = PendingCall {
         call,
@@ -211,7 +237,12 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         buffer,
         count,
     };
-    let _ = PENDING_CALLS.insert(&pid_tgid, &pending, BPF_ANY as u64);
+    if PENDING_CALLS
+        .insert(&pid_tgid, &pending, BPF_ANY as u64)
+        .is_err()
+    {
+        count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
+    }
     0
 }
 
@@ -374,6 +405,10 @@ pub fn exit_call(ctx: TracePointContext) -> u32 {
         CALL_ACCEPT if ret >= 0 => on_open(pid_tgid, ret as i32, ROLE_SERVER),
         CALL_CONNECT if ret == 0 || ret == -EINPROGRESS => on_open(pid_tgid, call.fd, ROLE_CLIENT),
         CALL_ACCEPT | CALL_CONNECT => {}
+        CALL_ON_UNKNOWN_SOCKET if ret > 0 => {
+            count_at(&UNTRACKED, UNTRACKED_UNKNOWN_SOCKET_TRANSFER);
+        }
+        CALL_ON_UNKNOWN_SOCKET => {}
         _ if ret > 0 => on_transfer(pid_tgid, &call, ret as u64),
         _ => {}
     }
@@ -396,13 +431,18 @@ fn on_open(pid_tgid: u64, fd: i32, role: u8) {
         read_budget: capture,
         write_budget: capture,
         role,
-        _pad: [0; 7],
+        ignored: 0,
+        _pad: [0; 6],
     };
     let key = SocketKey {
         tgid: (pid_tgid >> 32) as u32,
         fd,
     };
-    let _ = SOCKETS.insert(&key, &state, BPF_ANY as u64);
+    if SOCKETS.insert(&key, &state, BPF_ANY as u64).is_err() {
+        // Its transfers then count as transfers on unknown sockets.
+        count_at(&UNTRACKED, UNTRACKED_SOCKET_MAP_FULL);
+        return;
+    }
     emit(&event);
 }
 
@@ -418,33 +458,64 @@ unsafe fn kernel_u64(address: u64) -> Option<u64> {
     unsafe { bpf_probe_read_kernel(address as *const u64).ok() }
 }
 
-/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple. Returns false
-/// for sockets that are not TCP over IPv4/IPv6. When the offsets are unknown, or a read fails,
-/// the connection is still traced, just without addresses (family 0).
-fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
-    // SAFETY: a global set at load time.
-    let off = unsafe { core::ptr::read_volatile(&KERNEL_OFFSETS) };
+#[inline(always)]
+fn kernel_offsets() -> KernelOffsets {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    unsafe { core::ptr::read_volatile(&KERNEL_OFFSETS) }
+}
+
+/// The current task's `struct file` for `fd` and its `private_data` (the `struct socket` if
+/// the file is a socket): task → files → fdtable → fd[fd] → file.
+fn file_of_fd(off: &KernelOffsets, fd: i32) -> Option<(u64, u64)> {
     if off.valid == 0 || fd < 0 {
-        return true;
+        return None;
     }
     // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
     unsafe {
         let task = bpf_get_current_task();
-        let Some(files) = kernel_u64(task + off.task_files as u64) else {
-            return true;
+        let files = kernel_u64(task + off.task_files as u64)?;
+        let fdt = kernel_u64(files + off.files_fdt as u64)?;
+        let fd_array = kernel_u64(fdt + off.fdtable_fd as u64)?;
+        let file = kernel_u64(fd_array + (fd as u64) * 8)?;
+        let private_data = kernel_u64(file + off.file_private_data as u64)?;
+        Some((file, private_data))
+    }
+}
+
+/// Whether `fd` is a TCP socket over IPv4/IPv6: a socket's file is the one its `struct
+/// socket` points back at. Reached only by transfers of traced processes on fds `SOCKETS`
+/// does not hold. False when the offsets are unknown (such transfers are then not counted).
+fn is_tcp_socket(fd: i32) -> bool {
+    let off = kernel_offsets();
+    let Some((file, socket)) = file_of_fd(&off, fd) else {
+        return false;
+    };
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
+        if socket == 0 || kernel_u64(socket + off.socket_file as u64) != Some(file) {
+            return false;
+        }
+        let socket_type =
+            bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
+        let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
+            return false;
         };
-        let Some(fdt) = kernel_u64(files + off.files_fdt as u64) else {
-            return true;
-        };
-        let Some(fd_array) = kernel_u64(fdt + off.fdtable_fd as u64) else {
-            return true;
-        };
-        let Some(file) = kernel_u64(fd_array + (fd as u64) * 8) else {
-            return true;
-        };
-        let Some(socket) = kernel_u64(file + off.file_private_data as u64) else {
-            return true;
-        };
+        let family =
+            bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
+        socket_type == SOCK_STREAM && (family == AF_INET || family == AF_INET6)
+    }
+}
+
+/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple. Returns false
+/// for sockets that are not TCP over IPv4/IPv6. When the offsets are unknown, or a read fails,
+/// the connection is still traced, just without addresses (family 0).
+fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
+    let off = kernel_offsets();
+    let Some((_, socket)) = file_of_fd(&off, fd) else {
+        return true;
+    };
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
         let socket_type =
             bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
         if socket_type != SOCK_STREAM {

@@ -33,6 +33,10 @@ use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the kernel's socket and pending-call maps are swept of entries of processes and
+/// threads that are gone (normally deleted at the process's exit record; this catches the
+/// ones whose record was lost).
+const KERNEL_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 /// How often held spans are checked for release.
 const RELEASE_TICK: Duration = Duration::from_millis(100);
 /// How often the counters behind /metrics and the self-telemetry are refreshed.
@@ -55,6 +59,8 @@ struct Agent {
     /// Route harvests run on the exporters' runtime and report here.
     harvests: mpsc::UnboundedSender<Result<Harvest, String>>,
     harvest_routes: bool,
+    /// Kernel map entries deleted for processes and threads that are gone.
+    kernel_entries_swept: u64,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -67,6 +73,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     let mut probes = LoadedProbes::load(&LoadOptions {
         capture_bytes: args.capture_bytes,
         ring_buffer_bytes: args.ring_buffer_bytes,
+        max_connections: args.max_connections,
     })?;
     if let Err(why) = &probes.features.socket_addresses {
         tracing::warn!("connection addresses are off ({why}); spans will lack client.address");
@@ -115,6 +122,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         exporters,
         harvests,
         harvest_routes: !args.no_route_harvest,
+        kernel_entries_swept: 0,
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -220,6 +228,7 @@ impl Agent {
         let mut publish = every(HEALTH_PUBLISH_INTERVAL);
         let mut release = every(RELEASE_TICK);
         let mut rescan = every(DISCOVERY_INTERVAL);
+        let mut sweep = every(KERNEL_SWEEP_INTERVAL);
         // The kernel wakes the agent only when a lot is waiting (RING_WAKEUP_BYTES); otherwise
         // the ring is drained on a short timer. Waking per record was most of the agent's CPU.
         let mut drain = every(Duration::from_millis(tracer_abi::RING_DRAIN_INTERVAL_MS));
@@ -236,6 +245,7 @@ impl Agent {
                 _ = release.tick() => self.pipeline.release(Instant::now()),
                 _ = publish.tick() => self.publish(probes.kernel_counters()),
                 _ = rescan.tick(), if self.scanner.is_some() => self.discover(probes),
+                _ = sweep.tick() => self.kernel_entries_swept += probes.sweep_gone(),
                 Some(result) = harvest_results.recv() => self.harvested(result),
                 _ = interrupt.recv() => break,
                 _ = terminate.recv() => break,
@@ -262,8 +272,8 @@ impl Agent {
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
-        for (socket, conn_id) in std::mem::take(&mut self.pipeline.output.untrack) {
-            probes.untrack_socket(socket.pid, socket.fd, conn_id);
+        for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
+            probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
@@ -365,6 +375,7 @@ impl Agent {
     /// A traced process exited: stop filtering it and free what was kept for it.
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         probes.untrace_pid(pid);
+        self.kernel_entries_swept += probes.forget_process(pid);
         if self.pipeline.forget(pid) {
             self.counters.processes_exited += 1;
             tracing::info!(pid, "pid {pid} exited");
@@ -378,6 +389,10 @@ impl Agent {
             host: HostCounters {
                 events_lost_in_kernel: events_lost_by_cpu.iter().sum(),
                 fork_threads_ignored: kernel.threads_ignored,
+                sockets_untracked_map_full: kernel.sockets_untracked_map_full,
+                transfers_on_unknown_sockets: kernel.transfers_on_unknown_sockets,
+                socket_calls_untracked_map_full: kernel.socket_calls_untracked_map_full,
+                kernel_entries_swept: self.kernel_entries_swept,
                 environ_unreadable: self.scanner.as_ref().map_or(0, ProcScanner::unreadable),
             },
             pipeline: self.pipeline.counters,

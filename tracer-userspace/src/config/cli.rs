@@ -73,6 +73,9 @@ const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as 
 /// `--ring-buffer-bytes` when not set (doctor's trial load allocates the same).
 pub const DEFAULT_RING_BUFFER_BYTES: u32 = 16 << 20;
 
+/// `--max-connections` by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Trace processes until SIGINT/SIGTERM (without --discover, also until every traced
@@ -348,13 +351,20 @@ pub struct RunArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_pending_spans: usize,
 
-    /// Connections tracked at once; when full, a new connection evicts the least recently
-    /// active one (idle before waiting-on-a-response), counted as connections_evicted.
+    /// Connections tracked at once, idle keep-alive ones included. The agent's table: when
+    /// full, a new connection evicts the least recently active one (idle before
+    /// waiting-on-a-response), counted as connections_evicted. The kernel's socket map has
+    /// twice as many entries, allocated at start (room for sockets the table gave up as not
+    /// HTTP): past it a new connection is not followed, counted as
+    /// sockets_untracked_map_full (and its transfers as transfers_on_unknown_sockets). Each
+    /// connection costs 2 × 96 bytes of kernel memory whether used or not (12 MiB at the
+    /// default) and, while open, ~2 KiB of agent memory (16,384 idle connections: ~70 MiB
+    /// agent RSS in all).
     #[arg(
         long,
         value_name = "N",
         env = "GYM_TRACER_MAX_CONNECTIONS",
-        default_value_t = 65_536
+        default_value_t = DEFAULT_MAX_CONNECTIONS
     )]
     pub max_connections: usize,
 

@@ -218,6 +218,7 @@ impl Btf {
             sock_num: common("skc_num")?,
             sock_v6_daddr: common("skc_v6_daddr")?,
             sock_v6_rcv_saddr: common("skc_v6_rcv_saddr")?,
+            socket_file: self.member_offset("socket", "file")?,
         })
     }
 }

@@ -14,7 +14,10 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
     programs::TracePoint,
 };
-use tracer_abi::{KernelOffsets, SocketKey, SocketState, TracepointLayout};
+use tracer_abi::{
+    KernelOffsets, PendingCall, SocketKey, SocketState, TracepointLayout,
+    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+};
 
 use crate::kernel::btf::Btf;
 use crate::kernel::tracepoint_format;
@@ -47,6 +50,20 @@ const ENTER_PROGRAMS: &[(&str, &[&str])] = &[
 pub struct LoadOptions {
     pub capture_bytes: u32,
     pub ring_buffer_bytes: u32,
+    /// `--max-connections`: the entries of the kernel's socket map too.
+    pub max_connections: usize,
+}
+
+impl LoadOptions {
+    /// The socket map's size: twice the table's, so that the table, not the kernel, decides
+    /// which connections to follow up to `--max-connections` (the kernel also holds the
+    /// sockets the table gave up as not HTTP, and opens the table has not read yet). A map
+    /// needs one entry at least, and the kernel takes a u32.
+    pub fn socket_map_entries(&self) -> u32 {
+        u32::try_from(self.max_connections.saturating_mul(2))
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
 }
 
 /// Optional features and why they are off, for the start-up report.
@@ -61,6 +78,22 @@ pub struct KernelCounters {
     pub events_lost_by_cpu: Vec<u64>,
     /// New threads of traced processes that the fork program kept out of the PID filter.
     pub threads_ignored: u64,
+    /// Connections opened while the socket map was full (`--max-connections`).
+    pub sockets_untracked_map_full: u64,
+    /// Transfers that moved bytes on TCP sockets the kernel does not know.
+    pub transfers_on_unknown_sockets: u64,
+    /// Socket calls not followed because the pending-call map was full.
+    pub socket_calls_untracked_map_full: u64,
+}
+
+/// One of the loaded programs' maps, as the kernel reports it in `/proc/self/fdinfo`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapFootprint {
+    pub name: String,
+    pub max_entries: u64,
+    /// What the kernel charges for the map (`memlock`), allocated at creation for the
+    /// preallocated hashes.
+    pub memlock_bytes: u64,
 }
 
 pub struct LoadedProbes {
@@ -612,6 +645,7 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
             true,
         )
         .map_max_entries("EVENTS", ring_bytes)
+        .map_max_entries("SOCKETS", options.socket_map_entries())
         .load(EBPF_OBJECT)
         .context("loading the eBPF programs into the kernel")?;
     // No program is in the kernel yet: the placeholder layout is never read.
@@ -645,11 +679,46 @@ fn attach_programs(ebpf: &mut Ebpf) -> Result<usize> {
 /// `run` would work, for `doctor`. Nothing is traced: the PID filter stays empty, so every
 /// program returns at its first lookup. `Err` when loading failed; the inner result is the
 /// attach (the number of tracepoints attached).
-pub fn trial_load(options: &LoadOptions) -> Result<(FeatureReport, Result<usize>)> {
+pub fn trial_load(
+    options: &LoadOptions,
+) -> Result<(FeatureReport, Result<usize>, Vec<MapFootprint>)> {
     let (mut ebpf, features) = load_programs(options)?;
     let attached = attach_programs(&mut ebpf);
+    let maps = map_footprints();
     drop(ebpf);
-    Ok((features, attached))
+    Ok((features, attached, maps))
+}
+
+/// The eBPF maps this process holds, with their sizes and kernel memory, from
+/// `/proc/self/fdinfo` (the map's name from its id). Maps whose fdinfo cannot be read are
+/// left out.
+pub fn map_footprints() -> Vec<MapFootprint> {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fdinfo") else {
+        return Vec::new();
+    };
+    let mut maps: Vec<MapFootprint> = entries
+        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path()).ok())
+        .filter_map(|fdinfo| {
+            let field = |name: &str| -> Option<u64> {
+                fdinfo
+                    .lines()
+                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            let id = u32::try_from(field("map_id")?).ok()?;
+            let info = aya::maps::MapInfo::from_id(id).ok()?;
+            Some(MapFootprint {
+                name: info.name_as_str()?.to_string(),
+                max_entries: field("max_entries")?,
+                memlock_bytes: field("memlock")?,
+            })
+        })
+        .collect();
+    maps.sort_by(|a, b| a.name.cmp(&b.name));
+    maps.dedup();
+    maps
 }
 
 impl LoadedProbes {
@@ -687,33 +756,109 @@ impl LoadedProbes {
         }
     }
 
-    /// Stops the kernel from reporting a socket, if it still is the connection `conn_id`.
-    pub fn untrack_socket(&mut self, pid: u32, fd: i32, conn_id: u64) {
-        let Some(map) = self.ebpf.map_mut("SOCKETS") else {
-            return;
-        };
-        let Ok(mut sockets) = BpfHashMap::<_, SocketKey, SocketState>::try_from(map) else {
+    fn sockets(&mut self) -> Option<BpfHashMap<&mut MapData, SocketKey, SocketState>> {
+        BpfHashMap::try_from(self.ebpf.map_mut("SOCKETS")?).ok()
+    }
+
+    fn pending_calls(&mut self) -> Option<BpfHashMap<&mut MapData, u64, PendingCall>> {
+        BpfHashMap::try_from(self.ebpf.map_mut("PENDING_CALLS")?).ok()
+    }
+
+    /// Stops the kernel from reporting a socket, if it still is the connection `conn_id`. A
+    /// socket that is not HTTP stays (marked ignored) until it is closed, so that its
+    /// transfers are not counted as transfers on sockets the kernel does not know; an evicted
+    /// one is deleted, making room, and its transfers are counted so.
+    pub fn untrack_socket(&mut self, pid: u32, fd: i32, conn_id: u64, keep_ignored: bool) {
+        let Some(mut sockets) = self.sockets() else {
             return;
         };
         let key = SocketKey { tgid: pid, fd };
-        if sockets
-            .get(&key, 0)
-            .is_ok_and(|state| state.conn_id == conn_id)
-        {
+        let Ok(mut state) = sockets.get(&key, 0) else {
+            return;
+        };
+        if state.conn_id != conn_id {
+            return;
+        }
+        if keep_ignored {
+            state.ignored = 1;
+            let _ = sockets.insert(key, state, BPF_EXIST);
+        } else {
             let _ = sockets.remove(&key);
         }
     }
 
+    /// Deletes the kernel's entries of process `pid`: a process that dies (or is killed) does
+    /// not call close() on its sockets, and nothing evicts them from the plain hash maps.
+    /// Returns how many were deleted.
+    pub fn forget_process(&mut self, pid: u32) -> u64 {
+        self.sweep(|tgid, _| tgid != pid)
+    }
+
+    /// Deletes the kernel's entries of processes no longer in the PID filter and of threads
+    /// that are gone, in case an exit record was lost. Returns how many were deleted.
+    pub fn sweep_gone(&mut self) -> u64 {
+        let traced: std::collections::HashSet<u32> = match self.traced_pids() {
+            Ok(map) => map.keys().filter_map(Result::ok).collect(),
+            Err(_) => return 0,
+        };
+        self.sweep(|tgid, tid| {
+            traced.contains(&tgid)
+                && tid.is_none_or(|tid| {
+                    std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists()
+                })
+        })
+    }
+
+    /// Deletes every socket (`keep(tgid, None)` false) and pending call (`keep(tgid,
+    /// Some(tid))` false) entry. Keys are collected first: deleting while walking the keys
+    /// restarts the kernel's walk.
+    fn sweep(&mut self, keep: impl Fn(u32, Option<u32>) -> bool) -> u64 {
+        let mut deleted = 0;
+        if let Some(mut sockets) = self.sockets() {
+            let gone: Vec<SocketKey> = sockets
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|key| !keep(key.tgid, None))
+                .collect();
+            for key in gone {
+                deleted += u64::from(sockets.remove(&key).is_ok());
+            }
+        }
+        if let Some(mut pending) = self.pending_calls() {
+            let gone: Vec<u64> = pending
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|&pid_tgid| !keep((pid_tgid >> 32) as u32, Some(pid_tgid as u32)))
+                .collect();
+            for key in gone {
+                deleted += u64::from(pending.remove(&key).is_ok());
+            }
+        }
+        deleted
+    }
+
     /// The counters the kernel programs keep, read now.
     pub fn kernel_counters(&self) -> KernelCounters {
+        let untracked = self.per_cpu_counter("UNTRACKED", UNTRACKED_REASONS_READ);
+        let reason = |index: u32| untracked.get(index as usize).copied().unwrap_or(0);
         KernelCounters {
-            events_lost_by_cpu: self.per_cpu_counter("LOST_EVENTS"),
-            threads_ignored: self.per_cpu_counter("THREADS_IGNORED").iter().sum(),
+            events_lost_by_cpu: self.per_cpu_slot("LOST_EVENTS", 0),
+            threads_ignored: self.per_cpu_slot("THREADS_IGNORED", 0).iter().sum(),
+            sockets_untracked_map_full: reason(UNTRACKED_SOCKET_MAP_FULL),
+            transfers_on_unknown_sockets: reason(UNTRACKED_UNKNOWN_SOCKET_TRANSFER),
+            socket_calls_untracked_map_full: reason(UNTRACKED_PENDING_CALLS_FULL),
         }
     }
 
-    /// A one-slot per-CPU counter map, per possible CPU; empty if the map is missing.
-    fn per_cpu_counter(&self, name: &str) -> Vec<u64> {
+    /// Slots `0..slots` of a per-CPU counter map, each summed over CPUs.
+    fn per_cpu_counter(&self, name: &str, slots: u32) -> Vec<u64> {
+        (0..slots)
+            .map(|slot| self.per_cpu_slot(name, slot).iter().sum())
+            .collect()
+    }
+
+    /// One slot of a per-CPU counter map, per possible CPU; empty if the map is missing.
+    fn per_cpu_slot(&self, name: &str, slot: u32) -> Vec<u64> {
         let Some(map) = self.ebpf.map(name) else {
             return Vec::new();
         };
@@ -721,11 +866,16 @@ impl LoadedProbes {
             return Vec::new();
         };
         counter
-            .get(&0, 0)
+            .get(&slot, 0)
             .map(|values| values.iter().copied().collect())
             .unwrap_or_default()
     }
 }
+
+const UNTRACKED_REASONS_READ: u32 = tracer_abi::UNTRACKED_REASONS;
+
+/// `BPF_EXIST` (linux/bpf.h): update an entry only if it is still there.
+const BPF_EXIST: u64 = 2;
 
 fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint> {
     ebpf.program_mut(name)
@@ -869,6 +1019,21 @@ mod tests {
             error.contains("attached twice: [\"syscalls/sys_enter_read\"]"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn the_socket_map_follows_max_connections_within_what_the_kernel_takes() {
+        let entries = |max_connections| {
+            LoadOptions {
+                capture_bytes: 0,
+                ring_buffer_bytes: 0,
+                max_connections,
+            }
+            .socket_map_entries()
+        };
+        assert_eq!(entries(16_384), 32_768);
+        assert_eq!(entries(0), 1, "a map of no entries cannot be created");
+        assert_eq!(entries(usize::MAX), u32::MAX);
     }
 
     #[test]

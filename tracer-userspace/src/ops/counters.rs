@@ -34,6 +34,17 @@ counters! {
         fork_threads_ignored,
         /// Processes whose environment discovery could not read.
         environ_unreadable,
+        /// Connections the kernel did not follow: its socket map (`--max-connections`) was
+        /// full.
+        sockets_untracked_map_full,
+        /// Transfers of traced processes on TCP sockets the kernel did not know (opened
+        /// before tracing began, or not followed as above): requests on them are not traced.
+        transfers_on_unknown_sockets,
+        /// Socket calls the kernel did not follow: its pending-call map was full.
+        socket_calls_untracked_map_full,
+        /// Kernel map entries deleted for processes and threads that ended without closing
+        /// them (not a loss).
+        kernel_entries_swept,
     }
 }
 
@@ -105,6 +116,9 @@ mod tests {
             "parse_not_http",
             "parents_ambiguous",
             "spans_queued",
+            "sockets_untracked_map_full",
+            "transfers_on_unknown_sockets",
+            "socket_calls_untracked_map_full",
         ] {
             assert!(names.contains(&name), "{name} missing");
         }

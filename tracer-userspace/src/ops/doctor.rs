@@ -17,7 +17,7 @@ use crate::config::cli::DoctorArgs;
 use crate::export::otlp::error_chain;
 use crate::kernel::loader::{
     self, Attachment, BTF_PATH, Capability, CapabilitySet, FeatureReport, LoadOptions,
-    REQUIRED_CAPABILITIES, TRACEFS, Tracefs,
+    MapFootprint, REQUIRED_CAPABILITIES, TRACEFS, Tracefs,
 };
 use crate::kernel::tracepoint_format;
 use crate::processes::discovery::{executable_path, gym_server_from_env, read_process_env};
@@ -211,7 +211,8 @@ struct Host {
     /// The error chain when the probe itself was refused.
     ring_buffer: Result<bool, String>,
     /// The real object, loaded and attached (the inner result), then detached.
-    trial: Result<(FeatureReport, Result<usize>)>,
+    /// With the maps the load created, at `run`'s default sizes.
+    trial: Result<(FeatureReport, Result<usize>, Vec<MapFootprint>)>,
     /// Programs in the embedded object.
     programs: usize,
     kprobe_pmu: bool,
@@ -247,6 +248,7 @@ impl Host {
             capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
             // What `run` allocates by default (the memory cgroup is charged for it).
             ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
+            max_connections: crate::config::cli::DEFAULT_MAX_CONNECTIONS,
         });
         Ok(Self {
             caps,
@@ -291,6 +293,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         pid_namespace_row(&host),
         ring_buffer_row(&host),
         programs_row(&host),
+        maps_row(&host),
         kprobes_row(&host),
         fentry_row(&host),
     ];
@@ -338,12 +341,12 @@ fn print_report(sections: &[Section]) -> bool {
 fn findings(host: &Host) -> Findings {
     let missing = host.missing_capabilities();
     let tracing = match &host.trial {
-        Ok((_, Ok(_))) if !missing.is_empty() => Err(format!(
+        Ok((_, Ok(_), _)) if !missing.is_empty() => Err(format!(
             "the kernel allows it, but `gym-tracer run` first requires {}",
             missing.join(", ")
         )),
-        Ok((_, Ok(_))) => Ok(()),
-        Ok((_, Err(error))) => Err(format!("attaching failed: {}", error_chain(error.as_ref()))),
+        Ok((_, Ok(_), _)) => Ok(()),
+        Ok((_, Err(error), _)) => Err(format!("attaching failed: {}", error_chain(error.as_ref()))),
         Err(error) => Err(format!("loading failed: {}", error_chain(error.as_ref()))),
     };
     Findings {
@@ -535,7 +538,7 @@ fn ring_buffer_row(host: &Host) -> Row {
 
 fn programs_row(host: &Host) -> Row {
     match &host.trial {
-        Ok((_, Ok(attached))) => row(
+        Ok((_, Ok(attached), _)) => row(
             "eBPF programs",
             Status::Ok,
             format!(
@@ -543,7 +546,7 @@ fn programs_row(host: &Host) -> Row {
                 host.programs
             ),
         ),
-        Ok((_, Err(error))) => row(
+        Ok((_, Err(error), _)) => row(
             "eBPF programs",
             Status::Fail,
             format!(
@@ -559,6 +562,35 @@ fn programs_row(host: &Host) -> Row {
         )
         .fix(load_fix(host.caps)),
     }
+}
+
+/// The kernel maps `run` creates at its default sizes (`SOCKETS` follows --max-connections):
+/// what the kernel holds for the agent, allocated up front.
+fn maps_row(host: &Host) -> Row {
+    let Ok((_, _, maps)) = &host.trial else {
+        return row("eBPF maps", Status::Info, "not loaded (see eBPF programs)");
+    };
+    let total: u64 = maps.iter().map(|map| map.memlock_bytes).sum();
+    let each: Vec<String> = maps
+        .iter()
+        .map(|map| {
+            format!(
+                "{} {} entries {} KiB",
+                map.name,
+                map.max_entries,
+                map.memlock_bytes / 1024
+            )
+        })
+        .collect();
+    row(
+        "eBPF maps",
+        Status::Info,
+        format!(
+            "{} KiB of kernel memory at the default sizes: {}",
+            total / 1024,
+            each.join(", ")
+        ),
+    )
 }
 
 fn kprobes_row(host: &Host) -> Row {

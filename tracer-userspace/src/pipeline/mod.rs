@@ -92,8 +92,9 @@ pub enum Lifecycle {
 pub struct PipelineOutput {
     /// Spans the stitcher let go of, complete with trace ids and parents.
     pub released: Vec<SpanRecord>,
-    /// Sockets to stop capturing in the kernel (`pid`, `fd`, `conn_id`).
-    pub untrack: Vec<(SocketId, u64)>,
+    /// Sockets to stop capturing in the kernel (`pid`, `fd`, `conn_id`, and whether the
+    /// kernel keeps it as not HTTP: see [`TableAction::Untrack`]).
+    pub untrack: Vec<(SocketId, u64, bool)>,
     pub lifecycle: Vec<Lifecycle>,
 }
 
@@ -184,9 +185,13 @@ impl<M: RequestMetrics> Pipeline<M> {
                     observer.body_rollout(span_id);
                     self.stitcher.set_rollout(span_id, rollout_id);
                 }
-                TableAction::Untrack { id, conn_id } => {
+                TableAction::Untrack {
+                    id,
+                    conn_id,
+                    not_http,
+                } => {
                     observer.untracked(id);
-                    self.output.untrack.push((id, conn_id));
+                    self.output.untrack.push((id, conn_id, not_http));
                 }
             }
         }

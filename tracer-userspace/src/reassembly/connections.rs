@@ -166,8 +166,14 @@ pub struct ConnectionTable {
 /// What the table asks of the caller besides exchanges.
 #[derive(Debug, PartialEq, Eq)]
 pub enum TableAction {
-    /// Stop capturing this socket in the kernel: it is not HTTP/1.x.
-    Untrack { id: SocketId, conn_id: u64 },
+    /// Stop capturing this socket in the kernel: it is not HTTP/1.x (`not_http`: the kernel
+    /// keeps it, ignored, so that its transfers do not count as ones on unknown sockets), or
+    /// it was evicted from the table or closed by an exec (the kernel forgets it).
+    Untrack {
+        id: SocketId,
+        conn_id: u64,
+        not_http: bool,
+    },
     /// A request started; reported before anything that depends on it.
     Started(RequestStart),
     /// A started request's body named its rollout.
@@ -271,6 +277,7 @@ impl ConnectionTable {
                     actions.push(TableAction::Untrack {
                         id: *id,
                         conn_id: self.connections[id].conn_id,
+                        not_http: false,
                     });
                 }
                 self.end_process(
@@ -396,6 +403,7 @@ impl ConnectionTable {
                 actions.push(TableAction::Untrack {
                     id: candidate.id,
                     conn_id: candidate.conn_id,
+                    not_http: false,
                 });
                 finish(
                     candidate.id.pid,
@@ -497,6 +505,7 @@ impl ConnectionTable {
             actions.push(TableAction::Untrack {
                 id,
                 conn_id: connection.conn_id,
+                not_http: true,
             });
             self.remove(&id);
             counters.connections_not_http += 1;
@@ -873,7 +882,8 @@ mod tests {
             actions,
             vec![TableAction::Untrack {
                 id: SocketId { pid: 7, fd: 5 },
-                conn_id: 100
+                conn_id: 100,
+                not_http: true,
             }]
         );
     }
