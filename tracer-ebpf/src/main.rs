@@ -24,6 +24,8 @@
 #![no_std]
 #![no_main]
 
+use core::ptr;
+
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
@@ -129,7 +131,7 @@ const EINPROGRESS: i64 = 115;
 #[inline(always)]
 fn bounded(value: usize, mask: usize) -> usize {
     // SAFETY: reads a local.
-    unsafe { core::ptr::read_volatile(&value) & mask }
+    unsafe { ptr::read_volatile(&value) & mask }
 }
 const CAPTURE_MASK: usize = MAX_CAPTURE_BYTES - 1;
 
@@ -170,7 +172,7 @@ fn count_lost() {
 #[inline(always)]
 fn tracepoint_layout() -> TracepointLayout {
     // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
-    unsafe { core::ptr::read_volatile(&TRACEPOINT_LAYOUT) }
+    unsafe { ptr::read_volatile(&TRACEPOINT_LAYOUT) }
 }
 
 /// Posts without waking the agent (it drains on a timer) unless a lot is waiting.
@@ -197,6 +199,7 @@ fn header(kind: EventKind, pid_tgid: u64, fd: i32, conn_id: u64) -> EventHeader 
         tgid: (pid_tgid >> 32) as u32,
         tid: pid_tgid as u32,
         fd,
+        // SAFETY: a helper with no arguments.
         timestamp_ns: unsafe { bpf_ktime_get_ns() },
         conn_id,
     }
@@ -416,6 +419,7 @@ pub fn exit_call(ctx: TracePointContext) -> u32 {
 }
 
 fn on_open(pid_tgid: u64, fd: i32, role: u8) {
+    // SAFETY: a helper with no arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     let mut event = ConnOpenEvent {
         header: header(EventKind::ConnOpen, pid_tgid, fd, now),
@@ -449,19 +453,20 @@ fn on_open(pid_tgid: u64, fd: i32, role: u8) {
 #[inline(always)]
 fn capture_bytes() -> u32 {
     // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
-    let value = unsafe { core::ptr::read_volatile(&CAPTURE_BYTES) };
+    let value = unsafe { ptr::read_volatile(&CAPTURE_BYTES) };
     value.min(MAX_CAPTURE_BYTES as u32)
 }
 
 #[inline(always)]
 unsafe fn kernel_u64(address: u64) -> Option<u64> {
+    // SAFETY: the helper checks the address and fails cleanly on a bad one.
     unsafe { bpf_probe_read_kernel(address as *const u64).ok() }
 }
 
 #[inline(always)]
 fn kernel_offsets() -> KernelOffsets {
     // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
-    unsafe { core::ptr::read_volatile(&KERNEL_OFFSETS) }
+    unsafe { ptr::read_volatile(&KERNEL_OFFSETS) }
 }
 
 /// The current task's `struct file` for `fd` and its `private_data` (the `struct socket` if
@@ -718,8 +723,9 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             }
         }
 
-        let size = core::mem::size_of::<DataEventHeader>() + bounded(copied as usize, CAPTURE_MASK);
-        let record = core::slice::from_raw_parts((event as *const DataEvent).cast::<u8>(), size);
+        let size = size_of::<DataEventHeader>() + bounded(copied as usize, CAPTURE_MASK);
+        let record =
+            core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
         if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {
             count_lost();
         }
@@ -728,6 +734,6 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
 
 #[cfg(not(test))]
 #[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
     loop {}
 }
