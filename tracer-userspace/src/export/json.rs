@@ -278,29 +278,21 @@ impl PushMetricExporter for StdoutMetricExporter {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
     use super::*;
     use crate::model::ids::SpanId;
     use crate::model::ids::TraceId;
-    use crate::model::service::ServiceIdentity;
     use crate::model::span::SpanKind;
-    use crate::model::span::SpanStatus;
+    use crate::pipeline::testing;
 
     #[test]
     fn span_json_has_the_documented_fields() {
         let span = SpanRecord {
-            service: Arc::new(ServiceIdentity::for_test("svc")),
-            name: "GET /health".into(),
-            kind: SpanKind::Server,
             trace_id: TraceId([0xab; 16]),
-            span_id: SpanId([0x01; 8]),
-            parent_span_id: None,
-            parent_is_remote: false,
             start_unix_ns: 10,
             end_unix_ns: 20,
             attributes: vec![("http.response.status_code", AttributeValue::Int(200))],
-            status: SpanStatus::Unset,
+            ..testing::span("GET /health", SpanKind::Server, SpanId([0x01; 8]))
         };
         let line = span_json(&span);
         assert_eq!(line["trace_id"], "abababababababababababababababab");

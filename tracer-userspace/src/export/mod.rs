@@ -230,9 +230,8 @@ mod tests {
     use super::*;
     use crate::model::ids::SpanId;
     use crate::model::ids::TraceId;
-    use crate::model::service::ServiceIdentity;
     use crate::model::span::SpanKind;
-    use crate::model::span::SpanStatus;
+    use crate::pipeline::testing;
 
     #[derive(Debug, PartialEq, Eq)]
     enum Call {
@@ -265,17 +264,10 @@ mod tests {
 
     fn span(id: u8) -> SpanRecord {
         SpanRecord {
-            service: Arc::new(ServiceIdentity::for_test("svc")),
-            name: "GET /health".into(),
-            kind: SpanKind::Server,
             trace_id: TraceId([id; 16]),
-            span_id: SpanId([id; 8]),
-            parent_span_id: None,
-            parent_is_remote: false,
             start_unix_ns: 10,
             end_unix_ns: 20,
-            attributes: Vec::new(),
-            status: SpanStatus::Unset,
+            ..testing::span("GET /health", SpanKind::Server, SpanId([id; 8]))
         }
     }
 
