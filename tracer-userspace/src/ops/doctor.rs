@@ -298,7 +298,11 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         fentry_row(&host),
     ];
     let mut processes = vec![init_environ_row(&host)];
-    processes.extend(args.pids.iter().map(|&pid| pid_row(pid)));
+    processes.extend(
+        args.pids
+            .iter()
+            .flat_map(|&pid| [pid_row(pid), python_row(pid)]),
+    );
     let sections = [
         Section {
             title: "Kernel",
@@ -845,6 +849,30 @@ fn pid_row(pid: u32) -> Row {
             ),
         )
         .fix("grant CAP_SYS_PTRACE")
+    }
+}
+
+/// Whether the agent could read a `--pid` process's Python runtime from outside (issue #13):
+/// an interpreter it does not know is off for that process, with the reason.
+fn python_row(pid: u32) -> Row {
+    let name = format!("pid {pid} python");
+    match crate::processes::python::inspect(pid) {
+        Ok(runtime) => row(
+            &name,
+            Status::On,
+            format!(
+                "CPython {} ({:?}, {}): _PyRuntime at {:#x}, walk from {:?}",
+                runtime.version,
+                runtime.linkage,
+                runtime.library.display(),
+                runtime.runtime_address,
+                runtime.walk_source
+            ),
+        ),
+        Err(crate::processes::python::RuntimeOff::NotPython) => {
+            row(&name, Status::Info, "not a CPython process")
+        }
+        Err(why) => row(&name, Status::Off, format!("{} ({why})", why.reason())),
     }
 }
 

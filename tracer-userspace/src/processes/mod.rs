@@ -5,6 +5,7 @@
 pub mod discovery;
 pub mod harvest;
 pub mod identity;
+pub mod python;
 mod table;
 
 pub use table::{ProcessTable, TracedProcess};
