@@ -1,22 +1,33 @@
-//! The module against real interpreters: each prints, from inside, `_PyRuntime`'s address
-//! and its main thread's native id; the module must find the same from outside.
+//! The module against real interpreters: each prints, from inside, `_PyRuntime`'s address,
+//! its main thread's native id, and the identities of the context it runs under and of a
+//! ContextVar set in it; the module must find the same from outside, through the table's
+//! context, HAMT, ContextVar and string offsets.
 //!
 //! pyenv provides 3.12.1 and 3.13.0 (shared libpython) and 3.11.7 (a version this build does
 //! not know) on this machine kind and on CI. A missing interpreter fails the test, loudly,
 //! unless `GYM_TRACER_ALLOW_MISSING_PYTHON=1` says this machine is known to lack it; then the
 //! test prints which one it skipped.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use super::*;
 
+/// Blocks inside `ctx.run` inside `outer.run`, so `PyThreadState.context` is `ctx` and its
+/// `ctx_prev` is `outer` while we read; the one
+/// variable set in it makes its HAMT a single bitmap node.
 const SCRIPT: &str = r#"
-import ctypes, sys, threading
+import contextvars, ctypes, sys, threading
 runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
-print(runtime, threading.get_native_id(), sys.hexversion, flush=True)
-sys.stdin.read()
+var = contextvars.ContextVar("gym_tracer_probe")
+def report():
+    var.set("value")
+    print(runtime, threading.get_native_id(), sys.hexversion, id(ctx), id(var), len(ctx),
+          hash(var), id(outer), flush=True)
+    sys.stdin.read()
+outer, ctx = contextvars.Context(), contextvars.Context()
+outer.run(ctx.run, report)
 "#;
 
 fn interpreter(version: &str) -> Option<PathBuf> {
@@ -45,6 +56,11 @@ struct Running {
     runtime_address: u64,
     main_native_id: u32,
     hexversion: u64,
+    context: u64,
+    var: u64,
+    vars_in_context: u64,
+    var_hash: i64,
+    outer_context: u64,
 }
 
 impl Drop for Running {
@@ -66,19 +82,22 @@ fn start(python: &Path) -> Running {
     BufReader::new(child.stdout.take().expect("piped"))
         .read_line(&mut line)
         .expect("it prints");
-    let fields: Vec<u64> = line
+    let fields: Vec<i64> = line
         .split_whitespace()
         .map(|f| f.parse().expect("numbers"))
         .collect();
-    let [runtime_address, main_native_id, hexversion] = fields[..] else {
-        panic!("got {line:?}")
-    };
-    child.stdin.as_mut().expect("piped").flush().expect("open");
+    assert_eq!(fields.len(), 8, "got {line:?}");
+    let as_u64 = |i: usize| u64::try_from(fields[i]).expect("an address or count");
     Running {
         child,
-        runtime_address,
-        main_native_id: u32::try_from(main_native_id).expect("a tid"),
-        hexversion,
+        runtime_address: as_u64(0),
+        main_native_id: u32::try_from(fields[1]).expect("a tid"),
+        hexversion: as_u64(2),
+        context: as_u64(3),
+        var: as_u64(4),
+        vars_in_context: as_u64(5),
+        var_hash: fields[6],
+        outer_context: as_u64(7),
     }
 }
 
@@ -107,6 +126,65 @@ fn check_known(version: &str, expected_source: WalkSource) {
     );
     // The main thread's pid is its tid: a second, independent check of what was read.
     assert_eq!(running.main_native_id, running.child.id());
+    check_context(&runtime, &memory, states[0].address, &running);
+}
+
+/// The table's context offsets, each against what the interpreter said from inside.
+fn check_context(runtime: &PythonRuntime, memory: &ProcessMemory, state: u64, running: &Running) {
+    let c = runtime.context;
+    let context = memory
+        .read_pointer(state + c.thread_context)
+        .expect("a context");
+    assert_eq!(context, running.context, "PyThreadState.context");
+    let prev = memory.read_u64(context + c.context_prev);
+    assert_eq!(prev, Ok(running.outer_context), "PyContext.ctx_prev");
+    let hamt = memory
+        .read_pointer(context + c.context_vars)
+        .expect("a HAMT");
+    assert_eq!(
+        memory.read_u64(hamt + c.hamt_count),
+        Ok(running.vars_in_context),
+        "h_count"
+    );
+    assert_eq!(running.vars_in_context, 1);
+    let node = memory
+        .read_pointer(hamt + c.hamt_root)
+        .expect("a root node");
+    assert_eq!(
+        memory.read_u64(node + c.bitmap_size),
+        Ok(2),
+        "bitmap node ob_size"
+    );
+    let bits = memory
+        .read_bytes(node + c.bitmap_bits, 4)
+        .expect("the bitmap");
+    assert_eq!(
+        u32::from_ne_bytes(bits.try_into().expect("4 bytes")).count_ones(),
+        1
+    );
+    assert_eq!(
+        memory.read_u64(node + c.bitmap_pairs),
+        Ok(running.var),
+        "first key"
+    );
+    let hash = memory.read_u64(running.var + c.var_hash).expect("var_hash");
+    assert_eq!(
+        hash.cast_signed(),
+        running.var_hash,
+        "PyContextVar.var_hash"
+    );
+    let name = memory
+        .read_pointer(running.var + c.var_name)
+        .expect("var_name");
+    let len = memory
+        .read_u64(name + c.ascii_length)
+        .expect("the name's length");
+    let bytes = memory.read_bytes(name + c.ascii_data, usize::try_from(len).expect("short"));
+    assert_eq!(
+        bytes.as_deref(),
+        Ok(b"gym_tracer_probe".as_slice()),
+        "var_name's bytes"
+    );
 }
 
 #[test]
