@@ -13,9 +13,11 @@ pub const MAX_CAPTURE_BYTES: usize = 8192;
 /// Default for `--capture-bytes`: enough for a request line and several KiB of headers.
 pub const DEFAULT_CAPTURE_BYTES: u32 = 4096;
 
-/// Bytes taken from the end of every read/write whose data was not captured in full, so that
-/// user space can see the terminating `0\r\n\r\n` of a chunked body without receiving it.
-pub const TAIL_BYTES: usize = 8;
+/// Bytes taken from the end of every read/write whose data was not captured in full: user space
+/// sees the terminating `0\r\n\r\n` of a chunked body, and Gym's `_ng_*` ids, which sit in
+/// the last ~40–100 bytes of an 11 KB request body, without receiving the body. They follow
+/// the captured head in the record's payload. At most 255 (`tail_len` is a u8).
+pub const TAIL_BYTES: usize = 128;
 
 /// How many iovecs of one `readv`/`writev`/`sendmsg`/`recvmsg` are looked at.
 pub const MAX_IOVECS: u32 = 4;
@@ -43,6 +45,9 @@ pub enum EventKind {
     /// A traced process replaced its program (`execve`): the sockets it had open close
     /// without a `close` call the agent could see.
     ProcessExec = 6,
+    /// The contextvars chain of the Python task that is writing a message (see
+    /// [`TaskContextEvent`]); it precedes that write's [`EventKind::Data`] record.
+    TaskContext = 7,
 }
 
 impl EventKind {
@@ -54,6 +59,7 @@ impl EventKind {
             4 => Some(Self::ProcessExit),
             5 => Some(Self::ProcessFork),
             6 => Some(Self::ProcessExec),
+            7 => Some(Self::TaskContext),
             _ => None,
         }
     }
@@ -108,28 +114,31 @@ pub struct ConnOpenEvent {
     pub peer_addr: [u8; 16],
 }
 
-/// Fixed part of a data record; `captured_len` bytes of payload follow it on the ring.
+/// Fixed part of a data record. The payload follows it on the ring: `captured_len` bytes from
+/// the start of the transfer, then `tail_len` bytes from its end.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DataEventHeader {
     pub header: EventHeader,
     /// [`DIRECTION_READ`] or [`DIRECTION_WRITE`].
     pub direction: u8,
-    /// Valid bytes in `tail`; 0 when the whole transfer was captured.
+    /// Bytes of the transfer's end that follow the captured head in the payload (at most
+    /// [`TAIL_BYTES`]); 0 when the whole transfer was captured. They are the last bytes of
+    /// the transfer's last buffer (a vectored call's last iovec), and may repeat bytes of the
+    /// head when the transfer is only a little longer than the capture.
     pub tail_len: u8,
     pub _pad: [u8; 2],
-    /// Bytes of payload that follow this header.
+    /// Bytes of the transfer's start in the payload.
     pub captured_len: u32,
     /// Bytes the syscall actually moved (its return value).
     pub total_len: u64,
-    /// The last bytes of the transfer when it was not captured in full.
-    pub tail: [u8; TAIL_BYTES],
 }
 
 /// The per-CPU scratch value in which the eBPF side assembles a data record.
 ///
 /// The payload is twice [`MAX_CAPTURE_BYTES`] so that a masked offset plus a masked length
-/// always stays inside it, which is what lets the verifier accept the copy loop.
+/// always stays inside it, which is what lets the verifier accept the copy loop; the tail goes
+/// at a masked offset too (below [`MAX_CAPTURE_BYTES`]), so head and tail always fit.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct DataEvent {
@@ -148,6 +157,67 @@ pub struct ProcessForkEvent {
     pub child_pid: u32,
     pub _pad: u32,
 }
+
+/// Contexts read per chain: `PyThreadState.context`, then `ctx_prev` links. An asyncio
+/// server's chain is 3 to 5 deep (the task's, the handler's, the event loop's two).
+pub const MAX_CONTEXT_DEPTH: usize = 8;
+
+/// The running task's contextvars chain in a traced CPython thread, read when that thread
+/// writes the first bytes of an HTTP message (a request line, a status line) to a traced
+/// socket. Emitted just before that write's data record, for the same `tgid`/`fd`/`conn_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TaskContextEvent {
+    pub header: EventHeader,
+    /// Valid entries of `chain` (0 when the first read failed).
+    pub depth: u32,
+    pub _pad: u32,
+    /// Context addresses, innermost first; the walk stops at NULL, at a non-`Context`
+    /// object, or at [`MAX_CONTEXT_DEPTH`].
+    pub chain: [u64; MAX_CONTEXT_DEPTH],
+}
+
+/// What the kernel needs to read one CPython thread's running context: filled by user space
+/// per thread id of a traced process whose interpreter it recognised.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PythonThread {
+    /// Address of the thread's `PyThreadState`.
+    pub thread_state: u64,
+    /// Address of `PyContext_Type`: every link must be an object of this type.
+    pub context_type: u64,
+    /// `PyThreadState.context`.
+    pub thread_context: u32,
+    /// `PyContext.ctx_prev`. The kernel reads `ob_type` and `ctx_prev` in one 16-byte read,
+    /// so this must be `object_type + 8` (16 and 8 in CPython 3.12 to 3.14); an entry that
+    /// says otherwise is not used.
+    pub context_prev: u32,
+    /// `PyObject.ob_type`.
+    pub object_type: u32,
+    /// The process the thread belongs to: an entry is used only by that process's thread
+    /// (a thread id outlives nothing, but an entry may outlive its thread by a rescan).
+    pub tgid: u32,
+}
+
+/// Threads the `PYTHON_THREADS` map holds.
+pub const MAX_PYTHON_THREADS: u32 = 16384;
+
+/// Slots of the kernel's `CONTEXT_READS` per-CPU counter map: what happened at each
+/// message-start write of a traced process (see [`TaskContextEvent`]).
+/// A chain of at least one context was read and reported.
+pub const CONTEXT_CHAIN_READ: u32 = 0;
+/// The writing thread has no `PYTHON_THREADS` entry (not Python, runtime off, or a thread
+/// started since the agent's last rescan): nothing was read or reported.
+pub const CONTEXT_THREAD_UNKNOWN: u32 = 1;
+/// The thread's current context was NULL or could not be read: reported with depth 0.
+pub const CONTEXT_CHAIN_EMPTY: u32 = 2;
+/// A walk stopped early at an object that is not a `Context` (never followed further).
+pub const CONTEXT_NOT_A_CONTEXT: u32 = 3;
+/// A read of a link or of its type failed mid-walk (the chain holds what was read before).
+pub const CONTEXT_READ_FAILED: u32 = 4;
+/// The ring buffer was full: no context record (the data record may follow).
+pub const CONTEXT_LOST: u32 = 5;
+pub const CONTEXT_OUTCOMES: u32 = 6;
 
 /// Processes the PID filter map holds (named, discovered and forked children together). A
 /// child that does not fit is counted as a lost event; a discovered server that does not
@@ -276,13 +346,16 @@ pub const SOCK_STREAM: u16 = 1;
 
 const _: () = assert!(size_of::<EventHeader>() == 32);
 const _: () = assert!(size_of::<ConnOpenEvent>() == 72);
-const _: () = assert!(size_of::<DataEventHeader>() == 56);
+const _: () = assert!(size_of::<DataEventHeader>() == 48);
 const _: () = assert!(size_of::<ProcessForkEvent>() == 40);
-const _: () = assert!(size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
+const _: () = assert!(size_of::<DataEvent>() == 48 + 2 * MAX_CAPTURE_BYTES);
+const _: () = assert!(TAIL_BYTES <= u8::MAX as usize && TAIL_BYTES <= MAX_CAPTURE_BYTES);
 const _: () = assert!(size_of::<SocketState>() == 24);
 const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 24);
 const _: () = assert!(size_of::<KernelOffsets>() == 60);
+const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH);
+const _: () = assert!(size_of::<PythonThread>() == 32);
 const _: () = assert!(size_of::<TracepointLayout>() == 16);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
 
@@ -301,4 +374,6 @@ mod user {
     unsafe impl aya::Pod for PendingCall {}
     // SAFETY: as above.
     unsafe impl aya::Pod for TracepointLayout {}
+    // SAFETY: as above (two u64 and four u32, no padding).
+    unsafe impl aya::Pod for PythonThread {}
 }

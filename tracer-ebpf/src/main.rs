@@ -11,12 +11,19 @@
 //! - `exit_call` (every `sys_exit_*`): the thread's entry in `PENDING_CALLS`, which exists
 //!   only when its enter passed the filter (so not the PID filter itself). An accept or
 //!   connect then walks the socket with the BTF offsets; a transfer looks up `SOCKETS` again
-//!   and copies at most the message's remaining capture budget from user memory.
+//!   and copies at most the message's remaining capture budget from user memory. A write that
+//!   starts an HTTP message also looks the thread up in `PYTHON_THREADS` (one lookup; a
+//!   non-Python process stops there) and, for a registered CPython thread, walks its running
+//!   task's contextvars chain: one read for `PyThreadState.context`, then one 16-byte read
+//!   (`ob_type`, `ctx_prev`) per link, at most `MAX_CONTEXT_DEPTH`, each link checked to be a
+//!   `Context` before it is recorded or followed. The chain goes to the ring just before the
+//!   write's data record.
 //! - `enter_close`: the PID filter, then `SOCKETS`.
 //! - `new_task` (`task/task_newtask`, in the parent's context): the PID filter on the parent,
 //!   then `clone_flags`: a new thread (`CLONE_THREAD`) is counted and skipped, so only a new
 //!   process enters the filter.
-//! - `process_exit`, `process_exec`: the PID filter.
+//! - `process_exit`, `process_exec`: the PID filter; `process_exit` then deletes the exiting
+//!   thread's `PYTHON_THREADS` entry (one hash delete per thread exit of a traced process).
 //!
 //! The offsets the fork and exit programs read come from the tracepoints' `format` files
 //! (`TRACEPOINT_LAYOUT`), the socket walk's from BTF (`KERNEL_OFFSETS`), both set by user
@@ -39,12 +46,15 @@ use aya_ebpf::{
 use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET, CALL_READ_BUFFER,
     CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR,
-    CLONE_THREAD, ConnOpenEvent, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent,
-    DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES,
-    MAX_IOVECS, MAX_PENDING_CALLS, MAX_TRACED_PIDS, PendingCall, ProcessForkEvent,
-    RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
-    TRACED_AS_CHILD, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS,
-    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+    CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT,
+    CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, ConnOpenEvent,
+    DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
+    EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH,
+    MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TRACED_PIDS, PendingCall,
+    ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
+    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TaskContextEvent, TracepointLayout,
+    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
+    UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -122,6 +132,18 @@ static THREADS_IGNORED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static UNTRACKED: PerCpuArray<u64> = PerCpuArray::with_max_entries(UNTRACKED_REASONS, 0);
 
+/// CPython threads of traced processes whose running context can be read, by thread id;
+/// filled by user space from the interpreter's thread states (issue #13). An entry is
+/// removed by user space when its process is forgotten or its thread is gone from a
+/// rescan, and here when the thread exits.
+#[map]
+static PYTHON_THREADS: HashMap<u32, PythonThread> =
+    HashMap::with_max_entries(MAX_PYTHON_THREADS, 0);
+
+/// What happened at each message-start write of a traced process, per CPU (`CONTEXT_*`).
+#[map]
+static CONTEXT_READS: PerCpuArray<u64> = PerCpuArray::with_max_entries(CONTEXT_OUTCOMES, 0);
+
 const EINPROGRESS: i64 = 115;
 
 /// Bounds `value` with `mask` in a way the optimiser cannot drop. LLVM removes a clamp it
@@ -134,6 +156,8 @@ fn bounded(value: usize, mask: usize) -> usize {
     unsafe { ptr::read_volatile(&value) & mask }
 }
 const CAPTURE_MASK: usize = MAX_CAPTURE_BYTES - 1;
+/// Bounds a tail length (at most [`TAIL_BYTES`]) for the verifier.
+const TAIL_MASK: usize = 2 * TAIL_BYTES - 1;
 
 /// Offsets of the syscall arguments in a `syscalls/sys_enter_*` record, and of the return
 /// value in a `sys_exit_*` record (see the tracepoint's `format` file).
@@ -362,6 +386,9 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     let Some((pid_tgid, tgid)) = traced_tgid() else {
         return 0;
     };
+    // Every thread's exit passes here: its context-read entry goes with it (a no-op for
+    // threads that have none).
+    let _ = PYTHON_THREADS.remove(&(pid_tgid as u32));
     let layout = tracepoint_layout();
     let process_ends = if layout.exit_group_dead == FIELD_ABSENT {
         pid_tgid as u32 == tgid
@@ -662,8 +689,12 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
         } else {
             &mut socket.write_budget
         };
-        if starts_http_message(first_bytes) {
+        let message_start = starts_http_message(first_bytes);
+        if message_start {
             *budget = capture_bytes();
+            if !reading {
+                report_task_context(pid_tgid, call.fd, socket.conn_id);
+            }
         }
         // One byte short of the maximum, so that every length fits the mask.
         let want = moved.min(*budget as u64).min(CAPTURE_MASK as u64);
@@ -709,21 +740,21 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             _pad: [0; 2],
             captured_len: copied as u32,
             total_len: moved,
-            tail: [0; TAIL_BYTES],
         };
+        // The tail follows the head in the payload: a masked offset below MAX_CAPTURE_BYTES
+        // plus at most TAIL_BYTES stays inside the doubled scratch payload.
+        let head = bounded(copied as usize, CAPTURE_MASK);
+        let mut tail = 0;
         if copied < moved && seen == moved && tail_len > 0 {
-            let tail_len = bounded(tail_len as usize, 2 * TAIL_BYTES - 1).min(TAIL_BYTES);
-            if probe_read_user_raw(
-                event.header.tail.as_mut_ptr().cast(),
-                tail_len as u32,
-                tail_from as *const _,
-            ) == 0
-            {
-                event.header.tail_len = tail_len as u8;
+            let length = bounded(tail_len as usize, TAIL_MASK).min(TAIL_BYTES);
+            let destination = event.payload.as_mut_ptr().add(head);
+            if probe_read_user_raw(destination.cast(), length as u32, tail_from as *const _) == 0 {
+                event.header.tail_len = length as u8;
+                tail = length;
             }
         }
 
-        let size = size_of::<DataEventHeader>() + bounded(copied as usize, CAPTURE_MASK);
+        let size = size_of::<DataEventHeader>() + head + bounded(tail, TAIL_MASK).min(TAIL_BYTES);
         let record =
             core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
         if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {
@@ -731,6 +762,92 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
         }
     }
 }
+
+/// A user-space u64, `None` when the read faults.
+#[inline(always)]
+fn user_u64(address: u64) -> Option<u64> {
+    // SAFETY: the helper checks the address and fails cleanly on a bad one.
+    unsafe { bpf_probe_read_user(address as *const u64).ok() }
+}
+
+/// Reports the writing thread's contextvars chain, just before its data record, if user space
+/// registered the thread as a CPython thread of this process. A non-Python traced process
+/// pays the one lookup. Every link is checked to be a `Context` (its `ob_type` is
+/// `PyContext_Type`) before it is recorded or followed: what is not one is never read further.
+#[inline(always)]
+fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
+    let tid = pid_tgid as u32;
+    // SAFETY: the value is copied out.
+    let thread = match unsafe { PYTHON_THREADS.get(&tid) } {
+        Some(thread)
+            if thread.tgid == (pid_tgid >> 32) as u32
+                && thread.context_prev == thread.object_type + 8 =>
+        {
+            *thread
+        }
+        _ => {
+            count_at(&CONTEXT_READS, CONTEXT_THREAD_UNKNOWN);
+            return;
+        }
+    };
+    let Some(mut entry) = EVENTS.reserve::<TaskContextEvent>(0) else {
+        count_at(&CONTEXT_READS, CONTEXT_LOST);
+        count_lost();
+        return;
+    };
+    let record = entry.as_mut_ptr();
+    let mut depth: u32 = 0;
+    let mut stopped = NO_STOP;
+    // SAFETY: `record` points at the reserved ring-buffer space, owned by this program until
+    // it is submitted; every field is written before the submit.
+    unsafe {
+        (*record).header = header(EventKind::TaskContext, pid_tgid, fd, conn_id);
+        (*record)._pad = 0;
+        (*record).chain = [0; MAX_CONTEXT_DEPTH];
+        let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
+        for index in 0..MAX_CONTEXT_DEPTH {
+            if context == 0 {
+                break;
+            }
+            // One read per link: `ob_type` and the `ctx_prev` right after it (user space
+            // registers no layout where they are not adjacent).
+            let Ok([kind, previous]) =
+                bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
+            else {
+                stopped = CONTEXT_READ_FAILED;
+                break;
+            };
+            if kind != thread.context_type {
+                stopped = CONTEXT_NOT_A_CONTEXT;
+                break;
+            }
+            (*record).chain[index] = context;
+            depth = index as u32 + 1;
+            context = previous;
+        }
+        // A chain cut short (a failed read, a link that is no Context, more links than
+        // MAX_CONTEXT_DEPTH) lacks its loop's links: reported empty, never as a shorter chain.
+        if stopped != NO_STOP || context != 0 {
+            depth = 0;
+        }
+        (*record).depth = depth;
+    }
+    entry.submit(wakeup_flags());
+    count_at(
+        &CONTEXT_READS,
+        if depth > 0 {
+            CONTEXT_CHAIN_READ
+        } else {
+            CONTEXT_CHAIN_EMPTY
+        },
+    );
+    if stopped != NO_STOP {
+        count_at(&CONTEXT_READS, stopped);
+    }
+}
+
+/// A walk that ended at NULL or at [`MAX_CONTEXT_DEPTH`].
+const NO_STOP: u32 = u32::MAX;
 
 #[cfg(not(test))]
 #[panic_handler]

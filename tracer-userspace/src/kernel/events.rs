@@ -9,8 +9,10 @@ use thiserror::Error;
 use tracer_abi::{
     AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
     EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
+    TaskContextEvent,
 };
 
+use crate::model::context::ContextChain;
 use crate::model::exchange::Role;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +70,20 @@ pub enum KernelEvent<'a> {
         parent: u32,
         child: u32,
     },
+    /// The Python task context under which the next write on this socket starts a message.
+    TaskContext(TaskContext),
+}
+
+/// See [`tracer_abi::TaskContextEvent`]. `chain` is `None` when the kernel could not read
+/// even the thread's current context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskContext {
+    pub pid: u32,
+    pub tid: u32,
+    pub fd: i32,
+    pub conn_id: u64,
+    pub timestamp_ns: u64,
+    pub chain: Option<ContextChain>,
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -131,14 +147,16 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             if captured_len > payload.len() || captured_len as u64 > data.total_len {
                 return Err(DecodeError::BadField("captured_len"));
             }
+            // The tail follows the head in the payload.
+            let tail_len = usize::from(data.tail_len);
+            if tail_len > TAIL_BYTES || captured_len + tail_len > payload.len() {
+                return Err(DecodeError::BadField("tail_len"));
+            }
             let direction = match data.direction {
                 DIRECTION_READ => Direction::Read,
                 DIRECTION_WRITE => Direction::Write,
                 _ => return Err(DecodeError::BadField("direction")),
             };
-            let tail_len = (data.tail_len as usize).min(TAIL_BYTES);
-            // The tail lives in the header copy; re-borrow it from the record itself.
-            let tail_offset = std::mem::offset_of!(DataEventHeader, tail);
             KernelEvent::Data(DataTransfer {
                 pid: header.tgid,
                 tid: header.tid,
@@ -148,7 +166,7 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
                 direction,
                 captured: &payload[..captured_len],
                 total_len: data.total_len,
-                tail: &bytes[tail_offset..tail_offset + tail_len],
+                tail: &payload[captured_len..captured_len + tail_len],
             })
         }
         EventKind::ConnClose => KernelEvent::Close {
@@ -165,6 +183,22 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             pid: header.tgid,
             timestamp_ns: header.timestamp_ns,
         },
+        EventKind::TaskContext => {
+            let event: TaskContextEvent = read_struct(bytes)?;
+            let depth = usize::try_from(event.depth).unwrap_or(usize::MAX);
+            let links = event
+                .chain
+                .get(..depth)
+                .ok_or(DecodeError::BadField("depth"))?;
+            KernelEvent::TaskContext(TaskContext {
+                pid: header.tgid,
+                tid: header.tid,
+                fd: header.fd,
+                conn_id: header.conn_id,
+                timestamp_ns: header.timestamp_ns,
+                chain: ContextChain::new(links),
+            })
+        }
         EventKind::ProcessFork => {
             let fork: ProcessForkEvent = read_struct(bytes)?;
             KernelEvent::ProcessFork {
@@ -196,9 +230,8 @@ mod tests {
         header.captured_len = 3;
         header.total_len = 100;
         header.tail_len = 5;
-        header.tail[..5].copy_from_slice(b"0\r\n\r\n");
         let mut bytes = as_bytes(&header);
-        bytes.extend_from_slice(b"abc");
+        bytes.extend_from_slice(b"abc0\r\n\r\n");
         let KernelEvent::Data(data) = decode(&bytes).unwrap() else {
             panic!()
         };
@@ -222,6 +255,71 @@ mod tests {
         let mut bad = as_bytes(&header);
         bad[0] = 99;
         assert_eq!(decode(&bad), Err(DecodeError::UnknownKind(99)));
+
+        // A tail that the payload does not hold, or longer than the kernel ever sends.
+        header.captured_len = 3;
+        header.tail_len = 5;
+        let mut short = as_bytes(&header);
+        short.extend_from_slice(b"abc0\r\n");
+        assert_eq!(decode(&short), Err(DecodeError::BadField("tail_len")));
+        header.tail_len = (TAIL_BYTES + 1) as u8;
+        header.total_len = 1000;
+        let mut long = as_bytes(&header);
+        long.extend_from_slice(&[b'x'; 3 + TAIL_BYTES + 1]);
+        assert_eq!(decode(&long), Err(DecodeError::BadField("tail_len")));
+    }
+
+    #[test]
+    fn a_full_length_tail_follows_a_full_head() {
+        let mut header = DataEventHeader::default();
+        header.header.kind = EventKind::Data as u8;
+        header.direction = DIRECTION_WRITE;
+        header.captured_len = 4096;
+        header.total_len = 11_100;
+        header.tail_len = TAIL_BYTES as u8;
+        let mut bytes = as_bytes(&header);
+        bytes.extend(std::iter::repeat_n(b'h', 4096));
+        let tail: Vec<u8> = (0..TAIL_BYTES).map(|i| i as u8).collect();
+        bytes.extend_from_slice(&tail);
+        let KernelEvent::Data(data) = decode(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(data.captured.len(), 4096);
+        assert_eq!(data.tail, tail.as_slice());
+    }
+
+    #[test]
+    fn decodes_task_context_chains() {
+        let mut event = TaskContextEvent::default();
+        event.header.kind = EventKind::TaskContext as u8;
+        event.header.tgid = 7;
+        event.header.tid = 8;
+        event.header.fd = 9;
+        event.header.conn_id = 10;
+        event.depth = 3;
+        event.chain[..3].copy_from_slice(&[0x30, 0x20, 0x10]);
+        let KernelEvent::TaskContext(context) = decode(&as_bytes(&event)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (context.pid, context.tid, context.fd, context.conn_id),
+            (7, 8, 9, 10)
+        );
+        assert_eq!(context.chain.unwrap().links(), &[0x30, 0x20, 0x10]);
+        event.depth = 0;
+        let KernelEvent::TaskContext(context) = decode(&as_bytes(&event)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(context.chain, None);
+        event.depth = 9;
+        assert_eq!(
+            decode(&as_bytes(&event)),
+            Err(DecodeError::BadField("depth"))
+        );
+        assert!(matches!(
+            decode(&as_bytes(&event)[..40]),
+            Err(DecodeError::Short(40))
+        ));
     }
 
     #[test]

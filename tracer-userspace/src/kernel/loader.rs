@@ -15,8 +15,10 @@ use aya::{
     programs::TracePoint,
 };
 use tracer_abi::{
-    KernelOffsets, PendingCall, SocketKey, SocketState, TracepointLayout,
-    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+    CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES,
+    CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, KernelOffsets, PendingCall, PythonThread,
+    SocketKey, SocketState, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL,
+    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
 use crate::kernel::btf::Btf;
@@ -84,6 +86,14 @@ pub struct KernelCounters {
     pub transfers_on_unknown_sockets: u64,
     /// Socket calls not followed because the pending-call map was full.
     pub socket_calls_untracked_map_full: u64,
+    /// Message-start writes of traced processes, by what the context read did
+    /// (`tracer_abi::CONTEXT_*`).
+    pub context_chains_read: u64,
+    pub context_chains_empty: u64,
+    pub context_thread_unknown: u64,
+    pub context_not_a_context: u64,
+    pub context_reads_failed: u64,
+    pub context_records_lost: u64,
 }
 
 /// One of the loaded programs' maps, as the kernel reports it in `/proc/self/fdinfo`.
@@ -756,6 +766,28 @@ impl LoadedProbes {
         }
     }
 
+    fn python_threads(&mut self) -> Result<BpfHashMap<&mut MapData, u32, PythonThread>> {
+        let map = self
+            .ebpf
+            .map_mut("PYTHON_THREADS")
+            .context("PYTHON_THREADS map missing")?;
+        BpfHashMap::try_from(map).context("PYTHON_THREADS has the wrong type")
+    }
+
+    /// Lets the kernel read thread `tid`'s running context (see [`PythonThread`]).
+    pub fn register_python_thread(&mut self, tid: u32, thread: PythonThread) -> Result<()> {
+        self.python_threads()?
+            .insert(tid, thread, 0)
+            .with_context(|| format!("adding thread {tid} to PYTHON_THREADS"))
+    }
+
+    /// Stops the context reads of thread `tid` (a no-op if it has none).
+    pub fn unregister_python_thread(&mut self, tid: u32) {
+        if let Ok(mut map) = self.python_threads() {
+            let _ = map.remove(&tid);
+        }
+    }
+
     fn sockets(&mut self) -> Option<BpfHashMap<&mut MapData, SocketKey, SocketState>> {
         BpfHashMap::try_from(self.ebpf.map_mut("SOCKETS")?).ok()
     }
@@ -841,12 +873,20 @@ impl LoadedProbes {
     pub fn kernel_counters(&self) -> KernelCounters {
         let untracked = self.per_cpu_counter("UNTRACKED", UNTRACKED_REASONS_READ);
         let reason = |index: u32| untracked.get(index as usize).copied().unwrap_or(0);
+        let context = self.per_cpu_counter("CONTEXT_READS", CONTEXT_OUTCOMES);
+        let outcome = |index: u32| context.get(index as usize).copied().unwrap_or(0);
         KernelCounters {
             events_lost_by_cpu: self.per_cpu_slot("LOST_EVENTS", 0),
             threads_ignored: self.per_cpu_slot("THREADS_IGNORED", 0).iter().sum(),
             sockets_untracked_map_full: reason(UNTRACKED_SOCKET_MAP_FULL),
             transfers_on_unknown_sockets: reason(UNTRACKED_UNKNOWN_SOCKET_TRANSFER),
             socket_calls_untracked_map_full: reason(UNTRACKED_PENDING_CALLS_FULL),
+            context_chains_read: outcome(CONTEXT_CHAIN_READ),
+            context_chains_empty: outcome(CONTEXT_CHAIN_EMPTY),
+            context_thread_unknown: outcome(CONTEXT_THREAD_UNKNOWN),
+            context_not_a_context: outcome(CONTEXT_NOT_A_CONTEXT),
+            context_reads_failed: outcome(CONTEXT_READ_FAILED),
+            context_records_lost: outcome(CONTEXT_LOST),
         }
     }
 

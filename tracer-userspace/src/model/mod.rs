@@ -4,6 +4,8 @@
 //! stage imports this leaf; it imports nothing of theirs (only Gym's value types from `gym`).
 
 pub mod attributes;
+pub mod context;
+pub mod evidence;
 pub mod counters;
 pub mod exchange;
 pub mod ids;

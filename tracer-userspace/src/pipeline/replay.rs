@@ -15,7 +15,7 @@
 //! | opcode % 7 | operation | fields after the opcode byte |
 //! |---|---|---|
 //! | 0 | connection opened | slot, flags (bit 0: client role, bit 1: no addresses) |
-//! | 1 | read or write | slot, flags (bit 0: write, bit 1: stale conn id, bit 2: gap × 65536, bit 3: timestamp 1 µs late, bit 4: captured bytes repeated up to the capture limit), µs elapsed (u8), captured length (u16 LE) and bytes, uncaptured gap (u16 LE), tail length (u8, at most 8) and bytes |
+//! | 1 | read or write | slot, flags (bit 0: write, bit 1: stale conn id, bit 2: gap × 65536, bit 3: timestamp 1 µs late, bit 4: captured bytes repeated up to the capture limit), µs elapsed (u8), captured length (u16 LE) and bytes, uncaptured gap (u16 LE), tail length (u8, at most `TAIL_BYTES`, 128) and bytes |
 //! | 2 | connection closed | slot, flags (bit 1: stale conn id) |
 //! | 3 | process exited | process |
 //! | 4 | process forked | parent process, child process |
@@ -504,7 +504,7 @@ impl Replay {
                 let tail_len = script.u8()?;
                 let tail = script.take(usize::from(tail_len).min(TAIL_BYTES));
                 let timestamp_ns = self.now_ns - if flags & DATA_LATE != 0 { 1_000 } else { 0 };
-                let mut data = DataEventHeader {
+                let data = DataEventHeader {
                     header: header(
                         EventKind::Data,
                         slot_socket(slot),
@@ -521,9 +521,9 @@ impl Replay {
                     total_len: captured.len() as u64 + gap,
                     ..DataEventHeader::default()
                 };
-                data.tail[..tail.len()].copy_from_slice(tail);
                 let mut record = record_bytes(&data);
                 record.extend_from_slice(&captured);
+                record.extend_from_slice(tail);
                 record
             }
             OP_CLOSE => {
