@@ -3,6 +3,7 @@
 //! signals and shutdown. The work itself is the pipeline core's ([`crate::pipeline`]).
 
 mod attach;
+mod context_reads;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +31,7 @@ use crate::signals::metrics::Metrics;
 use crate::stitch::StitchConfig;
 
 use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
+use context_reads::ContextReads;
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
@@ -61,6 +63,8 @@ struct Agent {
     harvest_routes: bool,
     /// Kernel map entries deleted for processes and threads that are gone.
     kernel_entries_swept: u64,
+    /// Which processes' asyncio task contexts the kernel reads.
+    context_reads: ContextReads,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -123,6 +127,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         harvests,
         harvest_routes: !args.no_route_harvest,
         kernel_entries_swept: 0,
+        context_reads: ContextReads::default(),
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -229,6 +234,7 @@ impl Agent {
         let mut release = every(RELEASE_TICK);
         let mut rescan = every(DISCOVERY_INTERVAL);
         let mut sweep = every(KERNEL_SWEEP_INTERVAL);
+        let mut python_rescan = every(context_reads::RESCAN_INTERVAL);
         // The kernel wakes the agent only when a lot is waiting (RING_WAKEUP_BYTES); otherwise
         // the ring is drained on a short timer. Waking per record was most of the agent's CPU.
         let mut drain = every(Duration::from_millis(tracer_abi::RING_DRAIN_INTERVAL_MS));
@@ -246,6 +252,10 @@ impl Agent {
                 _ = publish.tick() => self.publish(probes.kernel_counters()),
                 _ = rescan.tick(), if self.scanner.is_some() => self.discover(probes),
                 _ = sweep.tick() => self.kernel_entries_swept += probes.sweep_gone(),
+                _ = python_rescan.tick() => {
+                    let traced: Vec<u32> = self.pipeline.processes.pids().collect();
+                    self.context_reads.rescan(traced, probes);
+                }
                 Some(result) = harvest_results.recv() => self.harvested(result),
                 _ = interrupt.recv() => break,
                 _ = terminate.recv() => break,
@@ -261,7 +271,11 @@ impl Agent {
 
     fn drain(&mut self, ring: &mut RingBuf<MapData>) {
         let now = Instant::now();
+        let trace = tracing::enabled!(target: RECORDS_TARGET, tracing::Level::TRACE);
         while let Some(record) = ring.next() {
+            if trace {
+                trace_record(&record);
+            }
             self.pipeline.handle_record(&record, now, &mut ());
         }
     }
@@ -277,9 +291,16 @@ impl Agent {
         }
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
-                Lifecycle::NotAdopted(pid) => probes.untrace_pid(pid),
+                Lifecycle::NotAdopted(pid) => {
+                    probes.untrace_pid(pid);
+                    self.context_reads.forget(pid, probes);
+                }
                 Lifecycle::Exited(pid) => self.forget(probes, pid),
-                Lifecycle::Execd(pid) => log_exec(pid, &self.pipeline),
+                Lifecycle::Execd(pid) => {
+                    // A new program: its runtime, if any, is looked at afresh on the rescan.
+                    self.context_reads.forget(pid, probes);
+                    log_exec(pid, &self.pipeline);
+                }
             }
         }
     }
@@ -295,6 +316,7 @@ impl Agent {
         let process = self.pipeline.processes.attach(pid, labels);
         self.counters.processes_attached += 1;
         tracing::info!(pid, "attached pid {pid} as {}", process.identity.labels);
+        self.context_reads.attach(pid, probes);
         // Callers name this server as `peer.service` by the address they connect to.
         // (Only literal addresses: a host name would need a DNS lookup here.)
         if let Some(server) = &server
@@ -375,6 +397,7 @@ impl Agent {
     /// A traced process exited: stop filtering it and free what was kept for it.
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         probes.untrace_pid(pid);
+        self.context_reads.forget(pid, probes);
         self.kernel_entries_swept += probes.forget_process(pid);
         if self.pipeline.forget(pid) {
             self.counters.processes_exited += 1;
@@ -394,6 +417,17 @@ impl Agent {
                 socket_calls_untracked_map_full: kernel.socket_calls_untracked_map_full,
                 kernel_entries_swept: self.kernel_entries_swept,
                 environ_unreadable: self.scanner.as_ref().map_or(0, ProcScanner::unreadable),
+                python_runtimes_read: self.context_reads.counters.runtimes_read,
+                python_runtimes_off: self.context_reads.counters.runtimes_off,
+                python_processes_not_python: self.context_reads.counters.not_python,
+                python_threads_registered: self.context_reads.counters.threads_registered,
+                python_threads_not_registered: self.context_reads.counters.threads_not_registered,
+                context_chains_read: kernel.context_chains_read,
+                context_chains_empty: kernel.context_chains_empty,
+                context_thread_unknown: kernel.context_thread_unknown,
+                context_not_a_context: kernel.context_not_a_context,
+                context_reads_failed: kernel.context_reads_failed,
+                context_records_lost: kernel.context_records_lost,
             },
             pipeline: self.pipeline.counters,
             reassembly: self.pipeline.table.counters,
@@ -492,6 +526,45 @@ impl Agent {
             write_summary(path, &counters, &snapshot.events_lost_by_cpu)?;
         }
         Ok(())
+    }
+}
+
+/// `RUST_LOG=gym_tracer::records=trace` logs every task-context record and the first bytes of
+/// every write (never more than the first line: headers may hold credentials).
+const RECORDS_TARGET: &str = "gym_tracer::records";
+
+fn trace_record(record: &[u8]) {
+    use crate::kernel::events::{Direction, KernelEvent, decode};
+    match decode(record) {
+        Ok(KernelEvent::TaskContext(context)) => tracing::trace!(
+            target: RECORDS_TARGET,
+            "context pid={} tid={} fd={} conn={} chain={:x?}",
+            context.pid,
+            context.tid,
+            context.fd,
+            context.conn_id,
+            context.chain.as_ref().map(|chain| chain.links())
+        ),
+        Ok(KernelEvent::Data(data)) if data.direction == Direction::Write => {
+            let line = data
+                .captured
+                .split(|&b| b == b'\r')
+                .next()
+                .unwrap_or_default();
+            let line = &line[..line.len().min(60)];
+            tracing::trace!(
+                target: RECORDS_TARGET,
+                "write pid={} tid={} fd={} conn={} len={} tail={} {:?}",
+                data.pid,
+                data.tid,
+                data.fd,
+                data.conn_id,
+                data.total_len,
+                data.tail.len(),
+                String::from_utf8_lossy(line)
+            );
+        }
+        _ => {}
     }
 }
 

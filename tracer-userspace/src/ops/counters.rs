@@ -45,6 +45,31 @@ counters! {
         /// Kernel map entries deleted for processes and threads that ended without closing
         /// them (not a loss).
         kernel_entries_swept,
+        /// Traced CPython processes whose running task's context the kernel reads.
+        python_runtimes_read,
+        /// Traced CPython processes whose runtime this build could not use (unknown version,
+        /// free-threaded, stripped, ...): no context reads there. The log names the reason.
+        python_runtimes_off,
+        /// Traced processes that are not CPython (no context reads; not a loss).
+        python_processes_not_python,
+        /// CPython threads handed to the kernel's context-read map.
+        python_threads_registered,
+        /// CPython threads the kernel's context-read map had no room for.
+        python_threads_not_registered,
+        /// Message-start writes at which the kernel read a task-context chain.
+        context_chains_read,
+        /// Message-start writes of registered threads with no current context (or an
+        /// unreadable one): reported with no chain.
+        context_chains_empty,
+        /// Message-start writes of threads without an entry (not CPython, runtime off, or
+        /// started since the last rescan): nothing read.
+        context_thread_unknown,
+        /// Chain walks stopped at an object that was not a `Context`.
+        context_not_a_context,
+        /// Chain walks stopped by a failed read.
+        context_reads_failed,
+        /// Context records the full ring buffer refused (also in events_lost_in_kernel).
+        context_records_lost,
     }
 }
 

@@ -855,24 +855,48 @@ fn pid_row(pid: u32) -> Row {
 /// Whether the agent could read a `--pid` process's Python runtime from outside (issue #13):
 /// an interpreter it does not know is off for that process, with the reason.
 fn python_row(pid: u32) -> Row {
+    use crate::processes::python::{self, ProcessMemory, RuntimeOff};
     let name = format!("pid {pid} python");
-    match crate::processes::python::inspect(pid) {
-        Ok(runtime) => row(
-            &name,
-            Status::On,
-            format!(
+    match python::inspect(pid) {
+        Ok(runtime) => {
+            let threads = ProcessMemory::new(pid)
+                .ok_or(RuntimeOff::Unreadable(pid))
+                .and_then(|memory| runtime.kernel_threads(pid, &memory, &python::host_tids(pid)));
+            let described = format!(
                 "CPython {} ({:?}, {}): _PyRuntime at {:#x}, walk from {:?}",
                 runtime.version,
                 runtime.linkage,
                 runtime.library.display(),
                 runtime.runtime_address,
                 runtime.walk_source
-            ),
-        ),
-        Err(crate::processes::python::RuntimeOff::NotPython) => {
-            row(&name, Status::Info, "not a CPython process")
+            );
+            match threads {
+                Ok(threads) => row(
+                    &name,
+                    Status::On,
+                    format!(
+                        "{described}; task context reads on ({} thread(s), PyContext_Type at \
+                         {:#x})",
+                        threads.len(),
+                        runtime.context_type.unwrap_or(0)
+                    ),
+                ),
+                Err(why) => row(
+                    &name,
+                    Status::Warn,
+                    format!(
+                        "{described}; task context reads off: {} ({why})",
+                        why.reason()
+                    ),
+                ),
+            }
         }
-        Err(why) => row(&name, Status::Off, format!("{} ({why})", why.reason())),
+        Err(RuntimeOff::NotPython) => row(&name, Status::Info, "not a CPython process"),
+        Err(why) => row(
+            &name,
+            Status::Off,
+            format!("{} ({why}); task context reads off", why.reason()),
+        ),
     }
 }
 

@@ -53,6 +53,11 @@ impl ProcessTable {
         self.processes.is_empty()
     }
 
+    /// Every traced process's pid, in no order.
+    pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.processes.keys().copied()
+    }
+
     pub fn contains(&self, pid: u32) -> bool {
         self.processes.contains_key(&pid)
     }

@@ -20,6 +20,9 @@ pub struct InterpreterSymbols {
     /// `Py_Version` (3.11+): the build's `PY_VERSION_HEX`, read from memory to cross-check the
     /// soname.
     pub version: Option<Symbol>,
+    /// `PyContext_Type` (public C API data): the type every contextvars `Context` object
+    /// points at, which the kernel's context walk checks each link against.
+    pub context_type: Option<Symbol>,
     /// The file's loadable segments as (link address, file offset, file size): with a
     /// mapping's file offset they give the load bias.
     segments: Vec<(u64, u64, u64)>,
@@ -67,6 +70,7 @@ pub fn read_symbols(data: &[u8]) -> Result<InterpreterSymbols, ElfProblem> {
     Ok(InterpreterSymbols {
         runtime,
         version: find("Py_Version"),
+        context_type: find("PyContext_Type"),
         segments,
     })
 }
@@ -102,6 +106,7 @@ mod tests {
                 size: 0,
             },
             version: None,
+            context_type: None,
             segments,
         }
     }

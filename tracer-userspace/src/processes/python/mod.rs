@@ -14,11 +14,13 @@ mod maps;
 mod memory;
 #[cfg(test)]
 mod real_interpreters;
+mod threads;
 
 use std::path::{Path, PathBuf};
 
 pub use layout::{ContextOffsets, PythonVersion, WalkOffsets};
 pub use memory::{Memory, ProcessMemory, ReadError};
+pub use threads::host_tids;
 
 use layout::{DebugOffsetsLayout, VersionLayout};
 use maps::{Interpreter, MapsProblem};
@@ -61,6 +63,10 @@ pub struct PythonRuntime {
     pub walk: WalkOffsets,
     pub walk_source: WalkSource,
     pub context: ContextOffsets,
+    /// `PyContext_Type`'s address in the process, checked by its `tp_name`; `None` when the
+    /// interpreter's file does not export it (then the kernel cannot check what it reads,
+    /// and reads no context).
+    pub context_type: Option<u64>,
 }
 
 /// One thread state found by the walk.
@@ -107,6 +113,8 @@ pub enum RuntimeOff {
     LayoutMismatch(&'static str),
     #[error("reading the runtime failed: {0}")]
     Read(#[from] ReadError),
+    #[error("the interpreter does not export {0}: its task contexts cannot be checked")]
+    MissingSymbol(&'static str),
 }
 
 impl RuntimeOff {
@@ -126,6 +134,7 @@ impl RuntimeOff {
             Self::FreeThreaded => "free_threaded",
             Self::LayoutMismatch(_) => "layout_mismatch",
             Self::Read(_) => "read_failed",
+            Self::MissingSymbol(_) => "missing_symbol",
         }
     }
 }
@@ -215,6 +224,13 @@ fn inspect_interpreter(
             "interpreters head outside _PyRuntime",
         ));
     }
+    let context_type = match symbols.context_type {
+        Some(symbol) => Some(threads::checked_context_type(
+            address_of(symbol.address)?,
+            memory,
+        )?),
+        None => None,
+    };
     let runtime = PythonRuntime {
         version,
         linkage,
@@ -223,6 +239,7 @@ fn inspect_interpreter(
         walk,
         walk_source,
         context: layout.context,
+        context_type,
     };
     // A walk that fails now would fail in the kernel too: refuse the process up front.
     if runtime.thread_states(memory)?.is_empty() {

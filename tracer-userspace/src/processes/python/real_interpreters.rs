@@ -24,7 +24,7 @@ var = contextvars.ContextVar("gym_tracer_probe")
 def report():
     var.set("value")
     print(runtime, threading.get_native_id(), sys.hexversion, id(ctx), id(var), len(ctx),
-          hash(var), id(outer), flush=True)
+          hash(var), id(outer), id(contextvars.Context), flush=True)
     sys.stdin.read()
 outer, ctx = contextvars.Context(), contextvars.Context()
 outer.run(ctx.run, report)
@@ -61,6 +61,7 @@ struct Running {
     vars_in_context: u64,
     var_hash: i64,
     outer_context: u64,
+    context_type: u64,
 }
 
 impl Drop for Running {
@@ -86,7 +87,7 @@ fn start(python: &Path) -> Running {
         .split_whitespace()
         .map(|f| f.parse().expect("numbers"))
         .collect();
-    assert_eq!(fields.len(), 8, "got {line:?}");
+    assert_eq!(fields.len(), 9, "got {line:?}");
     let as_u64 = |i: usize| u64::try_from(fields[i]).expect("an address or count");
     Running {
         child,
@@ -98,6 +99,7 @@ fn start(python: &Path) -> Running {
         vars_in_context: as_u64(5),
         var_hash: fields[6],
         outer_context: as_u64(7),
+        context_type: as_u64(8),
     }
 }
 
@@ -127,6 +129,20 @@ fn check_known(version: &str, expected_source: WalkSource) {
     // The main thread's pid is its tid: a second, independent check of what was read.
     assert_eq!(running.main_native_id, running.child.id());
     check_context(&runtime, &memory, states[0].address, &running);
+    // What the kernel gets: PyContext_Type as the interpreter names it, and the one thread.
+    assert_eq!(runtime.context_type, Some(running.context_type));
+    let pid = running.child.id();
+    let threads = runtime
+        .kernel_threads(pid, &memory, &host_tids(pid))
+        .expect("the kernel's entries");
+    assert_eq!(threads.len(), 1);
+    assert_eq!(threads[0].0, pid);
+    assert_eq!(threads[0].1.thread_state, states[0].address);
+    assert_eq!(
+        memory.read_u64(running.context + u64::from(threads[0].1.object_type)),
+        Ok(running.context_type),
+        "a Context's ob_type"
+    );
 }
 
 /// The table's context offsets, each against what the interpreter said from inside.

@@ -7,6 +7,7 @@ const RUNTIME: u64 = 0x7f00_0052_94c0;
 const INTERP: u64 = 0x7f00_0060_0000;
 const MAIN: u64 = 0x7f00_0070_0000;
 const WORKER: u64 = 0x5600_0000_1000;
+const CONTEXT_TYPE: u64 = 0x7f00_0055_0000;
 
 fn runtime_313() -> PythonRuntime {
     let layout = layout::layout_for(3, 13).expect("known");
@@ -25,6 +26,7 @@ fn runtime_313() -> PythonRuntime {
         walk,
         walk_source: WalkSource::DebugOffsets,
         context: layout.context,
+        context_type: Some(CONTEXT_TYPE),
     }
 }
 
@@ -215,9 +217,38 @@ fn every_reason_has_its_own_counter_name() {
         RuntimeOff::FreeThreaded,
         RuntimeOff::LayoutMismatch(""),
         RuntimeOff::Read(ReadError::Null),
+        RuntimeOff::MissingSymbol("PyContext_Type"),
     ];
     let mut names: Vec<&str> = reasons.iter().map(RuntimeOff::reason).collect();
     names.sort_unstable();
     names.dedup();
     assert_eq!(names.len(), reasons.len());
+}
+
+#[test]
+fn each_named_thread_state_becomes_one_kernel_entry() {
+    let runtime = runtime_313();
+    let m = memory_313(&runtime);
+    // The worker is in a PID namespace of its own (4242 inside, 9242 outside); the main
+    // thread's id is the same in both.
+    let host = std::collections::HashMap::from([(4242, 9242), (4200, 4200)]);
+    let threads = runtime.kernel_threads(77, &m, &host).expect("a sound walk");
+    let expected = |thread_state| tracer_abi::PythonThread {
+        thread_state,
+        context_type: CONTEXT_TYPE,
+        thread_context: 208,
+        context_prev: 16,
+        object_type: 8,
+        tgid: 77,
+    };
+    assert_eq!(threads, [(4200, expected(MAIN)), (9242, expected(WORKER))]);
+
+    let without_type = PythonRuntime {
+        context_type: None,
+        ..runtime_313()
+    };
+    assert_eq!(
+        without_type.kernel_threads(77, &m, &host),
+        Err(RuntimeOff::MissingSymbol("PyContext_Type"))
+    );
 }
