@@ -105,6 +105,57 @@ pub fn rollout_id_from_run_body(captured: &[u8], complete: bool) -> Option<Rollo
     fields.rollout_id(closed)
 }
 
+/// The rollout id from the last bytes of a JSON body: Gym appends its `_ng_*` fields to the
+/// dataset row and pydantic dumps them after the declared fields, so they are the body's last
+/// members, past any head capture (CAUSALITY.md).
+///
+/// The tail starts anywhere, so it is read as the longest run of complete `"key": value`
+/// members that ends the body's top-level object: `, "k": v, ..., "k": v }` up to the last
+/// byte. Gym's rule is then applied to that run as if it were the whole object: a Gym body
+/// names its rollout there or nowhere. A run that names none of the fields gives `None`.
+pub fn rollout_id_from_body_tail(tail: &[u8]) -> Option<RolloutId> {
+    (0..tail.len())
+        .filter(|&at| tail[at] == b',')
+        .find_map(|at| {
+            let text = std::str::from_utf8(&tail[at + 1..]).ok()?;
+            let mut fields = RunFields::default();
+            trailing_members(text, &mut fields).then_some(fields)
+        })
+        .filter(|fields| !fields.repeated && fields.names_a_rollout())
+        .and_then(|fields| fields.rollout_id(true))
+}
+
+/// Whether `text` is `"key": value` members separated by commas, then `}` and whitespace to
+/// its end; `fields` sees each member.
+fn trailing_members<'a>(text: &'a str, fields: &mut RunFields<'a>) -> bool {
+    let mut scanner = Scanner::new(text);
+    loop {
+        scanner.skip_ws();
+        let Ok(key) = scanner.string() else {
+            return false;
+        };
+        scanner.skip_ws();
+        if scanner.expect(b':').is_err() {
+            return false;
+        }
+        scanner.skip_ws();
+        let Ok(value) = scanner.value() else {
+            return false;
+        };
+        fields.record(key, value);
+        scanner.skip_ws();
+        match scanner.peek() {
+            Ok(b',') => scanner.pos += 1,
+            Ok(b'}') => {
+                scanner.pos += 1;
+                scanner.skip_ws();
+                return scanner.pos == text.len();
+            }
+            _ => return false,
+        }
+    }
+}
+
 /// The top-level members that name a rollout; `None` is "not seen".
 #[derive(Default)]
 struct RunFields<'a> {
@@ -133,6 +184,12 @@ impl<'a> RunFields<'a> {
         };
         self.repeated |= slot.is_some();
         *slot = Some(value);
+    }
+
+    fn names_a_rollout(&self) -> bool {
+        self.rollout_id.is_some()
+            || self.capture_rollout_id.is_some()
+            || (self.task_index.is_some() && self.rollout_index.is_some())
     }
 
     /// Gym's rule over the fields. `closed`: the object ended, so an unseen key is absent.
@@ -578,6 +635,52 @@ mod tests {
 
     fn some(s: &str) -> Option<String> {
         Some(s.to_owned())
+    }
+
+    fn from_tail(body: &str, tail_bytes: usize) -> Option<String> {
+        let bytes = body.as_bytes();
+        rollout_id_from_body_tail(&bytes[bytes.len().saturating_sub(tail_bytes)..])
+            .map(|id| id.as_str().to_string())
+    }
+
+    #[test]
+    fn the_tail_of_a_gym_body_names_its_rollout() {
+        let prompt = "x".repeat(11_000);
+        let body = format!(
+            r#"{{"responses_create_params": {{"input": [{{"role": "user", "content": "{prompt}, \"_ng_task_index\": 9}}"}}]}}, "_ng_task_index": 3, "_ng_rollout_index": 1}}"#
+        );
+        assert_eq!(from_tail(&body, 128), some("3-1"));
+        assert_eq!(from_tail(&(body.clone() + "\r\n"), 128), some("3-1"));
+        let attempt = body.replace("1}", "1, \"_ng_attempt_index\": 2}");
+        assert_eq!(from_tail(&attempt, 128), some("3-1-a2"));
+        let explicit = body.replace(
+            "}, \"_ng_task",
+            "}, \"_ng_rollout_id\": \"run.7\", \"_ng_task",
+        );
+        assert_eq!(from_tail(&explicit, 128), some("run.7"));
+        // Cut inside the run: the part that is left still ends the object.
+        assert_eq!(from_tail(&body, 27), None, "only _ng_rollout_index is left");
+        assert_eq!(from_tail(&body, 50), some("3-1"));
+        // Not Gym's shape: no id rather than a wrong one.
+        assert_eq!(
+            from_tail(
+                r#"{"a": {"_ng_task_index": 1, "_ng_rollout_index": 2}}"#,
+                128
+            ),
+            None
+        );
+        assert_eq!(
+            from_tail(r#"{"_ng_task_index": 1, "_ng_rollout_index": 2"#, 128),
+            None
+        );
+        assert_eq!(
+            from_tail(
+                r#"{"a": 1, "_ng_task_index": 1, "_ng_task_index": 2, "_ng_rollout_index": 2}"#,
+                128
+            ),
+            None
+        );
+        assert_eq!(from_tail(r#"{"a": 1, "b": 2}"#, 128), None);
     }
 
     #[test]

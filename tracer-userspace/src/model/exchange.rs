@@ -5,6 +5,9 @@ use std::net::SocketAddr;
 
 use crate::gym::rollout_id::RolloutId;
 
+use super::context::ContextChain;
+use super::evidence::Token;
+
 use super::ids::SpanId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -26,6 +29,9 @@ pub struct RequestHead {
     pub user_agent: Option<String>,
     pub traceparent: Option<String>,
     pub expects_continue: bool,
+    /// Session tokens of its `Cookie` headers (hashes, see [`Token`]): evidence of which
+    /// request a call belongs to, never exported.
+    pub cookies: Vec<Token>,
     /// The head did not fit in the capture: some headers may be missing.
     pub truncated: bool,
 }
@@ -39,6 +45,7 @@ impl RequestHead {
             + optional(&self.host)
             + optional(&self.user_agent)
             + optional(&self.traceparent)
+            + self.cookies.len() * size_of::<Token>()
     }
 }
 
@@ -124,4 +131,9 @@ pub struct RequestStart {
     pub method: String,
     pub path: String,
     pub traceparent: Option<String>,
+    /// The request's session tokens (see [`RequestHead::cookies`]).
+    pub cookies: Vec<Token>,
+    /// For a call (client role): the Python task context its first write ran under, when
+    /// the kernel could read it.
+    pub context: Option<ContextChain>,
 }

@@ -185,6 +185,12 @@ impl<M: RequestMetrics> Pipeline<M> {
                     observer.body_rollout(span_id);
                     self.stitcher.set_rollout(span_id, rollout_id);
                 }
+                TableAction::ResponseContext { span_id, context } => {
+                    self.stitcher.response_context(span_id, context);
+                }
+                TableAction::ResponseId { span_id, token } => {
+                    self.stitcher.response_id(span_id, token);
+                }
                 TableAction::Untrack {
                     id,
                     conn_id,
@@ -238,6 +244,7 @@ impl<M: RequestMetrics> Pipeline<M> {
         if known {
             self.metrics.remove_service(pid);
         }
+        self.stitcher.forget_process(pid);
         known
     }
 

@@ -27,6 +27,7 @@ pub fn request(method: &str, path: &str) -> RequestHead {
         user_agent: None,
         traceparent: None,
         expects_continue: false,
+        cookies: Vec::new(),
         truncated: false,
     }
 }
@@ -79,6 +80,8 @@ pub fn start(
         method: method.into(),
         path: path.into(),
         traceparent: None,
+        cookies: Vec::new(),
+        context: None,
     }
 }
 

@@ -8,8 +8,10 @@ use std::net::SocketAddr;
 
 use crate::kernel::events::{ConnOpen, DataTransfer, Direction, KernelEvent};
 
-use crate::gym::rollout_id::{RolloutId, rollout_id_from_run_body};
+use crate::gym::rollout_id::{RolloutId, rollout_id_from_body_tail, rollout_id_from_run_body};
+use crate::model::context::ContextChain;
 use crate::model::counters::counters;
+use crate::model::evidence::{Token, response_id_token};
 use crate::model::exchange::RequestHead;
 use crate::model::exchange::ResponseHead;
 use crate::model::exchange::Role;
@@ -39,6 +41,10 @@ counters! {
         /// Requests in flight on evicted connections, exported as aborted (`tracer_evicted`).
         requests_evicted,
         connections_not_http,
+        /// Message writes whose Python task context the kernel could not read.
+        task_contexts_unreadable,
+        /// Task contexts not followed by the message write they announced.
+        task_contexts_unused,
     }
 }
 
@@ -109,6 +115,8 @@ struct Connection {
     last_activity_ns: u64,
     /// Sum of [`RequestHead::heap_bytes`] over `in_flight`.
     in_flight_head_bytes: usize,
+    /// The task context the kernel read for the write that comes next on this connection.
+    pending_context: Option<ContextChain>,
 }
 
 impl Connection {
@@ -181,6 +189,14 @@ pub enum TableAction {
         span_id: SpanId,
         rollout_id: RolloutId,
     },
+    /// The response to an inbound request (server role) is being written, under this task
+    /// context.
+    ResponseContext {
+        span_id: SpanId,
+        context: ContextChain,
+    },
+    /// A response body started with an id (see [`response_id_token`]).
+    ResponseId { span_id: SpanId, token: Token },
 }
 
 impl ConnectionTable {
@@ -261,6 +277,22 @@ impl ConnectionTable {
                 }
             }
             KernelEvent::ProcessFork { .. } => {}
+            KernelEvent::TaskContext(context) => {
+                let id = SocketId {
+                    pid: context.pid,
+                    fd: context.fd,
+                };
+                match self.connections.get_mut(&id) {
+                    Some(connection) if connection.conn_id == context.conn_id => {
+                        if connection.pending_context.is_some() {
+                            counters.task_contexts_unused += 1;
+                        }
+                        connection.pending_context = context.chain;
+                        counters.task_contexts_unreadable += u64::from(context.chain.is_none());
+                    }
+                    _ => counters.task_contexts_unused += 1,
+                }
+            }
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
                 self.end_process(
                     *pid,
@@ -366,6 +398,7 @@ impl ConnectionTable {
                 parse_errors: 0,
                 last_activity_ns: open.timestamp_ns,
                 in_flight_head_bytes: 0,
+                pending_context: None,
             },
         );
     }
@@ -462,6 +495,16 @@ impl ConnectionTable {
         let buffered_before = connection.buffered_bytes();
         // Server: reads are requests. Client: writes are requests.
         let is_request = (connection.role == Role::Server) == (data.direction == Direction::Read);
+        // The kernel emits a context right before the write it was read for: on anything
+        // else it is stale.
+        let pending = connection.pending_context.take();
+        let context = match data.direction {
+            Direction::Write => pending,
+            Direction::Read => {
+                counters.task_contexts_unused += u64::from(pending.is_some());
+                None
+            }
+        };
         let transfer = Transfer {
             captured: data.captured,
             total_len: data.total_len,
@@ -496,9 +539,12 @@ impl ConnectionTable {
         }
         connection.parse_errors += errors.len() as u32;
         for event in events.drain(..) {
-            on_message_event(
-                id.pid, connection, is_request, event, counters, exchanges, actions,
-            );
+            let message = Message {
+                pid: id.pid,
+                is_request,
+                context,
+            };
+            on_message_event(&message, connection, event, counters, exchanges, actions);
         }
         self.buffered_bytes = self.buffered_bytes - buffered_before + connection.buffered_bytes();
         if connection.parse_errors >= MAX_PARSE_ERRORS && connection.in_flight.is_empty() {
@@ -531,15 +577,27 @@ impl ConnectionTable {
     }
 }
 
-fn on_message_event(
+/// Which message an event of the parser belongs to.
+struct Message {
     pid: u32,
-    connection: &mut Connection,
     is_request: bool,
+    /// The task context of the write that carried it (writes only).
+    context: Option<ContextChain>,
+}
+
+fn on_message_event(
+    message: &Message,
+    connection: &mut Connection,
     event: MessageEvent,
     counters: &mut ReassemblyCounters,
     exchanges: &mut Vec<HttpExchange>,
     actions: &mut Vec<TableAction>,
 ) {
+    let Message {
+        pid,
+        is_request,
+        context,
+    } = *message;
     match (is_request, event) {
         (
             true,
@@ -574,6 +632,8 @@ fn on_message_event(
                 method: head.method.clone(),
                 path: head.path.clone(),
                 traceparent: head.traceparent.clone(),
+                cookies: head.cookies.clone(),
+                context: context.filter(|_| connection.role == Role::Client),
             }));
             connection.requests_seen += 1;
             connection.in_flight.push_back(InFlight {
@@ -590,6 +650,14 @@ fn on_message_event(
                 ..
             },
         ) => {
+            if let (Role::Server, Some(context), Some(request)) =
+                (connection.role, context, connection.in_flight.front())
+            {
+                actions.push(TableAction::ResponseContext {
+                    span_id: request.span_id,
+                    context,
+                });
+            }
             connection.current_response = (head.status >= 200).then_some(head);
         }
         (false, MessageEvent::End { last_byte_ns, .. }) => {
@@ -608,10 +676,18 @@ fn on_message_event(
                 None => counters.responses_without_request += 1,
             }
         }
-        (true, MessageEvent::BodyPrefix(prefix)) => {
-            // The body is read for the few fields that name the rollout, then let go.
+        (true, MessageEvent::Body(sample)) => {
+            // The body is read for the few fields that name the rollout, then let go: its
+            // start for an agent's `/run` (kept when asked for), its end for every request.
             if let Some(request) = connection.in_flight.back_mut() {
-                request.run_rollout_id = rollout_id_from_run_body(&prefix.bytes, prefix.complete);
+                let from_prefix = (!sample.prefix.is_empty())
+                    .then(|| rollout_id_from_run_body(&sample.prefix, sample.complete))
+                    .flatten();
+                let from_tail = sample.tail.as_deref().and_then(rollout_id_from_body_tail);
+                request.run_rollout_id = match (from_prefix, from_tail) {
+                    (Some(a), Some(b)) if a != b => None,
+                    (a, b) => a.or(b),
+                };
                 if let Some(rollout_id) = &request.run_rollout_id {
                     actions.push(TableAction::RolloutFromBody {
                         span_id: request.span_id,
@@ -620,9 +696,20 @@ fn on_message_event(
                 }
             }
         }
+        (false, MessageEvent::Body(sample)) => {
+            if let (Some(token), Some(request), Some(_)) = (
+                response_id_token(&sample.prefix),
+                connection.in_flight.front(),
+                &connection.current_response,
+            ) {
+                actions.push(TableAction::ResponseId {
+                    span_id: request.span_id,
+                    token,
+                });
+            }
+        }
         // The end of a request body changes nothing: the exchange ends with its response.
         (true, MessageEvent::End { .. }) => {}
-        (false, MessageEvent::BodyPrefix(_)) => {}
         (_, MessageEvent::Head { .. }) => {}
     }
 }
@@ -661,10 +748,14 @@ fn finish(
     connection.responses.close(timestamp_ns, &mut events);
     for event in events {
         // A response end cannot start a request: nothing is pushed.
-        on_message_event(
+        let message = Message {
             pid,
+            is_request: false,
+            context: None,
+        };
+        on_message_event(
+            &message,
             &mut connection,
-            false,
             event,
             counters,
             exchanges,
@@ -1083,5 +1174,169 @@ mod tests {
             .collect();
         assert_eq!(statuses, [("/a", 200), ("/b", 200), ("/c", 404)]);
         assert_eq!(stats.parse_not_http, 0);
+    }
+}
+
+#[cfg(test)]
+mod evidence_tests {
+    use super::*;
+    use crate::kernel::events::TaskContext;
+    use crate::model::evidence::{TokenKind, cookie_tokens};
+    use std::net::{IpAddr, Ipv4Addr};
+
+    fn open(role: Role) -> KernelEvent<'static> {
+        KernelEvent::Open(ConnOpen {
+            pid: 7,
+            fd: 5,
+            conn_id: 100,
+            timestamp_ns: 100,
+            role,
+            local: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 40000)),
+            peer: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000)),
+        })
+    }
+
+    fn transfer<'a>(
+        direction: Direction,
+        captured: &'a [u8],
+        total_len: u64,
+        tail: &'a [u8],
+    ) -> KernelEvent<'a> {
+        KernelEvent::Data(DataTransfer {
+            pid: 7,
+            tid: 7,
+            fd: 5,
+            conn_id: 100,
+            timestamp_ns: 200,
+            direction,
+            captured,
+            total_len,
+            tail,
+        })
+    }
+
+    fn context(links: &[u64]) -> KernelEvent<'static> {
+        KernelEvent::TaskContext(TaskContext {
+            pid: 7,
+            tid: 7,
+            fd: 5,
+            conn_id: 100,
+            timestamp_ns: 150,
+            chain: ContextChain::new(links),
+        })
+    }
+
+    fn apply(events: &[KernelEvent<'_>]) -> (Vec<TableAction>, ReassemblyCounters) {
+        let mut table = ConnectionTable::new(16);
+        let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
+        for event in events {
+            table.apply(event, &mut exchanges, &mut actions);
+        }
+        (actions, table.counters)
+    }
+
+    /// A call whose 11 KB body is captured only in its first 4 KiB: its cookie and task
+    /// context come with its start, its rollout id from the tail of the write.
+    #[test]
+    fn a_calls_start_carries_its_context_and_cookies_and_its_tail_names_the_rollout() {
+        let body_end = br#"x", "_ng_task_index": 3, "_ng_rollout_index": 1}"#;
+        let head = b"POST /seed_session HTTP/1.1\r\nCookie: session=eyJzZXNzaW9u.Z1x2.sig\r\nContent-Length: 11000\r\n\r\n{\"input\": \"xxxx";
+        let total = (head.len() - 15 + 11000) as u64;
+        let (actions, counters) = apply(&[
+            open(Role::Client),
+            context(&[3, 2, 1]),
+            transfer(Direction::Write, head, total, body_end),
+        ]);
+        let [
+            TableAction::Started(start),
+            TableAction::RolloutFromBody {
+                span_id,
+                rollout_id,
+            },
+        ] = actions.as_slice()
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!(start.context, ContextChain::new(&[3, 2, 1]));
+        assert_eq!(
+            start.cookies,
+            cookie_tokens(b"session=eyJzZXNzaW9u.Z1x2.sig")
+        );
+        assert_eq!((*span_id, rollout_id.as_str()), (start.span_id, "3-1"));
+        assert_eq!(counters.task_contexts_unused, 0);
+    }
+
+    /// The context is the write's it precedes: a read in between, or a second context before
+    /// the write, leaves the earlier one unused (counted), never moved to another message.
+    #[test]
+    fn a_context_belongs_to_the_next_write_only() {
+        let request = b"POST /v1/responses HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
+        let (actions, counters) = apply(&[
+            open(Role::Client),
+            context(&[9, 1]),
+            context(&[3, 2, 1]),
+            transfer(Direction::Write, request, request.len() as u64, &[]),
+            context(&[4, 1]),
+            transfer(
+                Direction::Read,
+                b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+                38,
+                &[],
+            ),
+            transfer(Direction::Write, request, request.len() as u64, &[]),
+        ]);
+        let starts: Vec<Option<ContextChain>> = actions
+            .iter()
+            .filter_map(|a| match a {
+                TableAction::Started(start) => Some(start.context),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(starts, [ContextChain::new(&[3, 2, 1]), None]);
+        assert_eq!(
+            counters.task_contexts_unused, 2,
+            "one overwritten, one before a read"
+        );
+    }
+
+    /// A server's response: the context it is written under, and the id its body starts with.
+    #[test]
+    fn a_response_reports_its_context_and_its_echoed_id() {
+        let (actions, _) = apply(&[
+            open(Role::Server),
+            transfer(
+                Direction::Read,
+                b"POST /v1/responses HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+                51,
+                &[],
+            ),
+            context(&[5, 1]),
+            transfer(
+                Direction::Write,
+                b"HTTP/1.1 200 OK\r\ncontent-length: 36\r\n\r\n",
+                39,
+                &[],
+            ),
+            transfer(
+                Direction::Write,
+                br#"{"id":"resp_0123456789","status":1}"#,
+                36,
+                &[],
+            ),
+        ]);
+        let [
+            TableAction::Started(start),
+            TableAction::ResponseContext { span_id, context },
+            TableAction::ResponseId {
+                span_id: answered,
+                token,
+            },
+        ] = actions.as_slice()
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!((*span_id, *answered), (start.span_id, start.span_id));
+        assert_eq!(Some(*context), ContextChain::new(&[5, 1]));
+        assert_eq!(*token, Token::of(TokenKind::ResponseId, b"resp_0123456789"));
     }
 }

@@ -8,6 +8,7 @@
 
 use thiserror::Error;
 
+use crate::model::evidence::{MAX_TOKENS_PER_REQUEST, cookie_tokens};
 use crate::model::exchange::{RequestHead, ResponseHead};
 
 /// Longest message head the parser buffers per direction of a connection; a longer one is
@@ -35,9 +36,9 @@ pub enum Head {
 pub enum MessageEvent {
     /// A head was parsed; `first_byte_ns` is when the message's first byte moved.
     Head { head: Head, first_byte_ns: u64 },
-    /// The first bytes of the body of the request that was last reported by `Head`, for a
-    /// request the stream was asked to keep them for. Sent just before its `End`.
-    BodyPrefix(BodyPrefix),
+    /// What was kept of the body of the message last reported by `Head` (see
+    /// [`BodySample`]). Sent just before its `End`, for bodies with a `Content-Length`.
+    Body(BodySample),
     /// The message that was last reported by `Head` ended; `last_byte_ns` is when its last
     /// byte moved.
     End { last_byte_ns: u64, body_bytes: u64 },
@@ -46,24 +47,87 @@ pub enum MessageEvent {
 /// Longest body prefix a stream keeps for a request it was asked about.
 pub const MAX_BODY_PREFIX: usize = tracer_abi::MAX_CAPTURE_BYTES;
 
-/// The captured start of a request body. `complete` says it is the whole body, so a field
-/// that is absent from it is absent from the body.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BodyPrefix {
-    pub bytes: Vec<u8>,
+/// Bytes of every response body's start that are kept: room for the id a JSON response
+/// starts with (see `model::evidence::response_id_token`).
+pub const RESPONSE_PREFIX_BYTES: usize = 256;
+
+/// Bytes of every request body's end that are kept: Gym's `_ng_*` rollout fields are the
+/// last members of its bodies, past any head capture (CAUSALITY.md: 11 KB `/run` bodies).
+pub const REQUEST_TAIL_BYTES: usize = tracer_abi::TAIL_BYTES;
+
+/// The parts of one body the tracer reads, then lets go of: its start (for requests a stream
+/// was asked about, and for responses), and for requests its last bytes. Never exported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BodySample {
+    pub prefix: Vec<u8>,
+    /// `prefix` is the whole body, so a field absent from it is absent from the body.
     pub complete: bool,
+    /// The body's last bytes (at most [`REQUEST_TAIL_BYTES`]) when they were seen: captured,
+    /// or the tail of the transfer that ended the body exactly.
+    pub tail: Option<Vec<u8>>,
 }
 
 /// Which requests' bodies a stream keeps a prefix of (most bodies are never looked at, and
 /// keeping them would cost memory for nothing).
 pub type WantsBody = fn(&RequestHead) -> bool;
 
-/// A body prefix being collected.
+/// A body sample being collected.
 #[derive(Debug)]
-struct PrefixCollector {
-    bytes: Vec<u8>,
-    /// Body bytes that moved but are not in `bytes` (beyond the capture or the limit).
+struct BodyCollector {
+    prefix: Vec<u8>,
+    prefix_limit: usize,
+    /// Body bytes that moved but are not in `prefix` (beyond the capture or the limit).
     missed: bool,
+    /// The last bytes seen, while they are the body's last bytes so far; `None` after a gap
+    /// (bytes that moved uncaptured) until a transfer's tail ends the body.
+    tail: Option<Vec<u8>>,
+    keeps_tail: bool,
+}
+
+impl BodyCollector {
+    fn new(prefix_limit: usize, keeps_tail: bool) -> Self {
+        Self {
+            prefix: Vec::new(),
+            prefix_limit,
+            missed: false,
+            tail: keeps_tail.then(Vec::new),
+            keeps_tail,
+        }
+    }
+
+    fn take(&mut self, bytes: &[u8]) {
+        let room = self.prefix_limit - self.prefix.len();
+        self.prefix
+            .extend_from_slice(&bytes[..bytes.len().min(room)]);
+        self.missed |= bytes.len() > room;
+        if let Some(tail) = &mut self.tail {
+            tail.extend_from_slice(bytes);
+            let excess = tail.len().saturating_sub(REQUEST_TAIL_BYTES);
+            tail.drain(..excess);
+        }
+    }
+
+    /// `gap` body bytes moved uncaptured; `ends_body_with` is the transfer's tail when the
+    /// body ends exactly where the transfer does.
+    fn skip(&mut self, ends_body_with: Option<&[u8]>) {
+        self.missed = true;
+        self.tail = match ends_body_with {
+            Some(tail) if self.keeps_tail && !tail.is_empty() => Some(tail.to_vec()),
+            _ => None,
+        };
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.prefix.capacity() + self.tail.as_ref().map_or(0, Vec::capacity)
+    }
+
+    fn finish(self, body_bytes: u64) -> BodySample {
+        BodySample {
+            complete: !self.missed && self.prefix.len() as u64 == body_bytes,
+            prefix: self.prefix,
+            tail: self.tail.filter(|tail| !tail.is_empty()),
+        }
+    }
 }
 
 /// Why bytes could not be followed; each is counted by the caller.
@@ -151,7 +215,7 @@ pub struct MessageStream {
     kind: StreamKind,
     state: State,
     wants_body: Option<WantsBody>,
-    prefix: Option<PrefixCollector>,
+    sample: Option<BodyCollector>,
     /// The message being read is a final (non-1xx) response: its end answers a request.
     final_response: bool,
     /// Final responses ended during the current [`feed`](Self::feed): a head parsed now
@@ -165,13 +229,13 @@ impl MessageStream {
             kind,
             state: State::Idle,
             wants_body: None,
-            prefix: None,
+            sample: None,
             final_response: false,
             answered_in_feed: 0,
         }
     }
 
-    /// A request stream that reports a [`BodyPrefix`] for requests `wants_body` accepts.
+    /// A request stream that keeps the [`BodySample::prefix`] of requests `wants_body` accepts.
     pub fn keeping_bodies(wants_body: WantsBody) -> Self {
         Self {
             wants_body: Some(wants_body),
@@ -191,10 +255,7 @@ impl MessageStream {
             State::Head { buffer, .. } => buffer.capacity(),
             _ => 0,
         };
-        head + self
-            .prefix
-            .as_ref()
-            .map_or(0, |prefix| prefix.bytes.capacity())
+        head + self.sample.as_ref().map_or(0, BodyCollector::heap_bytes)
     }
 
     /// Feeds one transfer. `request(n)` is consulted when a response head is parsed (HEAD
@@ -252,12 +313,8 @@ impl MessageStream {
         if std::mem::take(&mut self.final_response) {
             self.answered_in_feed += 1;
         }
-        if let Some(prefix) = self.prefix.take() {
-            let complete = !prefix.missed && prefix.bytes.len() as u64 == body_bytes;
-            out.push(MessageEvent::BodyPrefix(BodyPrefix {
-                bytes: prefix.bytes,
-                complete,
-            }));
+        if let Some(sample) = self.sample.take() {
+            out.push(MessageEvent::Body(sample.finish(body_bytes)));
         }
         out.push(MessageEvent::End {
             last_byte_ns,
@@ -311,23 +368,26 @@ impl MessageStream {
                         let body = match &head {
                             Head::Request(request_head) => {
                                 let body = framing.body();
-                                // Only Content-Length bodies: a chunked prefix would hold
-                                // framing, not the document.
-                                self.prefix = (matches!(body, Some(Body::Length(n)) if n > 0)
-                                    && self.wants_body.is_some_and(|wants| wants(request_head)))
-                                .then(|| PrefixCollector {
-                                    bytes: Vec::new(),
-                                    missed: false,
-                                });
+                                let prefix_limit =
+                                    if self.wants_body.is_some_and(|wants| wants(request_head)) {
+                                        MAX_BODY_PREFIX
+                                    } else {
+                                        0
+                                    };
+                                self.sample =
+                                    sampled(body).then(|| BodyCollector::new(prefix_limit, true));
                                 body
                             }
                             Head::Response(response_head) => {
                                 self.final_response = response_head.status >= 200;
-                                response_body(
+                                let body = response_body(
                                     response_head,
                                     request(self.answered_in_feed),
                                     framing,
-                                )
+                                );
+                                self.sample = sampled(body)
+                                    .then(|| BodyCollector::new(RESPONSE_PREFIX_BYTES, false));
+                                body
                             }
                         };
                         out.push(MessageEvent::Head {
@@ -368,10 +428,8 @@ impl MessageStream {
                     errors.push(ParseError::LostChunkFraming);
                 }
                 *count += used as u64;
-                if let Some(prefix) = &mut self.prefix {
-                    let room = MAX_BODY_PREFIX - prefix.bytes.len();
-                    prefix.bytes.extend_from_slice(&bytes[..used.min(room)]);
-                    prefix.missed |= used > room;
+                if let Some(sample) = &mut self.sample {
+                    sample.take(&bytes[..used]);
                 }
                 if done {
                     let body_bytes = *count;
@@ -431,8 +489,9 @@ impl MessageStream {
             }
             State::Body { body, bytes } => {
                 *bytes += gap;
-                if let Some(prefix) = &mut self.prefix {
-                    prefix.missed = true;
+                if let Some(sample) = &mut self.sample {
+                    let ends_here = matches!(body, Body::Length(remaining) if gap == *remaining);
+                    sample.skip(ends_here.then_some(tail));
                 }
                 match body {
                     Body::Length(remaining) => {
@@ -645,8 +704,20 @@ fn request_head(
         user_agent: header("user-agent"),
         traceparent: header("traceparent"),
         expects_continue: header("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue")),
+        cookies: headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("cookie"))
+            .flat_map(|h| cookie_tokens(h.value))
+            .take(MAX_TOKENS_PER_REQUEST)
+            .collect(),
         truncated,
     }
+}
+
+/// Only `Content-Length` bodies are sampled: a chunked body's bytes hold framing, not the
+/// document.
+fn sampled(body: Option<Body>) -> bool {
+    matches!(body, Some(Body::Length(n)) if n > 0)
 }
 
 fn response_body(head: &ResponseHead, request: RequestContext, framing: Framing) -> Option<Body> {
@@ -1035,11 +1106,11 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         head.method == "POST"
     }
 
-    fn prefixes(events: &[MessageEvent]) -> Vec<BodyPrefix> {
+    fn prefixes(events: &[MessageEvent]) -> Vec<BodySample> {
         events
             .iter()
             .filter_map(|e| match e {
-                MessageEvent::BodyPrefix(prefix) => Some(prefix.clone()),
+                MessageEvent::Body(sample) if !sample.prefix.is_empty() => Some(sample.clone()),
                 _ => None,
             })
             .collect()
@@ -1059,15 +1130,16 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         assert!(errors.is_empty());
         assert_eq!(
             prefixes(&events),
-            [BodyPrefix {
-                bytes: b"{\"a\":1234}".to_vec(),
-                complete: true
+            [BodySample {
+                prefix: b"{\"a\":1234}".to_vec(),
+                complete: true,
+                tail: Some(b"{\"a\":1234}".to_vec()),
             }]
         );
         // The prefix comes right before its message's end.
         let position = events
             .iter()
-            .position(|e| matches!(e, MessageEvent::BodyPrefix(_)))
+            .position(|e| matches!(e, MessageEvent::Body(_)))
             .unwrap();
         assert!(matches!(events[position + 1], MessageEvent::End { .. }));
     }
@@ -1085,7 +1157,7 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         let kept = prefixes(&recorder.out);
         assert_eq!(kept.len(), 1);
         assert!(!kept[0].complete);
-        assert_eq!(kept[0].bytes, b"{\"_ng_task_index\": 1");
+        assert_eq!(kept[0].prefix, b"{\"_ng_task_index\": 1");
         // Chunked bodies are not kept: their bytes are framing, not the document.
         let (events, _) = feed_all(
             &mut MessageStream::keeping_bodies(wants_post),

@@ -16,6 +16,9 @@
 //! applies. A trace with a rollout id gets a trace id derived from it ([`rollout_trace_id`]),
 //! so agents on different hosts agree without talking.
 
+mod calls;
+pub mod context_keys;
+
 use crate::model::counters::counters;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -25,6 +28,8 @@ use sha2::{Digest, Sha256};
 
 use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
+use crate::model::context::ContextChain;
+use crate::model::evidence::Token;
 use crate::model::exchange::RequestStart;
 use crate::model::exchange::Role;
 use crate::model::ids::SpanId;
@@ -33,6 +38,7 @@ use crate::model::ids::parse_traceparent;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanKind;
 use crate::model::span::SpanRecord;
+use context_keys::LoopTails;
 
 /// How long the graph keeps a finished request: a call that outlives its caller (fire and
 /// forget) still finds its parent within this. The graph's memory is the request rate times
@@ -76,12 +82,36 @@ counters! {
     pub struct StitchCounters {
         /// Server spans linked to the client span of a caller on this host.
         cross_process_links,
-        /// Outbound calls with more than one candidate parent and nothing to tell them apart.
+        /// Outbound calls left without a parent, by why (counted when their span is
+        /// released): more than one candidate and nothing to tell them apart,
         parents_ambiguous,
-        /// Outbound calls whose rollout id contradicts the only in-flight inbound request.
+        /// evidence that names different requests (or a rollout the only candidate lacks),
         parents_contradicted,
-        /// Outbound calls made while no inbound request of the process was in flight.
+        /// no inbound request of the process in flight,
         parents_none,
+        /// candidates in flight but no evidence about any of them.
+        parents_no_evidence,
+        /// Outbound calls given their parent, by the evidence that decided it: the rollout id
+        /// (path prefix or body),
+        parents_by_rollout_id,
+        /// a session cookie the inbound request carried too,
+        parents_by_cookie,
+        /// the handler task's context, shared with a call placed by other evidence,
+        parents_by_task_context,
+        /// the task context the inbound request's response was written under,
+        parents_by_response_context,
+        /// the response id the inbound request's response echoed,
+        parents_by_echoed_id,
+        /// the only inbound request in flight (a process without task contexts, or no other
+        /// evidence),
+        parents_by_only_inbound,
+        /// nesting (a process without task contexts: the innermost of nested requests),
+        parents_by_nesting,
+        /// A handler task's calls whose evidence named two different requests: the calls
+        /// placed by the task context since are left as they were.
+        task_context_conflicts,
+        /// Regroupings of a process's calls after its event loop's context tail changed.
+        task_context_regroups,
         /// Server spans released before their caller's client span was seen: the edge came
         /// later than `--stitch-delay-ms` and is lost.
         spans_flushed_unmatched,
@@ -105,10 +135,42 @@ enum Parent {
     Local(SpanId),
 }
 
+/// Why an outbound call has no parent yet (see the `parents_*` counters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Undecided {
+    NoInbound,
+    NoEvidence,
+    Ambiguous,
+    Contradicted,
+}
+
+/// What decided a call's parent (see the `parents_by_*` counters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Evidence {
+    RolloutId,
+    Cookie,
+    TaskContext,
+    ResponseContext,
+    EchoedId,
+    OnlyInbound,
+    Nesting,
+}
+
 /// One request in the graph.
 #[derive(Debug)]
 struct Node {
     pid: u32,
+    role: Role,
+    /// When it started and finished, in the graph's own order ([`Stitcher::seq`]): a call
+    /// can only belong to a request that was in flight when it started.
+    started: u64,
+    ended: Option<u64>,
+    /// Inbound: the session tokens its request carried; outbound: the ones the call carries.
+    cookies: Vec<Token>,
+    /// Outbound: the task context of its first write.
+    context: Option<ContextChain>,
+    /// Outbound, until placed: why it has no parent.
+    undecided: Option<Undecided>,
     parent: Parent,
     /// Its own: the path prefix, the `/run` body, or adopted from the calls it made.
     rollout: Option<RolloutId>,
@@ -171,6 +233,15 @@ pub struct Stitcher {
     key_expiry: VecDeque<(Instant, ConnectionKey)>,
     finished: VecDeque<(Instant, SpanId)>,
     held: VecDeque<Held>,
+    /// Orders starts and finishes (see [`Node::started`]).
+    seq: u64,
+    tails: LoopTails,
+    /// Calls per (process, handler task context); see [`calls`].
+    groups: HashMap<(u32, u64), calls::Group>,
+    /// In-flight inbound requests per (process, session token they carried).
+    cookie_holders: HashMap<(u32, Token), Vec<SpanId>>,
+    /// Calls per (process, id their response started with), while they are in the graph.
+    echoed: HashMap<(u32, Token), SpanId>,
     pub counters: StitchCounters,
 }
 
@@ -195,6 +266,11 @@ impl Stitcher {
             key_expiry: VecDeque::new(),
             finished: VecDeque::new(),
             held: VecDeque::new(),
+            seq: 0,
+            tails: LoopTails::default(),
+            groups: HashMap::new(),
+            cookie_holders: HashMap::new(),
+            echoed: HashMap::new(),
             counters: StitchCounters::default(),
         }
     }
@@ -227,8 +303,15 @@ impl Stitcher {
             }),
             _ => None,
         };
+        self.seq += 1;
         let mut node = Node {
             pid: start.pid,
+            role: start.role,
+            started: self.seq,
+            ended: None,
+            cookies: start.cookies.clone(),
+            context: start.context,
+            undecided: None,
             parent: Parent::None,
             rollout: facts.rollout_id,
             emits_own: facts.emits_own,
@@ -261,12 +344,14 @@ impl Stitcher {
                     .entry(start.pid)
                     .or_default()
                     .push(start.span_id);
+                for token in &start.cookies {
+                    self.cookie_holders
+                        .entry((start.pid, *token))
+                        .or_default()
+                        .push(start.span_id);
+                }
             }
             Role::Client => {
-                node.parent = match self.choose_caller(start.pid, node.rollout.as_ref()) {
-                    Some(inbound) => Parent::Local(inbound),
-                    None => Parent::None,
-                };
                 if let Some(key) = key {
                     match self.waiting_servers.remove(&key) {
                         Some(server) => self.link_server(server, start.span_id),
@@ -280,18 +365,33 @@ impl Stitcher {
             }
         }
         self.nodes.insert(start.span_id, node);
-    }
-
-    /// A request's body named its rollout (an agent's `/run`).
-    pub fn set_rollout(&mut self, request: SpanId, rollout_id: RolloutId) {
-        if let Some(node) = self.nodes.get_mut(&request) {
-            node.rollout = Some(rollout_id);
+        if start.role == Role::Client {
+            self.join_group(start.span_id);
+            self.place_call(start.span_id);
         }
     }
 
-    /// The in-flight inbound request of `pid` that made an outbound call, by the rules in the
-    /// module doc. A call that names a rollout lends it to a parent that has none.
-    fn choose_caller(&mut self, pid: u32, rollout: Option<&RolloutId>) -> Option<SpanId> {
+    /// A request's body named its rollout (an agent's `/run`; any call whose body ends with
+    /// Gym's `_ng_*` fields).
+    pub fn set_rollout(&mut self, request: SpanId, rollout_id: RolloutId) {
+        if let Some(node) = self.nodes.get_mut(&request) {
+            node.rollout = Some(rollout_id);
+            if node.role == Role::Client {
+                self.recheck_rollout(request);
+                self.place_call(request);
+            }
+        }
+    }
+
+    /// For a call whose process gives no task contexts (not CPython, or an interpreter the
+    /// tracer does not know): the in-flight inbound request of `pid` that made it, by its
+    /// rollout id, else the only one in flight, else the innermost of nested ones. A call that
+    /// names a rollout lends it to a parent that has none.
+    fn choose_caller_without_context(
+        &mut self,
+        pid: u32,
+        rollout: Option<&RolloutId>,
+    ) -> Result<(SpanId, Evidence), Undecided> {
         let candidates = self.inbound.get(&pid).map(Vec::as_slice).unwrap_or(&[]);
         if let Some(rollout) = rollout {
             let same: Vec<SpanId> = candidates
@@ -300,46 +400,37 @@ impl Stitcher {
                 .filter(|id| self.effective_rollout(*id) == Some(rollout))
                 .collect();
             match same.as_slice() {
-                [one] => return Some(*one),
+                [one] => return Ok((*one, Evidence::RolloutId)),
                 [] => {}
                 many => {
-                    let nested = self.innermost_of_chain(many);
-                    if nested.is_none() {
-                        self.counters.parents_ambiguous += 1;
-                    }
-                    return nested;
+                    return self
+                        .innermost_of_chain(many)
+                        .map(|id| (id, Evidence::Nesting))
+                        .ok_or(Undecided::Ambiguous);
                 }
             }
         }
         match candidates {
-            [] => {
-                self.counters.parents_none += 1;
-                None
-            }
+            [] => Err(Undecided::NoInbound),
             [only] => {
                 let only = *only;
                 match (rollout, self.effective_rollout(only)) {
-                    (Some(_), Some(_)) => {
-                        // The only candidate belongs to another rollout.
-                        self.counters.parents_contradicted += 1;
-                        None
-                    }
+                    // The only candidate belongs to another rollout.
+                    (Some(_), Some(_)) => Err(Undecided::Contradicted),
                     (Some(rollout), None) => {
                         if let Some(node) = self.nodes.get_mut(&only) {
                             node.rollout = Some(rollout.clone());
                         }
-                        Some(only)
+                        Ok((only, Evidence::OnlyInbound))
                     }
-                    (None, _) => Some(only),
+                    (None, _) => Ok((only, Evidence::OnlyInbound)),
                 }
             }
             many => {
                 let many = many.to_vec();
-                let nested = self.innermost_of_chain(&many);
-                if nested.is_none() {
-                    self.counters.parents_ambiguous += 1;
-                }
-                nested
+                self.innermost_of_chain(&many)
+                    .map(|id| (id, Evidence::Nesting))
+                    .ok_or(Undecided::Ambiguous)
             }
         }
     }
@@ -400,11 +491,22 @@ impl Stitcher {
             return;
         };
         node.finished = true;
+        self.seq += 1;
+        node.ended = Some(self.seq);
         let pid = node.pid;
+        let cookies = std::mem::take(&mut node.cookies);
         if let Some(list) = self.inbound.get_mut(&pid) {
             list.retain(|id| *id != request);
             if list.is_empty() {
                 self.inbound.remove(&pid);
+            }
+        }
+        for token in cookies {
+            if let Some(list) = self.cookie_holders.get_mut(&(pid, token)) {
+                list.retain(|id| *id != request);
+                if list.is_empty() {
+                    self.cookie_holders.remove(&(pid, token));
+                }
             }
         }
         self.finished.push_back((now, request));
@@ -475,6 +577,7 @@ impl Stitcher {
             let (_, id) = self.finished.pop_front().expect("checked");
             self.nodes.remove(&id);
         }
+        self.forget_gone_calls();
         shrink_if_sparse(&mut self.nodes);
         shrink_if_sparse(&mut self.waiting_clients);
         shrink_if_sparse(&mut self.waiting_servers);
@@ -529,6 +632,9 @@ impl Stitcher {
         };
         let (emits_own, remote_parent) =
             (node.emits_own, matches!(node.parent, Parent::Remote(..)));
+        if role == SpanRole::Own && node.role == Role::Client && node.parent == Parent::None {
+            self.count_undecided(node.undecided);
+        }
         let trace = self.trace_of(id);
         let outer_parent = self.parent_span_of(id);
         span.parent_span_id = match role {
@@ -661,6 +767,12 @@ mod tests {
             rollout_id: rollout.and_then(RolloutId::parse),
             emits_own: true,
             emits_semantic: semantic,
+        }
+    }
+
+    impl Stitcher {
+        fn undecided(&self, call: SpanId) -> Option<Undecided> {
+            self.nodes[&call].undecided
         }
     }
 
@@ -818,13 +930,38 @@ mod tests {
         let anonymous = start(AGENT, Role::Client, 40001, 9000, 0, "/verify");
         stitcher.start(&anonymous, facts(None, false), now);
         assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
-        assert_eq!(stitcher.counters.parents_ambiguous, 1);
+        assert_eq!(
+            stitcher.undecided(anonymous.span_id),
+            Some(Undecided::Ambiguous)
+        );
         // One in flight but of another rollout: contradicting evidence, no edge.
         stitcher.finish(a.span_id, now);
         let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
         stitcher.start(&for_c, facts(Some("c"), false), now);
         assert_eq!(stitcher.parent_span_of(for_c.span_id), None);
-        assert_eq!(stitcher.counters.parents_contradicted, 1);
+        assert_eq!(
+            stitcher.undecided(for_c.span_id),
+            Some(Undecided::Contradicted)
+        );
+        // Counted once each, when their spans are released.
+        let mut out = Vec::new();
+        for call in [&anonymous, &for_c] {
+            stitcher.hold(
+                call.span_id,
+                SpanRole::Own,
+                span("HTTP POST", call.span_id),
+                now,
+                &mut out,
+            );
+        }
+        stitcher.release_all(&mut out);
+        assert_eq!(
+            (
+                stitcher.counters.parents_ambiguous,
+                stitcher.counters.parents_contradicted
+            ),
+            (1, 1)
+        );
     }
 
     #[test]
@@ -876,7 +1013,10 @@ mod tests {
         let anonymous = start(AGENT, Role::Client, 40003, 7000, 0, "/get_weather");
         stitcher.start(&anonymous, facts(None, false), now);
         assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
-        assert_eq!(stitcher.counters.parents_ambiguous, 1);
+        assert_eq!(
+            stitcher.undecided(anonymous.span_id),
+            Some(Undecided::Ambiguous)
+        );
     }
 
     #[test]
@@ -963,6 +1103,8 @@ mod tests {
                 method: "GET".into(),
                 path: "/".into(),
                 traceparent: None,
+                cookies: Vec::new(),
+                context: None,
             };
             let facts = StartFacts {
                 rollout_id: None,

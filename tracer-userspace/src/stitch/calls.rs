@@ -1,0 +1,649 @@
+//! Which inbound request made an outbound call, from evidence, never a guess.
+//!
+//! A uvicorn server runs every request on one thread, interleaved, and Gym's middleware runs
+//! each handler in child tasks, so neither timing nor nesting says which request a call
+//! belongs to. Evidence does, where there is any:
+//! - the call's own: the rollout id it names (its `/ng-rollout/<id>` prefix, the `_ng_*`
+//!   fields its body ends with) against the in-flight requests of that rollout; a session
+//!   cookie it carries against the in-flight requests that carried the same cookie;
+//! - its handler task's ([`context_keys`]): calls with the same task context were made by the
+//!   same handler, so a call placed by evidence places the others ("group");
+//! - the callee's answer: the id an upstream's response starts with, echoed at the start of
+//!   the inbound request's own response; and, where no middleware splits tasks, the task
+//!   context the inbound request's response is written under.
+//!
+//! Each item narrows the set of in-flight inbound requests; items that name none are no
+//! information, a single survivor decides, an empty intersection is a contradiction, several
+//! survivors wait for more evidence. A request that is itself a result of the group's calls
+//! (an agent's call to its own `/v1/responses`) is never a candidate. A task context is
+//! valid only while its owner is in flight: a group whose owner finished before a call
+//! started is a new handler at a reused address.
+
+use super::context_keys::TaskKey;
+use super::{Evidence, Node, Parent, Stitcher, Undecided};
+use crate::model::context::ContextChain;
+use crate::model::evidence::Token;
+use crate::model::exchange::Role;
+use crate::model::ids::SpanId;
+
+/// The calls one handler task made, and the request it serves once evidence said so.
+#[derive(Debug, Default)]
+pub(super) struct Group {
+    members: Vec<SpanId>,
+    owner: Option<SpanId>,
+}
+
+/// What the call's own evidence says.
+enum Verdict {
+    One(SpanId, Evidence),
+    Undecided(Undecided),
+}
+
+impl Stitcher {
+    /// The group key of a call: its process and handler task context.
+    fn group_key(&self, node: &Node) -> Option<(u32, u64)> {
+        match self.tails.key(node.pid, node.context.as_ref()?) {
+            TaskKey::Root(root) => Some((node.pid, root)),
+            TaskKey::TailUnknown | TaskKey::LoopLevel => None,
+        }
+    }
+
+    /// Whether `request` was in flight when the graph's clock read `at`.
+    fn in_flight_at(&self, request: SpanId, at: u64) -> bool {
+        self.nodes
+            .get(&request)
+            .is_some_and(|n| n.started < at && n.ended.is_none_or(|ended| ended > at))
+    }
+
+    /// Adds a call to its handler's group (a new group where the old owner finished before
+    /// the call started: the context's address was reused).
+    pub(super) fn join_group(&mut self, call: SpanId) {
+        let Some(node) = self.nodes.get(&call) else {
+            return;
+        };
+        let Some(key) = self.group_key(node) else {
+            return;
+        };
+        let started = node.started;
+        let stale = self
+            .groups
+            .get(&key)
+            .and_then(|g| g.owner)
+            .is_some_and(|owner| !self.in_flight_at(owner, started));
+        let nodes = &self.nodes;
+        let group = self.groups.entry(key).or_default();
+        if stale {
+            *group = Group::default();
+        }
+        group.members.retain(|m| nodes.contains_key(m));
+        group.members.push(call);
+    }
+
+    /// A placed call's body named a rollout its parent does not belong to: the evidence
+    /// contradicts itself, so the edge is taken back.
+    pub(super) fn recheck_rollout(&mut self, call: SpanId) {
+        let Some(node) = self.nodes.get(&call) else {
+            return;
+        };
+        let (Parent::Local(parent), Some(rollout)) = (node.parent, node.rollout.as_ref()) else {
+            return;
+        };
+        if self
+            .effective_rollout(parent)
+            .is_some_and(|theirs| theirs != rollout)
+            && let Some(node) = self.nodes.get_mut(&call)
+        {
+            node.parent = Parent::None;
+            node.undecided = Some(Undecided::Contradicted);
+        }
+    }
+
+    /// Gives an unplaced call its parent if the evidence decides it; otherwise records why not.
+    pub(super) fn place_call(&mut self, call: SpanId) {
+        let Some(node) = self.nodes.get(&call) else {
+            return;
+        };
+        if node.role != Role::Client || node.parent != Parent::None {
+            return;
+        }
+        let started = node.started;
+        let key = self.group_key(node);
+        if let Some(owner) = key.and_then(|k| self.groups.get(&k)).and_then(|g| g.owner)
+            && self.in_flight_at(owner, started)
+        {
+            self.set_parent(call, owner, Evidence::TaskContext);
+            return;
+        }
+        let verdict = if node.context.is_some() {
+            self.own_evidence(call, key)
+        } else {
+            let (pid, rollout) = (node.pid, node.rollout.clone());
+            match self.choose_caller_without_context(pid, rollout.as_ref()) {
+                Ok((parent, how)) => Verdict::One(parent, how),
+                Err(why) => Verdict::Undecided(why),
+            }
+        };
+        match verdict {
+            Verdict::One(parent, how) => {
+                self.set_parent(call, parent, how);
+                self.bind_group(key, parent);
+            }
+            Verdict::Undecided(why) => {
+                if let Some(node) = self.nodes.get_mut(&call) {
+                    node.undecided = Some(why);
+                }
+            }
+        }
+    }
+
+    fn set_parent(&mut self, call: SpanId, parent: SpanId, how: Evidence) {
+        if let Some(node) = self.nodes.get_mut(&call) {
+            node.parent = Parent::Local(parent);
+            node.undecided = None;
+        }
+        let counter = match how {
+            Evidence::RolloutId => &mut self.counters.parents_by_rollout_id,
+            Evidence::Cookie => &mut self.counters.parents_by_cookie,
+            Evidence::TaskContext => &mut self.counters.parents_by_task_context,
+            Evidence::ResponseContext => &mut self.counters.parents_by_response_context,
+            Evidence::EchoedId => &mut self.counters.parents_by_echoed_id,
+            Evidence::OnlyInbound => &mut self.counters.parents_by_only_inbound,
+            Evidence::Nesting => &mut self.counters.parents_by_nesting,
+        };
+        *counter += 1;
+    }
+
+    /// The group now serves `owner`: its other unplaced calls that started while `owner` was
+    /// in flight get it too. A group that already serves another request keeps it (counted).
+    fn bind_group(&mut self, key: Option<(u32, u64)>, owner: SpanId) {
+        let Some(group) = key.and_then(|k| self.groups.get_mut(&k)) else {
+            return;
+        };
+        match group.owner {
+            Some(existing) if existing != owner => {
+                self.counters.task_context_conflicts += 1;
+                return;
+            }
+            Some(_) => {}
+            None => group.owner = Some(owner),
+        }
+        let members = group.members.clone();
+        for member in members {
+            let unplaced = self.nodes.get(&member).filter(|n| n.parent == Parent::None);
+            if let Some(node) = unplaced
+                && self.in_flight_at(owner, node.started)
+                && !self.excluded(owner, member, key)
+            {
+                self.set_parent(member, owner, Evidence::TaskContext);
+            }
+        }
+    }
+
+    /// Intersects what each item of the call's own evidence allows.
+    fn own_evidence(&self, call: SpanId, key: Option<(u32, u64)>) -> Verdict {
+        let Some(node) = self.nodes.get(&call) else {
+            return Verdict::Undecided(Undecided::NoEvidence);
+        };
+        let in_flight: Vec<SpanId> = self
+            .inbound
+            .get(&node.pid)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|x| self.in_flight_at(*x, node.started) && !self.excluded(*x, call, key))
+            .collect();
+        if in_flight.is_empty() {
+            return Verdict::Undecided(Undecided::NoInbound);
+        }
+        let mut survivors: Option<Vec<SpanId>> = None;
+        let mut decided_by = Evidence::OnlyInbound;
+        let mut narrow = |named: Vec<SpanId>, how: Evidence| {
+            if named.is_empty() {
+                return; // names no request in flight: no information
+            }
+            decided_by = how;
+            survivors = Some(match survivors.take() {
+                None => named,
+                Some(before) => before.into_iter().filter(|x| named.contains(x)).collect(),
+            });
+        };
+        if let Some(rollout) = &node.rollout {
+            let same = in_flight
+                .iter()
+                .copied()
+                .filter(|x| self.effective_rollout(*x) == Some(rollout))
+                .collect();
+            narrow(same, Evidence::RolloutId);
+        }
+        for token in &node.cookies {
+            let holders = self
+                .cookie_holders
+                .get(&(node.pid, *token))
+                .into_iter()
+                .flatten()
+                .copied()
+                .filter(|x| in_flight.contains(x))
+                .collect();
+            narrow(holders, Evidence::Cookie);
+        }
+        match survivors.as_deref() {
+            Some([one]) => Verdict::One(*one, decided_by),
+            Some([]) => Verdict::Undecided(Undecided::Contradicted),
+            Some(_) => Verdict::Undecided(Undecided::Ambiguous),
+            None => match in_flight.as_slice() {
+                [only] => Verdict::One(*only, Evidence::OnlyInbound),
+                _ => Verdict::Undecided(Undecided::NoEvidence),
+            },
+        }
+    }
+
+    /// Whether `candidate` descends from `call` or from a call of the same handler: a request
+    /// the handler caused cannot be the one it serves.
+    fn excluded(&self, candidate: SpanId, call: SpanId, key: Option<(u32, u64)>) -> bool {
+        let mut id = candidate;
+        for _ in 0..super::MAX_DEPTH {
+            if id == call {
+                return true;
+            }
+            let Some(node) = self.nodes.get(&id) else {
+                return false;
+            };
+            if node.role == Role::Client && key.is_some() && self.group_key(node) == key {
+                return true;
+            }
+            match node.parent {
+                Parent::Local(parent) => id = parent,
+                _ => return false,
+            }
+        }
+        false
+    }
+
+    /// The response to inbound `request` is being written under `context`: it teaches the
+    /// loop's tail, and where the handler itself writes it (no middleware task between), the
+    /// handler's calls are the request's.
+    pub fn response_context(&mut self, request: SpanId, context: ContextChain) {
+        let Some(node) = self.nodes.get(&request) else {
+            return;
+        };
+        let pid = node.pid;
+        if self.tails.learn_response(pid, &context) {
+            self.regroup(pid);
+        }
+        if let TaskKey::Root(root) = self.tails.key(pid, &context)
+            && self
+                .groups
+                .get(&(pid, root))
+                .is_some_and(|g| g.owner.is_none())
+        {
+            let members = self.groups[&(pid, root)].members.clone();
+            let placed = members.iter().any(|m| {
+                self.nodes.get(m).is_some_and(|n| {
+                    n.parent == Parent::None && self.in_flight_at(request, n.started)
+                })
+            });
+            if placed {
+                let key = Some((pid, root));
+                if let Some(group) = self.groups.get_mut(&(pid, root)) {
+                    group.owner = Some(request);
+                }
+                for member in members {
+                    let unplaced = self.nodes.get(&member).filter(|n| n.parent == Parent::None);
+                    if let Some(node) = unplaced
+                        && self.in_flight_at(request, node.started)
+                        && !self.excluded(request, member, key)
+                    {
+                        self.set_parent(member, request, Evidence::ResponseContext);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A response started with an id: a call's is remembered; an inbound request's places
+    /// the call whose response carried the same id (the server echoes its upstream's).
+    pub fn response_id(&mut self, request: SpanId, token: Token) {
+        let Some(node) = self.nodes.get(&request) else {
+            return;
+        };
+        let pid = node.pid;
+        match node.role {
+            Role::Client => {
+                self.echoed.insert((pid, token), request);
+            }
+            Role::Server => {
+                let Some(&call) = self.echoed.get(&(pid, token)) else {
+                    return;
+                };
+                let Some(call_node) = self.nodes.get(&call) else {
+                    return;
+                };
+                let key = self.group_key(call_node);
+                if call_node.parent == Parent::None
+                    && self.in_flight_at(request, call_node.started)
+                    && !self.excluded(request, call, key)
+                {
+                    self.set_parent(call, request, Evidence::EchoedId);
+                    self.bind_group(key, request);
+                }
+            }
+        }
+    }
+
+    /// The loop's tail changed: every call of the process is regrouped by its new key, each
+    /// group served by the request its placed calls have, and unplaced calls placed again.
+    fn regroup(&mut self, pid: u32) {
+        self.counters.task_context_regroups += 1;
+        self.groups.retain(|(p, _), _| *p != pid);
+        let mut calls: Vec<(u64, SpanId)> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.pid == pid && n.role == Role::Client && n.context.is_some())
+            .map(|(id, n)| (n.started, *id))
+            .collect();
+        calls.sort_unstable_by_key(|(started, _)| *started);
+        for (_, call) in &calls {
+            self.join_group(*call);
+            let node = &self.nodes[call];
+            if let (Some(key), Parent::Local(parent)) = (self.group_key(node), node.parent)
+                && let Some(group) = self.groups.get_mut(&key)
+                && group.owner.is_none()
+            {
+                group.owner = Some(parent);
+            }
+        }
+        for (_, call) in calls {
+            self.place_call(call);
+        }
+    }
+
+    pub(super) fn count_undecided(&mut self, why: Option<Undecided>) {
+        let counter = match why {
+            Some(Undecided::NoInbound) => &mut self.counters.parents_none,
+            Some(Undecided::Ambiguous) => &mut self.counters.parents_ambiguous,
+            Some(Undecided::Contradicted) => &mut self.counters.parents_contradicted,
+            Some(Undecided::NoEvidence) | None => &mut self.counters.parents_no_evidence,
+        };
+        *counter += 1;
+    }
+
+    /// A traced process is gone: its event loops' tails go with it (a new process may reuse
+    /// its pid and addresses). Its calls' groups go as the calls leave the graph.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.tails.forget(pid);
+    }
+
+    /// Forgets the groups and echoed ids of calls that left the graph.
+    pub(super) fn forget_gone_calls(&mut self) {
+        let nodes = &self.nodes;
+        self.groups.retain(|_, group| {
+            group.members.retain(|m| nodes.contains_key(m));
+            !group.members.is_empty()
+        });
+        self.echoed.retain(|_, call| nodes.contains_key(call));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::super::{StartFacts, StitchConfig, Stitcher};
+    use super::{Evidence, Undecided};
+    use crate::gym::rollout_id::RolloutId;
+    use crate::model::context::ContextChain;
+    use crate::model::evidence::{Token, TokenKind};
+    use crate::model::exchange::{RequestStart, Role};
+    use crate::model::ids::SpanId;
+    use crate::pipeline::testing;
+
+    const AGENT: u32 = 1;
+    const MODEL: u32 = 2;
+    /// The event loop's own contexts, bottom last, as every chain of these processes ends.
+    const LOOP: [u64; 2] = [0xb0, 0xa0];
+
+    fn chain(task: &[u64]) -> ContextChain {
+        let links: Vec<u64> = task.iter().chain(LOOP.iter()).copied().collect();
+        ContextChain::new(&links).unwrap()
+    }
+
+    fn cookie(session: &str) -> Token {
+        Token::of(TokenKind::Cookie, session.as_bytes())
+    }
+
+    struct Scene {
+        stitcher: Stitcher,
+        now: Instant,
+        next_port: u16,
+    }
+
+    impl Scene {
+        fn new() -> Self {
+            Self {
+                stitcher: Stitcher::new(StitchConfig {
+                    delay: Duration::from_millis(100),
+                    max_pending: 1000,
+                    max_nodes: 1000,
+                }),
+                now: Instant::now(),
+                next_port: 40000,
+            }
+        }
+
+        fn port(&mut self) -> u16 {
+            self.next_port += 1;
+            self.next_port
+        }
+
+        /// An inbound request to `pid`, carrying `cookies`.
+        fn inbound(&mut self, pid: u32, path: &str, cookies: &[Token]) -> RequestStart {
+            let port = self.port();
+            let mut start = testing::start(pid, Role::Server, (8000, port), 0, "POST", path);
+            start.cookies = cookies.to_vec();
+            let facts = StartFacts {
+                rollout_id: None,
+                emits_own: true,
+                emits_semantic: false,
+            };
+            self.stitcher.start(&start, facts, self.now);
+            start
+        }
+
+        /// A call from `pid` made under the task contexts `task` (innermost first).
+        fn call(&mut self, pid: u32, task: &[u64], cookies: &[Token]) -> RequestStart {
+            let port = self.port();
+            let mut start = testing::start(pid, Role::Client, (port, 9000), 0, "POST", "/x");
+            start.cookies = cookies.to_vec();
+            start.context = Some(chain(task));
+            let facts = StartFacts {
+                rollout_id: None,
+                emits_own: true,
+                emits_semantic: false,
+            };
+            self.stitcher.start(&start, facts, self.now);
+            start
+        }
+
+        fn rollout(&mut self, request: &RequestStart, id: &str) {
+            let id = RolloutId::parse(id).unwrap();
+            self.stitcher.set_rollout(request.span_id, id);
+        }
+
+        fn parent(&self, request: &RequestStart) -> Option<SpanId> {
+            match self.stitcher.nodes[&request.span_id].parent {
+                super::Parent::Local(parent) => Some(parent),
+                _ => None,
+            }
+        }
+
+        fn undecided(&self, request: &RequestStart) -> Option<Undecided> {
+            self.stitcher.nodes[&request.span_id].undecided
+        }
+
+        fn finish(&mut self, request: &RequestStart) {
+            self.stitcher.finish(request.span_id, self.now);
+        }
+    }
+
+    /// Two rollouts of Gym's agent at once, as CAUSALITY.md measured them: /run's handler
+    /// (task 0x10 / 0x20) calls seed_session (ids at the end of its body), the agent's own
+    /// /v1/responses (the session cookie) and verify; the self-call's handler (0x30 / 0x40)
+    /// calls the model (no cookie) and a tool (the session cookie). Gym's middleware writes
+    /// each response from a task of its own (0x50…), so responses bind nothing.
+    #[test]
+    fn concurrent_gym_rollouts_each_get_their_own_calls() {
+        let mut s = Scene::new();
+        let (run_a, run_b) = (s.inbound(AGENT, "/run", &[]), s.inbound(AGENT, "/run", &[]));
+        s.rollout(&run_a, "1-0");
+        s.rollout(&run_b, "2-0");
+        let seed_a = s.call(AGENT, &[0x1, 0x10], &[]);
+        let seed_b = s.call(AGENT, &[0x2, 0x20], &[]);
+        s.rollout(&seed_b, "2-0");
+        s.rollout(&seed_a, "1-0");
+        assert_eq!(s.parent(&seed_a), Some(run_a.span_id));
+        assert_eq!(s.parent(&seed_b), Some(run_b.span_id));
+        let (session_a, session_b) = (cookie("session=a"), cookie("session=b"));
+        let self_a = s.call(AGENT, &[0x3, 0x10], &[session_a]);
+        let self_b = s.call(AGENT, &[0x4, 0x20], &[session_b]);
+        // No response seen yet: the loop's tail, so the handler's key, is unknown.
+        assert_eq!(s.parent(&self_a), None);
+        assert_eq!(s.undecided(&self_a), Some(Undecided::NoEvidence));
+        let nested_a = s.inbound(AGENT, "/v1/responses", &[session_a]);
+        let nested_b = s.inbound(AGENT, "/v1/responses", &[session_b]);
+        let model_a = s.call(AGENT, &[0x5, 0x30], &[]);
+        let model_b = s.call(AGENT, &[0x6, 0x40], &[]);
+        let tool_b = s.call(AGENT, &[0x7, 0x40], &[session_b]);
+        assert_eq!(
+            s.parent(&tool_b),
+            Some(nested_b.span_id),
+            "the cookie decides"
+        );
+        assert_eq!(s.parent(&model_b), None, "its group is not known yet");
+        // The first response (some middleware task) teaches the loop's tail: every call is
+        // regrouped by its handler and placed by the group's placed call.
+        s.stitcher
+            .response_context(nested_b.span_id, chain(&[0x50]));
+        assert_eq!(s.parent(&self_a), Some(run_a.span_id));
+        assert_eq!(s.parent(&self_b), Some(run_b.span_id));
+        assert_eq!(s.parent(&model_b), Some(nested_b.span_id));
+        assert_eq!(s.parent(&model_a), None, "its tool call has not come yet");
+        let tool_a = s.call(AGENT, &[0x8, 0x30], &[session_a]);
+        assert_eq!(s.parent(&tool_a), Some(nested_a.span_id));
+        assert_eq!(s.parent(&model_a), Some(nested_a.span_id));
+        // The self-calls' own inbound requests carried the cookie too, but a request the
+        // handler's own call caused is never its parent.
+        let verify_a = s.call(AGENT, &[0x9, 0x10], &[session_a]);
+        assert_eq!(s.parent(&verify_a), Some(run_a.span_id));
+        let counters = s.stitcher.counters;
+        assert_eq!(counters.parents_by_rollout_id, 2);
+        assert_eq!(counters.parents_by_cookie, 2);
+        assert_eq!(counters.parents_by_task_context, 5);
+        assert_eq!(counters.task_context_conflicts, 0);
+    }
+
+    #[test]
+    fn a_reused_context_address_starts_a_new_group() {
+        let mut s = Scene::new();
+        let warm = s.inbound(AGENT, "/warm", &[]);
+        s.stitcher.response_context(warm.span_id, chain(&[0x90]));
+        s.finish(&warm);
+        let run_a = s.inbound(AGENT, "/run", &[]);
+        let other = s.inbound(AGENT, "/run", &[]);
+        s.rollout(&run_a, "1-0");
+        let seed_a = s.call(AGENT, &[0x1, 0x10], &[]);
+        s.rollout(&seed_a, "1-0");
+        assert_eq!(s.parent(&seed_a), Some(run_a.span_id));
+        s.finish(&seed_a);
+        s.finish(&run_a);
+        // A later handler at the freed address 0x10: not run_a's, which has ended.
+        let later = s.call(AGENT, &[0x2, 0x10], &[]);
+        assert_eq!(
+            s.parent(&later),
+            Some(other.span_id),
+            "the only one in flight"
+        );
+        assert_eq!(s.stitcher.counters.parents_by_task_context, 0);
+        let third = s.inbound(AGENT, "/run", &[]);
+        let again = s.call(AGENT, &[0x3, 0x10], &[]);
+        assert_eq!(
+            s.parent(&again),
+            Some(other.span_id),
+            "the group now serves `other`"
+        );
+        assert_ne!(s.parent(&again), Some(third.span_id));
+    }
+
+    #[test]
+    fn evidence_that_names_two_requests_decides_nothing() {
+        let mut s = Scene::new();
+        let (run_a, run_b) = (s.inbound(AGENT, "/run", &[]), s.inbound(AGENT, "/run", &[]));
+        s.rollout(&run_a, "1-0");
+        let holder_b = s.inbound(AGENT, "/v1/responses", &[cookie("session=b")]);
+        s.rollout(&holder_b, "2-0");
+        let call = s.call(AGENT, &[0x1, 0x10], &[cookie("session=b")]);
+        assert_eq!(s.parent(&call), Some(holder_b.span_id));
+        // Its body then names another rollout: the edge is taken back.
+        s.rollout(&call, "1-0");
+        assert_eq!(s.parent(&call), None);
+        assert_eq!(s.undecided(&call), Some(Undecided::Contradicted));
+        let _ = (run_b, holder_b);
+        // Two requests of one rollout and nothing else: wait, never pick.
+        let mut s = Scene::new();
+        let run = s.inbound(AGENT, "/run", &[]);
+        let nested = s.inbound(AGENT, "/ng-rollout/1-0/v1/responses", &[]);
+        s.rollout(&run, "1-0");
+        s.rollout(&nested, "1-0");
+        let call = s.call(AGENT, &[0x1, 0x10], &[]);
+        s.rollout(&call, "1-0");
+        assert_eq!(s.undecided(&call), Some(Undecided::Ambiguous));
+    }
+
+    /// The model server: each handler makes one upstream call, and its response echoes the
+    /// upstream's response id. Two at once, answered in the other order.
+    #[test]
+    fn an_echoed_response_id_binds_the_upstream_call() {
+        let mut s = Scene::new();
+        let (x1, x2) = (
+            s.inbound(MODEL, "/v1/responses", &[]),
+            s.inbound(MODEL, "/v1/responses", &[]),
+        );
+        let (u1, u2) = (
+            s.call(MODEL, &[0x1, 0x10], &[]),
+            s.call(MODEL, &[0x2, 0x20], &[]),
+        );
+        let (t1, t2) = (
+            Token::of(TokenKind::ResponseId, b"resp_1"),
+            Token::of(TokenKind::ResponseId, b"resp_2"),
+        );
+        s.stitcher.response_id(u2.span_id, t2);
+        s.stitcher.response_id(u1.span_id, t1);
+        s.stitcher.response_id(x2.span_id, t2);
+        s.stitcher.response_id(x1.span_id, t1);
+        assert_eq!(s.parent(&u1), Some(x1.span_id));
+        assert_eq!(s.parent(&u2), Some(x2.span_id));
+        assert_eq!(s.stitcher.counters.parents_by_echoed_id, 2);
+    }
+
+    /// A plain FastAPI handler writes its own response: the response's task context binds
+    /// the handler's calls. Behind BaseHTTPMiddleware another task writes it: nothing binds.
+    #[test]
+    fn a_response_written_by_the_handler_binds_its_calls() {
+        let mut s = Scene::new();
+        let (y1, y2) = (s.inbound(AGENT, "/a", &[]), s.inbound(AGENT, "/b", &[]));
+        let warm = s.inbound(AGENT, "/warm", &[]);
+        s.stitcher.response_context(warm.span_id, chain(&[0x90]));
+        let c1 = s.call(AGENT, &[0x1, 0x10], &[]);
+        let c2 = s.call(AGENT, &[0x2, 0x20], &[]);
+        let c3 = s.call(AGENT, &[0x3, 0x20], &[]);
+        assert_eq!(s.undecided(&c1), Some(Undecided::NoEvidence));
+        s.stitcher.response_context(y2.span_id, chain(&[0x20]));
+        assert_eq!(
+            (s.parent(&c2), s.parent(&c3)),
+            (Some(y2.span_id), Some(y2.span_id))
+        );
+        s.stitcher.response_context(y1.span_id, chain(&[0x77]));
+        assert_eq!(s.parent(&c1), None, "written by a middleware task");
+        assert_eq!(s.stitcher.counters.parents_by_response_context, 2);
+        let _ = Evidence::ResponseContext;
+    }
+}
