@@ -66,6 +66,8 @@ enum State {
 #[derive(Default)]
 pub struct ContextReads {
     processes: HashMap<u32, State>,
+    /// `--no-task-contexts`: no process is inspected, no thread registered.
+    disabled: bool,
     pub counters: ContextReadCounters,
 }
 
@@ -101,9 +103,17 @@ impl ContextReads {
         matches!(self.processes.get(&pid), Some(State::On { .. }))
     }
 
+    /// Context reads for no process (`--no-task-contexts`).
+    pub fn disabled() -> Self {
+        Self {
+            disabled: true,
+            ..Self::default()
+        }
+    }
+
     /// A process was attached (named, discovered or adopted): look at its runtime now.
     pub fn attach(&mut self, pid: u32, map: &mut impl ThreadMap) {
-        if self.processes.contains_key(&pid) {
+        if self.disabled || self.processes.contains_key(&pid) {
             return;
         }
         self.processes.insert(pid, State::Trying { attempts: 0 });
@@ -114,6 +124,9 @@ impl ContextReads {
     /// thread states of those that are on re-read. `traced` is every traced pid, so that
     /// adopted children are picked up here.
     pub fn rescan(&mut self, traced: impl IntoIterator<Item = u32>, map: &mut impl ThreadMap) {
+        if self.disabled {
+            return;
+        }
         for pid in traced {
             match self.processes.get(&pid) {
                 None => self.attach(pid, map),
@@ -339,6 +352,17 @@ mod tests {
         reads.forget(10, &mut map);
         assert!(map.entries.is_empty());
         assert!(!reads.is_on(10));
+    }
+
+    #[test]
+    fn disabled_reads_inspect_and_register_nothing() {
+        let mut map = FakeMap::default();
+        let mut reads = ContextReads::disabled();
+        // The agent's own pid: a real CPython-free process that attach would inspect.
+        reads.attach(std::process::id(), &mut map);
+        reads.rescan([std::process::id()], &mut map);
+        assert!(reads.processes.is_empty() && map.entries.is_empty());
+        assert_eq!(reads.counters, ContextReadCounters::default());
     }
 
     #[test]

@@ -127,7 +127,11 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         harvests,
         harvest_routes: !args.no_route_harvest,
         kernel_entries_swept: 0,
-        context_reads: ContextReads::default(),
+        context_reads: if args.no_task_contexts {
+            ContextReads::disabled()
+        } else {
+            ContextReads::default()
+        },
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);

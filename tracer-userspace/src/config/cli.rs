@@ -205,6 +205,14 @@ pub struct RunArgs {
     #[arg(long, env = "GYM_TRACER_NO_ROUTE_HARVEST")]
     pub no_route_harvest: bool,
 
+    /// Do not read the running asyncio task's context in traced CPython processes. By
+    /// default the kernel reads it at the first write of each request and response (a few
+    /// memory reads, paid by the traced server), which is what ties a call to the request
+    /// that made it when many are in flight. Without it, calls are placed by rollout ids and
+    /// cookies alone, else left without a parent (counted).
+    #[arg(long, env = "GYM_TRACER_NO_TASK_CONTEXTS")]
+    pub no_task_contexts: bool,
+
     /// Create this file once every probe is attached and the PIDs are in the filter
     /// (scripts and tests wait for it). Removed on exit.
     #[arg(long, value_name = "PATH", env = "GYM_TRACER_READY_FILE")]

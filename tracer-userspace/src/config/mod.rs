@@ -334,6 +334,7 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
             toml_list(&args.routes).or_else(|| Some("[]".into())),
         ),
         ("no_route_harvest", Some(args.no_route_harvest.to_string())),
+        ("no_task_contexts", Some(args.no_task_contexts.to_string())),
         ("ready_file", path(&args.ready_file)),
         ("summary_file", path(&args.summary_file)),
         ("capture_bytes", Some(args.capture_bytes.to_string())),

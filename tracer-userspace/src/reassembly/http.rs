@@ -107,12 +107,24 @@ impl BodyCollector {
         }
     }
 
-    /// `gap` body bytes moved uncaptured; `ends_body_with` is the transfer's tail when the
-    /// body ends exactly where the transfer does.
-    fn skip(&mut self, ends_body_with: Option<&[u8]>) {
+    /// `gap` body bytes moved uncaptured, in a transfer whose last bytes are `tail` (`None`
+    /// when the body ended inside the transfer: its last bytes are another message's). A
+    /// tail that covers the whole gap continues the bytes kept so far (a short last read
+    /// after a long one still shows the body's end whole); a shorter one starts afresh.
+    fn skip(&mut self, gap: u64, tail: Option<&[u8]>) {
         self.missed = true;
-        self.tail = match ends_body_with {
-            Some(tail) if self.keeps_tail && !tail.is_empty() => Some(tail.to_vec()),
+        if !self.keeps_tail {
+            return;
+        }
+        self.tail = match (tail, self.tail.take()) {
+            (Some(tail), Some(mut kept)) if tail.len() as u64 >= gap => {
+                // `gap` fits in `tail.len()`, a usize.
+                kept.extend_from_slice(&tail[tail.len() - gap as usize..]);
+                let excess = kept.len().saturating_sub(REQUEST_TAIL_BYTES);
+                kept.drain(..excess);
+                Some(kept)
+            }
+            (Some(tail), _) if !tail.is_empty() => Some(tail.to_vec()),
             _ => None,
         };
     }
@@ -490,8 +502,8 @@ impl MessageStream {
             State::Body { body, bytes } => {
                 *bytes += gap;
                 if let Some(sample) = &mut self.sample {
-                    let ends_here = matches!(body, Body::Length(remaining) if gap == *remaining);
-                    sample.skip(ends_here.then_some(tail));
+                    let within = matches!(body, Body::Length(remaining) if gap <= *remaining);
+                    sample.skip(gap, within.then_some(tail));
                 }
                 match body {
                     Body::Length(remaining) => {
@@ -1165,6 +1177,56 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         );
         assert!(prefixes(&events).is_empty());
     }
+    /// The body's last bytes, however the transfers cut it: captured, a gap's tail, a short
+    /// last read whose tail continues the one before; none when a gap's tail did not reach.
+    #[test]
+    fn a_request_body_keeps_its_last_bytes_across_transfers() {
+        let body: Vec<u8> = (0..3000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let head = format!("POST /x HTTP/1.1\r\nContent-Length: {}\r\n\r\n", body.len());
+        let tail_of = |events: &[MessageEvent]| -> Option<Vec<u8>> {
+            events.iter().find_map(|e| match e {
+                MessageEvent::Body(sample) => Some(sample.tail.clone()),
+                _ => None,
+            })?
+        };
+        let end = &body[body.len() - REQUEST_TAIL_BYTES..];
+        let mut recorder = |transfers: &[(usize, usize, usize)]| {
+            // (bytes of the body in this transfer, of which captured, tail length)
+            let mut recorder = Recorder {
+                stream: MessageStream::new(StreamKind::Requests),
+                out: Vec::new(),
+                errors: Vec::new(),
+            };
+            recorder.feed(head.as_bytes(), head.len() as u64, b"", 1);
+            let mut at = 0;
+            for &(len, captured, tail) in transfers {
+                let bytes = &body[at..at + len];
+                recorder.feed(&bytes[..captured], len as u64, &bytes[len - tail..], 2);
+                at += len;
+            }
+            assert!(recorder.errors.is_empty());
+            tail_of(&recorder.out)
+        };
+        assert_eq!(recorder(&[(3000, 3000, 0)]).as_deref(), Some(end), "captured whole");
+        assert_eq!(recorder(&[(3000, 1000, 128)]).as_deref(), Some(end), "one gap");
+        assert_eq!(
+            recorder(&[(2950, 1000, 128), (50, 0, 50)]).as_deref(),
+            Some(end),
+            "a short last read continues the tail before it"
+        );
+        assert_eq!(
+            recorder(&[(2000, 1000, 128), (900, 0, 128), (100, 0, 100)]).as_deref(),
+            Some(end),
+            "two gaps, each tail reaching back to the one before"
+        );
+        assert_eq!(
+            recorder(&[(2000, 1000, 128), (900, 0, 128), (100, 0, 50)]).as_deref(),
+            Some(&body[body.len() - 50..]),
+            "a tail that does not cover its gap: only its own bytes are known"
+        );
+        assert_eq!(recorder(&[(2000, 1000, 8), (1000, 0, 0)]), None);
+    }
+
     #[test]
     fn a_head_sent_a_few_bytes_at_a_time_is_parsed_once_complete() {
         let head: &[u8] = b"GET /slow HTTP/1.1\r\nHost: a\r\nX-Pad: 0123456789\r\n\r\n";
