@@ -43,7 +43,10 @@ from gym_launch import DEFAULT_SERVERS, RESOURCES, AGENT, GymRun, run_body  # no
 from harness import Agent, free_port  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
-VARIANTS = ("untraced", "gym-tracer", "otel")
+# tracer-no-ctx: gym-tracer with --no-task-contexts, so that the kernel's task-context reads
+# (issue #13) are priced on their own: the difference to gym-tracer is what they cost.
+VARIANTS = ("untraced", "gym-tracer", "tracer-no-ctx", "otel")
+TRACED = {"gym-tracer": [], "tracer-no-ctx": ["--no-task-contexts"]}
 WORKLOADS = ("verify", "run")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # After wrk ends: the agent holds finished spans 500 ms (--stitch-delay-ms), then exports.
@@ -112,10 +115,10 @@ def stop_agent(agent):
         agent.stop()
 
 
-def start_agent(pids, receiver_url, health_port=None, servers=True):
+def start_agent(pids, receiver_url, health_port=None, servers=True, options=()):
     """gym-tracer on the load CPU, attached to `pids`; for `servers`, returns once it has
     harvested their routes (so every measured request is named as in production)."""
-    extra = ["--otlp-endpoint", receiver_url]
+    extra = ["--otlp-endpoint", receiver_url, *options]
     if health_port:
         extra += ["--health-listen", str(health_port)]
     agent = Agent(pids, extra_args=extra)
@@ -288,11 +291,11 @@ def measure(workload, variant, params, receiver, scripts):
     pids = [server.pid for server in run.servers.values()]
     agent = None
     try:
-        if variant == "gym-tracer":
+        if variant in TRACED:
             # Before the warm-up: connections already open at attach are not traced, and the
             # agent server's aiohttp pool keeps the ones it opens to its peers.
-            agent = start_agent(pids, receiver.url)
-        run_wrk(url, scripts[workload], params.connections, params.warmup)
+            agent = start_agent(pids, receiver.url, options=TRACED[variant])
+        warmup = run_wrk(url, scripts[workload], params.connections, params.warmup)
         spans_before = receiver.wait_stable(pids)  # the warm-up's spans, not counted
         entry_before = receiver.counts([entry.pid])
         server_cpu_before = sum(cpu_seconds(pid) for pid in pids)
@@ -311,6 +314,8 @@ def measure(workload, variant, params, receiver, scripts):
             result["agent_summary"] = summary
             result["events_lost"] = summary["events_lost_in_kernel"]
             result["agent_drops"] = sum(summary[name] for name in LOSS_COUNTERS)
+            # The summary counts the warm-up's requests too.
+            result["context_chains_per_req"] = summary["context_chains_read"] / max(warmup["sent"] + load["sent"], 1)
         elif variant == "otel":
             run.stop()  # the SDK flushes its batch processor at exit
         if variant != "untraced":
@@ -545,7 +550,7 @@ def soak(params, receiver, scripts):
 
 MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_us_per_req", "agent_peak_rss_kib",
                  "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
-                 "non_2xx")
+                 "non_2xx", "context_chains_per_req")
 
 
 def medians(runs):
@@ -583,6 +588,20 @@ def headline(table, workload):
             "gym_tracer_cpu_cost_fraction_of_otel": cpu_tracer / cpu_otel if cpu_otel > 0 else None}
 
 
+def context_cost(table, workload):
+    """What the task-context reads cost, gym-tracer against gym-tracer --no-task-contexts:
+    server and agent CPU per request, and chains read per request."""
+    on, off = table.get((workload, "gym-tracer")), table.get((workload, "tracer-no-ctx"))
+    if not on or not off:
+        return None
+    return {"server_cpu_us_per_req_on": on["server_cpu_us_per_req"],
+            "server_cpu_us_per_req_off": off["server_cpu_us_per_req"],
+            "server_cpu_us_per_req_delta": on["server_cpu_us_per_req"] - off["server_cpu_us_per_req"],
+            "agent_cpu_us_per_req_on": on["agent_cpu_us_per_req"],
+            "agent_cpu_us_per_req_off": off["agent_cpu_us_per_req"],
+            "context_chains_per_req": on.get("context_chains_per_req")}
+
+
 def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
@@ -597,7 +616,7 @@ def render(report):
                  f"interleaved; every figure is the median of the repeats")
     table = report["table"]
     if table:
-        header = (f"{'workload':8} {'variant':10} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
+        header = (f"{'workload':8} {'variant':13} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
                   f"{'agent µs/req':>12} {'agent RSS MiB':>13} {'lost':>5} {'drops':>5} {'spans/req':>9} "
                   f"{'SERVER/sent':>11} {'req/s ×':>8} {'srv CPU ×':>9}")
         lines += ["", header, "-" * len(header)]
@@ -608,7 +627,7 @@ def render(report):
                     continue
                 rss = row.get("agent_peak_rss_kib")
                 lines.append(
-                    f"{workload:8} {variant:10} {row['rps']:7.0f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                    f"{workload:8} {variant:13} {row['rps']:7.0f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
                     f"{row['server_cpu_us_per_req']:10.0f} {fmt(row.get('agent_cpu_us_per_req'), '12.1f'):>12} "
                     f"{fmt(rss and rss / 1024, '13.1f'):>13} {fmt(row.get('events_lost'), '5.0f'):>5} "
                     f"{fmt(row.get('agent_drops'), '5.0f'):>5} {fmt(row.get('spans_per_req'), '9.3f'):>9} "
@@ -627,6 +646,13 @@ def render(report):
                     f"{100 * h['gym_tracer_server_cpu_cost']:+.1f}% ({100 * h['gym_tracer_cpu_cost_with_agent']:+.1f}% "
                     f"with the agent's), OTel {100 * h['otel_server_cpu_cost']:+.1f}% (ratio "
                     f"{fmt(h['gym_tracer_cpu_cost_fraction_of_otel'], '.3f', 'n/a')})")
+        for workload, c in report.get("context_cost", {}).items():
+            if c:
+                lines.append(
+                    f"{workload}: task-context reads ({fmt(c['context_chains_per_req'], '.2f')} chains/request): server "
+                    f"CPU {c['server_cpu_us_per_req_on']:.0f} µs/req with, {c['server_cpu_us_per_req_off']:.0f} without "
+                    f"({c['server_cpu_us_per_req_delta']:+.1f} µs); agent {c['agent_cpu_us_per_req_on']:.1f} vs "
+                    f"{c['agent_cpu_us_per_req_off']:.1f} µs/req")
         lines.append("(a negative cost is below this machine's noise: compare with the spread of the runs in the JSON)")
     if report.get("saturation"):
         s = report["saturation"]
@@ -756,6 +782,7 @@ def main(argv=None):
         table = medians(report["runs"])
         report["table"] = {f"{w}/{v}": row for (w, v), row in table.items()}
         report["headline"] = {w: headline(table, w) for w in workloads}
+        report["context_cost"] = {w: context_cost(table, w) for w in workloads}
         if "saturation" in args.sections:
             report["saturation"] = saturation(args, receiver, scripts)
         if "connections" in args.sections:

@@ -27,7 +27,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     for key in ("machine", "commit", "parameters", "runs", "table", "headline", "text"):
         assert key in report, key
     table = report["table"]
-    assert set(table) == {"verify/untraced", "verify/gym-tracer", "verify/otel"}
+    assert set(table) == {"verify/untraced", "verify/gym-tracer", "verify/tracer-no-ctx", "verify/otel"}
     for row in table.values():
         for column in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "rps_vs_untraced"):
             assert row[column] > 0, (column, row)
@@ -42,3 +42,8 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     assert run["one_span_per_request"]
     assert traced["events_lost"] == 0 and traced["agent_drops"] == 0, traced
     assert report["headline"]["verify"]["otel_throughput_cost"] is not None
+    # The task-context reads priced on their own: one chain per /verify response with them,
+    # none without.
+    cost = report["context_cost"]["verify"]
+    assert cost["context_chains_per_req"] >= 0.99, cost
+    assert table["verify/tracer-no-ctx"]["context_chains_per_req"] == 0, table["verify/tracer-no-ctx"]

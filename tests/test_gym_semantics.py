@@ -85,9 +85,11 @@ class Seen:
 
 
 def visible_run_id(body, capture):
-    """The id of a /run body as far as the first `capture` bytes of the request show it: the
-    whole body, or a cut one whose visible part already decides the id — an `_ng_rollout_id`
-    and an `_ng_attempt_index`, which nothing later can override. Indices alone decide
+    """The id of a /run body as far as the tracer sees it: the first `capture` bytes of the
+    request (the whole body, or a cut one whose visible part already decides the id — an
+    `_ng_rollout_id` and an `_ng_attempt_index`, which nothing later can override), else the
+    body's last TAIL_BYTES (the run of complete members that ends the object, read as the
+    whole object: Gym appends its `_ng_*` fields last). Indices seen only in the head decide
     nothing (an `_ng_rollout_id` could follow and take precedence): no id, never a wrong one."""
     try:
         rollout_id = gym_rollout_id(body)
@@ -95,15 +97,32 @@ def visible_run_id(body, capture):
         return None
     if rollout_id is None:
         return None
-    if len(json.dumps(body)) + HEAD_ALLOWANCE > capture and not (
-            "_ng_rollout_id" in body and "_ng_attempt_index" in body):
-        return None
-    items = list(body.items())
-    last = max(i for i, (key, _) in enumerate(items) if key.startswith("_ng_"))
-    end = len(json.dumps(dict(items[:last + 1]))) - 1
-    if end + HEAD_ALLOWANCE <= capture:
+    if len(json.dumps(body)) + HEAD_ALLOWANCE <= capture:
         return rollout_id
-    assert end > capture, "a test body must not straddle the capture limit"
+    items = list(body.items())
+    if "_ng_rollout_id" in body and "_ng_attempt_index" in body:
+        last = max(i for i, (key, _) in enumerate(items) if key.startswith("_ng_"))
+        end = len(json.dumps(dict(items[:last + 1]))) - 1
+        if end + HEAD_ALLOWANCE <= capture:
+            return rollout_id
+        assert end > capture, "a test body must not straddle the capture limit"
+    return tail_run_id(items)
+
+
+TAIL_BYTES = 128  # the last bytes of a body the kernel reports past the capture
+
+
+def tail_run_id(items):
+    """The id Gym's rule gives the longest run of last members whose separating comma is in
+    the body's last TAIL_BYTES (json.dumps's `, ` and `: `), if that run names one."""
+    for start in range(1, len(items)):
+        run = dict(items[start:])
+        if len(", " + json.dumps(run)[1:]) <= TAIL_BYTES:
+            names = "_ng_rollout_id" in run or ("_ng_task_index" in run and "_ng_rollout_index" in run)
+            try:
+                return gym_rollout_id(run) if names else None
+            except ValueError:
+                return None
     return None
 
 
@@ -285,8 +304,10 @@ def test_every_gym_route_gets_its_server_and_semantic_spans(gym, tracer):
 
 @pytest.mark.parametrize("capture", [None, 1024], ids=["default-capture", "capture-1024"])
 def test_rollout_id_from_a_run_body_larger_than_the_capture(gym, tracer, capture):
-    """/run bodies three times the capture: the id when its fields come first, none (never a
-    wrong one) when they come after the big field; the downstream calls carry it in their prefix."""
+    """/run bodies three times the capture: the id when its fields come first and decide it,
+    or when they come after the big field (Gym's order: the body's tail shows them); none,
+    never a wrong one, when the indices come first and the body's tail does not name them;
+    the downstream calls carry it in their prefix."""
     run = gym()
     agent = tracer(*(["--capture-bytes", str(capture)] if capture else []))
     assert_attached(agent, run)
@@ -295,13 +316,13 @@ def test_rollout_id_from_a_run_body_larger_than_the_capture(gym, tracer, capture
         # Indices first, but an _ng_rollout_id could still follow and win: undecided, no id.
         run_body(7, 1, attempt=1, padding=3 * size),
         run_body(rollout_id="big-first", attempt=0, padding=3 * size),  # decided: the id
-        run_body(8, 2, attempt=1, padding=3 * size, ids_first=False),  # after the big field: no id
+        run_body(8, 2, attempt=1, padding=3 * size, ids_first=False),  # after the big field: the tail's
         run_body(rollout_id="big-after", attempt=3, padding=3 * size, ids_first=False),
     ]
     sent = drive_rollouts(run, bodies)
     assert_agent_answers(sent)
     expected = seen_by_servers(run, sent, capture=size)
-    assert [e.rollout_id for e in expected if e.name == "POST /run"] == [None, "big-first", None, None]
+    assert [e.rollout_id for e in expected if e.name == "POST /run"] == [None, "big-first", "8-2-a1", "big-after-a3"]
     spans = finish(agent, run, expected)
     assert_server_spans(spans, run, expected)
     assert_semantic_spans(spans, run)

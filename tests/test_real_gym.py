@@ -11,9 +11,12 @@ Needs target/gym-venv (`cargo xtask setup`); skipped only when setup was told to
 """
 
 import collections
+import difflib
 import hashlib
+import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import pytest
 
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
-from real_gym.launch import AGENT, API_KEY, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
+from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
 
 TASK, ROLLOUT = 3, 1
 RUN_ID = f"{TASK}-{ROLLOUT}"
@@ -275,5 +278,182 @@ def test_one_real_rollout(real_gym, tracer, observability):
 
     prompt = run.rollout_body(TASK, ROLLOUT)["responses_create_params"]["input"][-1]["content"]
     for text in [*NEVER_EXPORTED, prompt]:
+        assert text not in agent.stdout_text(), f"{text!r} exported"
+        assert text not in agent.stderr(), f"{text!r} printed"
+
+
+# ---- many rollouts at once ----
+
+SOLO = (16, 0)  # driven alone first: (task index, rollout index)
+AT_ONCE = [(task, 1) for task in range(16)]  # then all of these together
+EXAMPLE_ROWS = 5  # rows in example_single_tool_call's example.jsonl; task i uses row i % 5
+BODY_BYTES = 11_000  # as example_multi_step's rows: the `_ng_*` ids only in the body's tail
+# The agent's summary counters that say how each outbound call got its parent (or why not).
+EVIDENCE_COUNTERS = [
+    "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context", "parents_by_echoed_id",
+    "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting", "parents_ambiguous",
+    "parents_no_evidence", "parents_contradicted", "parents_none", "task_context_conflicts",
+    "task_context_regroups", "cross_process_links", "spans_flushed_unmatched", "spans_released_early",
+    "events_lost_in_kernel", "python_runtimes_read", "python_runtimes_off", "python_processes_not_python",
+    "python_threads_registered", "python_threads_not_registered", "context_chains_read", "context_chains_empty",
+    "context_thread_unknown", "context_not_a_context", "context_reads_failed", "context_records_lost",
+]
+
+
+def tree_size(node):
+    return 1 + sum(tree_size(child) for child in node[2])
+
+
+SPANS_PER_ROLLOUT = tree_size(EXPECTED_TREE)
+
+
+def render_tree(node, depth=0):
+    name, server, children = node
+    return ["  " * depth + f"{name} [{server}]"] + [line for child in children for line in render_tree(child, depth + 1)]
+
+
+def render_shapes(shapes):
+    return [line for shape in shapes for line in render_tree(shape)] or ["(no spans)"]
+
+
+def expected_requests(rollout_id, observability):
+    prefix = f"/ng-rollout/{rollout_id}" if observability else ""
+    return [
+        (AGENT, "POST", "/run", 200),
+        (RESOURCES, "POST", f"{prefix}/seed_session", 200),
+        (AGENT, "POST", f"{prefix}/v1/responses", 200),
+        (MODEL, "POST", f"{prefix}/v1/responses", 200),
+        (RESOURCES, "POST", "/get_weather", 200),
+        (MODEL, "POST", f"{prefix}/v1/responses", 200),
+        (RESOURCES, "POST", f"{prefix}/verify", 200),
+    ]
+
+
+def drive_at_once(run, rollouts, body_options):
+    """The rollouts all at once (one thread each, released together by a barrier), each
+    with `body_options(task)` for its body: their results by (task, rollout); any error
+    fails."""
+    barrier = threading.Barrier(len(rollouts))
+    results, errors = {}, {}
+
+    def one(task, rollout):
+        try:
+            barrier.wait(30)
+            results[(task, rollout)] = run.drive_rollout(task, rollout, **body_options(task))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors[(task, rollout)] = repr(error)
+
+    threads = [threading.Thread(target=one, args=key) for key in rollouts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("observability", [False, True], ids=["plain", "observability"])
+def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observability):
+    """Issue #13: at Gym's real concurrency every rollout is one trace with exactly the tree of
+    a rollout run alone. One rollout alone, then 16 at once, each with its own (task, rollout)
+    and an ~11 KB body (as example_multi_step's rows) whose `_ng_*` ids are in its tail only,
+    through the real servers: for every rollout id, every span that carries it or is in its
+    derived trace is in that one trace, that trace is exactly EXPECTED_TREE and holds no span
+    of another rollout, and there is no span besides these 17 trees."""
+    run = real_gym(observability=observability)
+    pids = run.pids
+    by_pid = {pid: name for name, pid in pids.items()}
+    agent = tracer()
+    for name, pid in pids.items():
+        agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
+        agent.wait_for_routes(pid)
+
+    def body_options(task):
+        return {"row_index": task % EXAMPLE_ROWS, "pad_to": BODY_BYTES}
+
+    rollouts = [SOLO, *AT_ONCE]
+    ids = {f"{task}-{rollout}": (task, rollout) for task, rollout in rollouts}
+    assert len(ids) == len(rollouts)
+    body = json.dumps(run.rollout_body(*SOLO, **body_options(SOLO[0])))
+    assert len(body) == BODY_BYTES and body.rindex('"_ng_task_index"') > BODY_BYTES - 200, len(body)
+
+    before = {name: len(entries) for name, entries in run.access_log_paths().items()}
+    results = {SOLO: run.drive_rollout(*SOLO, **body_options(SOLO[0]))}
+    results.update(drive_at_once(run, AT_ONCE, body_options))
+    assert {key: result["reward"] for key, result in results.items()} == {key: 1.0 for key in rollouts}, results
+    upstream = run.upstream_requests()
+    assert collections.Counter((r["method"], r["path"], r["auth_ok"]) for r in upstream) == \
+        {("POST", "/v1/responses", True): 2 * len(rollouts)}
+
+    expected_paths = collections.Counter(
+        request for rollout_id in ids for request in expected_requests(rollout_id, observability))
+    served = wait_for_requests(run, before, sum(expected_paths.values()), timeout=30)
+    assert collections.Counter(served) == expected_paths, run.access_log_paths()
+
+    def ours():
+        return [s for s in agent.spans() if s["resource"].get("process.pid") in by_pid
+                and not harvest(s["attributes"].get("http.request.method"), s["attributes"].get("url.path"))]
+
+    # The SERVER spans, then (softly: a missing span is the assertion's to report) all of them.
+    wait_until(lambda: sum(s["kind"] == "SERVER" for s in ours()) >= len(served), 20, f"{len(served)} SERVER spans")
+    try:
+        wait_until(lambda: len(ours()) >= SPANS_PER_ROLLOUT * len(rollouts), 5, "every span")
+    except AssertionError:
+        pass
+    time.sleep(1.0)  # the stitch delay, and room for a span too many
+    agent.stop()
+    assert agent.returncode == 0, agent.stderr()
+    spans = ours()
+    summary = agent.summary()
+    evidence = {name: summary.get(name) for name in EVIDENCE_COUNTERS}
+    print(f"\n[{'observability' if observability else 'plain'}] {len(spans)} spans, "
+          f"{len(rollouts)} rollouts x {SPANS_PER_ROLLOUT}; evidence counters:")
+    for name, value in evidence.items():
+        print(f"  {name} = {value}")
+
+    by_trace = collections.defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    trace_owner = {rollout_trace_id(rollout_id): rollout_id for rollout_id in ids}
+    want = [canonical(EXPECTED_TREE)]
+    problems = []
+    for rollout_id in ids:
+        trace_id = rollout_trace_id(rollout_id)
+        carrying = [s for s in spans if s["attributes"].get("nemo.gym.rollout.id") == rollout_id
+                    or s["trace_id"] == trace_id]
+        traces = collections.Counter(s["trace_id"] for s in carrying)
+        if set(traces) != {trace_id}:
+            problems.append(f"rollout {rollout_id}: its spans are in {len(traces)} traces: " + ", ".join(
+                f"{t} ({trace_owner.get(t, 'no rollout')}'s): {n} spans" for t, n in traces.items()))
+            for t in traces:
+                if t != trace_id:
+                    problems += [f"    foreign trace {t}:"] + [
+                        f"      {line}" for line in render_shapes(tree_shape(by_trace[t], by_pid))]
+        members = by_trace.get(trace_id, [])
+        shapes = tree_shape(members, by_pid)
+        if shapes != want:
+            diff = difflib.unified_diff(render_shapes(want), render_shapes(shapes), "expected", f"rollout {rollout_id}",
+                                        lineterm="", n=2)
+            problems.append(f"rollout {rollout_id}: {len(members)} spans, {len(shapes)} roots, not the expected tree:\n"
+                            + "\n".join("    " + line for line in diff))
+        others = {k: v for k, v in collections.Counter(s["attributes"].get("nemo.gym.rollout.id")
+                                                       for s in members).items() if k not in (None, rollout_id)}
+        if others:
+            problems.append(f"rollout {rollout_id}: its trace holds spans of other rollouts: {others}")
+    strays = [s for t, members in by_trace.items() if t not in trace_owner for s in members]
+    if strays:
+        problems.append(f"{len(strays)} spans in no rollout's trace:\n" + "\n".join(
+            f"    trace {t}:\n" + "\n".join("      " + line for line in render_shapes(tree_shape(members, by_pid)))
+            for t, members in by_trace.items() if t not in trace_owner))
+    if len(spans) != SPANS_PER_ROLLOUT * len(rollouts):
+        problems.append(f"{len(spans)} spans, want {len(rollouts)} x {SPANS_PER_ROLLOUT}: "
+                        f"{collections.Counter((s['kind'], s['name']) for s in spans)}")
+    if problems:
+        print("\n".join(problems))
+    assert not problems, "\n".join(problems[:40]) + f"\n\nexpected tree:\n" + "\n".join(
+        render_shapes(want)) + f"\nevidence counters: {evidence}\nsummary: {summary}"
+
+    prompts = {run.example_row(row)["responses_create_params"]["input"][-1]["content"] for row in range(EXAMPLE_ROWS)}
+    for text in [*NEVER_EXPORTED, *sorted(prompts), PADDING.strip()]:
         assert text not in agent.stdout_text(), f"{text!r} exported"
         assert text not in agent.stderr(), f"{text!r} printed"

@@ -64,6 +64,8 @@ SERVER_TYPES = {
 # The canned upstream's key; it is in the YAML (NEMO_GYM_CONFIG_DICT) and must never be exported.
 API_KEY = "sk-canned-upstream-5ecret-0f-the-yaml-7f3a9c"
 EXAMPLE_DATA = "resources_servers/example_single_tool_call/data/example.jsonl"
+# Filler for `rollout_body(pad_to=...)`: plain ASCII (no JSON escapes), a prompt-like sentence.
+PADDING = " Prefer concise answers; the padded-prompt-filler says weather questions need the get_weather tool."
 
 
 def free_ports(n):
@@ -278,19 +280,30 @@ class RealGymRun:
                     return json.loads(line)
         raise IndexError(index)
 
-    def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None):
-        """A flat row as rollout collection posts it to /run."""
-        body = self.example_row(task_index)
+    def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None, *, row_index=None, pad_to=None):
+        """A flat row as rollout collection posts it to /run.
+
+        row_index: the example row (default: task_index; the example file has 5 rows).
+        pad_to: lengthen the row's first input message (its developer prompt, as the long
+        system prompts of example_multi_step's ~11 KB rows) until the JSON body is `pad_to`
+        bytes; the `_ng_*` fields stay last, so they are only in the body's tail."""
+        body = self.example_row(task_index if row_index is None else row_index)
         body["agent_ref"] = {"type": "responses_api_agents", "name": AGENT}
         body["_ng_task_index"] = task_index
         body["_ng_rollout_index"] = rollout_index
         if attempt_index is not None:
             body["_ng_attempt_index"] = attempt_index
+        if pad_to:
+            first = body["responses_create_params"]["input"][0]
+            missing = pad_to - len(json.dumps(body).encode())
+            if missing > 0:
+                first["content"] = first["content"] + (PADDING * (missing // len(PADDING) + 1))[:missing]
         return body
 
-    def drive_rollout(self, task_index=0, rollout_index=0, attempt_index=None, timeout=60):
-        """POST one rollout to the agent's /run; returns the verify response (has `reward`)."""
-        body = json.dumps(self.rollout_body(task_index, rollout_index, attempt_index)).encode()
+    def drive_rollout(self, task_index=0, rollout_index=0, attempt_index=None, timeout=60, **body_options):
+        """POST one rollout to the agent's /run; returns the verify response (has `reward`).
+        `body_options` go to `rollout_body` (row_index, pad_to)."""
+        body = json.dumps(self.rollout_body(task_index, rollout_index, attempt_index, **body_options)).encode()
         request = urllib.request.Request(self.urls[AGENT] + "/run", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
         try:

@@ -1,0 +1,137 @@
+"""Which inbound request made an outbound call, in a plain FastAPI app without Gym (no
+rollout ids, no cookies, no gym.* spans): the tracer attached by `--pid` to the app and to
+the leaf server it calls (support/servers/causality_app.py), 50 requests 10 at a time.
+
+The test knows the truth: request n arrives as `/<kind>/n` and calls `/leaf/n/0` and
+`/leaf/n/1`, so each CLIENT span's url.full names the SERVER span that made it. A parent is
+never wrong: a CLIENT span with a parent hangs under exactly its own request's SERVER span
+(and a leaf's SERVER span, with a parent, under exactly the CLIENT span that called it).
+For the plain handler every call has its parent (the handler's own task makes the calls
+and writes the response). Behind BaseHTTPMiddleware and under asyncio.gather the calls run
+in other tasks than the one writing the response: a call may be left without a parent, but
+each one left so is counted by the agent (parents_ambiguous, parents_no_evidence,
+parents_none, parents_contradicted)."""
+
+import collections
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import wait_until
+
+REQUESTS = 50
+AT_A_TIME = 10
+CALLS_PER_REQUEST = 2
+UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_none", "parents_contradicted"]
+EVIDENCE = ["parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context", "parents_by_echoed_id",
+            "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting", *UNDECIDED,
+            "task_context_conflicts", "task_context_regroups", "cross_process_links", "spans_flushed_unmatched",
+            "events_lost_in_kernel", "python_runtimes_read", "python_threads_registered", "context_chains_read",
+            "context_chains_empty", "context_thread_unknown", "context_reads_failed", "context_records_lost"]
+LEAF_PATH = re.compile(r"^/leaf/(\d+)/(\d+)$")
+
+KINDS = [
+    # (kind = the inbound path's first segment, the app, whether every call must have its parent)
+    pytest.param("plain", "servers.causality_app:app", True, id="plain"),
+    pytest.param("middleware", "servers.causality_app:middleware_app", False, id="middleware"),
+    pytest.param("gather", "servers.causality_app:app", False, id="gather"),
+]
+
+
+def drive(port, kind):
+    def one(n):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/{kind}/{n}", timeout=30) as response:
+            assert response.status == 200
+            return response.read()
+
+    with ThreadPoolExecutor(AT_A_TIME) as pool:
+        list(pool.map(one, range(REQUESTS)))
+
+
+def path_of_url(url):
+    return "/" + url.split("://", 1)[1].split("/", 1)[1]
+
+
+@pytest.mark.parametrize("kind,app,all_parented", KINDS)
+def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kind, app, all_parented):
+    leaf = server_factory(app="servers.causality_app:app")
+    front = server_factory(app=app, env={"CAUSALITY_DOWNSTREAM": leaf.base_url})
+    agent = agents([front.pid, leaf.pid])
+    for server in (front, leaf):
+        agent.wait_for_routes(server.pid)
+
+    drive(front.port, kind)
+
+    def spans_of(pid, span_kind):
+        return [s for s in agent.spans() if s["resource"].get("process.pid") == pid and s["kind"] == span_kind]
+
+    want = {(front.pid, "SERVER"): REQUESTS, (front.pid, "CLIENT"): REQUESTS * CALLS_PER_REQUEST,
+            (leaf.pid, "SERVER"): REQUESTS * CALLS_PER_REQUEST}
+    wait_until(lambda: all(len(spans_of(*key)) >= n for key, n in want.items()), 20,
+               lambda: f"spans {want}, have { {key: len(spans_of(*key)) for key in want} }")
+    time.sleep(1.0)  # the stitch delay, and room for a span too many
+    agent.stop()
+    assert agent.returncode == 0, agent.stderr()
+    summary = agent.summary()
+    evidence = {name: summary.get(name) for name in EVIDENCE}
+
+    spans = agent.spans()
+    by_id = {s["span_id"]: s for s in spans}
+    counts = collections.Counter((s["resource"].get("process.pid"), s["kind"]) for s in spans)
+    assert counts == want, f"{counts}\n{evidence}"
+
+    # The truth: request n's SERVER span, and which leaf call each CLIENT span is.
+    inbound = {}
+    for span in spans_of(front.pid, "SERVER"):
+        match = re.fullmatch(rf"/{kind}/(\d+)", span["attributes"]["url.path"])
+        assert match and span["attributes"]["http.response.status_code"] == 200, span
+        inbound[int(match.group(1))] = span
+    assert sorted(inbound) == list(range(REQUESTS))
+    clients = {}
+    for span in spans_of(front.pid, "CLIENT"):
+        match = LEAF_PATH.match(path_of_url(span["attributes"]["url.full"]))
+        assert match, span
+        clients[(int(match.group(1)), int(match.group(2)))] = span
+    assert len(clients) == REQUESTS * CALLS_PER_REQUEST
+
+    wrong, orphans = [], []
+    for (n, i), span in sorted(clients.items()):
+        parent = span["parent_span_id"]
+        if not parent:
+            orphans.append((n, i))
+        elif parent != inbound[n]["span_id"]:
+            other = by_id.get(parent)
+            wrong.append(f"/leaf/{n}/{i} under " + (f"{other['kind']} {other['attributes'].get('url.path')}"
+                                                    if other else f"unknown span {parent}"))
+        elif span["trace_id"] != inbound[n]["trace_id"]:
+            wrong.append(f"/leaf/{n}/{i}: parent right, trace {span['trace_id']} vs {inbound[n]['trace_id']}")
+    wrong_leaves = []
+    for span in spans_of(leaf.pid, "SERVER"):
+        path = span["attributes"]["url.path"]
+        match = LEAF_PATH.match(path)
+        assert match, span
+        caller = clients[(int(match.group(1)), int(match.group(2)))]
+        if span["parent_span_id"] and span["parent_span_id"] != caller["span_id"]:
+            other = by_id.get(span["parent_span_id"])
+            wrong_leaves.append(f"leaf SERVER {path} under " + (
+                f"{other['kind']} {other['attributes'].get('url.full')}" if other else "an unknown span"))
+
+    undecided = sum(summary[name] for name in UNDECIDED)
+    print(f"\n[{kind}] CLIENT spans {len(clients)}: parented {len(clients) - len(orphans)}, without a parent "
+          f"{len(orphans)}, wrong {len(wrong)}; leaf SERVER spans under a wrong CLIENT {len(wrong_leaves)}; "
+          f"undecided counted {undecided}")
+    for name, value in evidence.items():
+        print(f"  {name} = {value}")
+
+    context = f"\nevidence counters: {evidence}"
+    assert not wrong, f"{len(wrong)} calls under a wrong parent:\n" + "\n".join(wrong[:30]) + context
+    assert not wrong_leaves, f"{len(wrong_leaves)} leaf requests under a wrong caller:\n" + \
+        "\n".join(wrong_leaves[:30]) + context
+    if all_parented:
+        assert not orphans, f"{len(orphans)} calls without a parent: {orphans[:30]}" + context
+    else:
+        assert undecided >= len(orphans), \
+            f"{len(orphans)} calls without a parent, only {undecided} counted undecided: {orphans[:30]}" + context
