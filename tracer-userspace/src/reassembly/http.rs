@@ -1207,8 +1207,16 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             assert!(recorder.errors.is_empty());
             tail_of(&recorder.out)
         };
-        assert_eq!(recorder(&[(3000, 3000, 0)]).as_deref(), Some(end), "captured whole");
-        assert_eq!(recorder(&[(3000, 1000, 128)]).as_deref(), Some(end), "one gap");
+        assert_eq!(
+            recorder(&[(3000, 3000, 0)]).as_deref(),
+            Some(end),
+            "captured whole"
+        );
+        assert_eq!(
+            recorder(&[(3000, 1000, 128)]).as_deref(),
+            Some(end),
+            "one gap"
+        );
         assert_eq!(
             recorder(&[(2950, 1000, 128), (50, 0, 50)]).as_deref(),
             Some(end),
