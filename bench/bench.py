@@ -42,6 +42,9 @@ sys.path.insert(0, str(SUPPORT_DIR))
 from gym_launch import DEFAULT_SERVERS, RESOURCES, AGENT, GymRun, run_body  # noqa: E402
 from harness import Agent, free_port  # noqa: E402
 
+sys.path.insert(0, str(BENCH_DIR))
+import bpf_stats  # noqa: E402
+
 SERVER_CPU, LOAD_CPU = 0, 1
 # tracer-no-ctx: gym-tracer with --no-task-contexts, so that the kernel's task-context reads
 # (issue #13) are priced on their own: the difference to gym-tracer is what they cost.
@@ -494,6 +497,68 @@ def host_tax(params, binary, receiver):
 
 
 # ---------------------------------------------------------------------------------------
+# ctx: the task-context reads alone, on a CPython writer
+# ---------------------------------------------------------------------------------------
+
+CONTEXT_MODES = ("untraced", "traced, no task contexts", "traced, task contexts")
+
+
+def context_reads(params, receiver):
+    """A CPython asyncio task sending `ctx_requests` requests (one message-start write and one
+    read each) to an untraced sink, on the server CPU: its CPU µs per request without an
+    agent, traced with --no-task-contexts, and traced with the reads on; interleaved, median
+    of `tax_repeats`. The difference of the last two is what the reads cost the server."""
+    python = sys.executable
+    sink_port = free_port()
+    with spawning_on(LOAD_CPU):
+        sink = CHILDREN.add(subprocess.Popen([python, str(BENCH_DIR / "context_sink.py"), str(sink_port)],
+                                             stdout=subprocess.PIPE, text=True))
+    sink.stdout.readline()
+    runs = {mode: [] for mode in CONTEXT_MODES}
+    kernel_ns = {mode: [] for mode in CONTEXT_MODES[1:]}
+    chains = []
+    try:
+        with bpf_stats.stats_enabled():
+            for _ in range(params.ctx_repeats):
+                for mode in CONTEXT_MODES:
+                    writer = subprocess.Popen(
+                        ["taskset", "-c", str(SERVER_CPU), python, str(BENCH_DIR / "context_writer.py"),
+                         str(sink_port), str(params.ctx_requests)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    CHILDREN.add(writer)
+                    agent = None
+                    if mode != "untraced":
+                        options = ["--no-task-contexts"] if mode == "traced, no task contexts" else []
+                        agent = start_agent([writer.pid], receiver.url, servers=False, options=options)
+                    try:
+                        before = bpf_stats.run_time(agent.process.pid) if agent else None
+                        out, _ = writer.communicate("go\n", timeout=300)
+                        runs[mode].append(float(out))
+                        if agent:
+                            spent_ns = bpf_stats.run_time(agent.process.pid)[0] - before[0]
+                            kernel_ns[mode].append(spent_ns / params.ctx_requests)
+                            agent.stop()
+                            if not options:
+                                chains.append(Counters(agent.summary(), "exit summary")["context_chains_read"])
+                    finally:
+                        stop_agent(agent)
+    finally:
+        sink.kill()
+        sink.wait()
+    kernel_medians = {mode: statistics.median(values) for mode, values in kernel_ns.items()}
+    medians_us = {mode: statistics.median(values) for mode, values in runs.items()}
+    # The least of the runs: the one the machine's noise (interrupts, the other CPU's load
+    # on the shared cache) disturbed least, which a per-request kernel cost cannot hide in.
+    least_us = {mode: min(values) for mode, values in runs.items()}
+    return {"requests": params.ctx_requests, "runs": runs, "median_us_per_req": medians_us,
+            "least_us_per_req": least_us, "chains_read": chains, "kernel_ns_runs": kernel_ns,
+            "kernel_ns_per_req": kernel_medians,
+            "reads_kernel_ns": kernel_medians["traced, task contexts"] - kernel_medians["traced, no task contexts"],
+            "reads_cost_us": medians_us["traced, task contexts"] - medians_us["traced, no task contexts"],
+            "reads_cost_least_us": least_us["traced, task contexts"] - least_us["traced, no task contexts"]}
+
+
+# ---------------------------------------------------------------------------------------
 # soak: agent memory under steady load
 # ---------------------------------------------------------------------------------------
 
@@ -678,6 +743,19 @@ def render(report):
             what = {"pipe": "pipe write+read", "socket": "socketpair send+recv", "getppid": "getppid (no program)"}[mode]
             lines.append(f"  {what:20} {t['without_ns']:7.1f} ns/syscall without the agent, {t['with_ns']:7.1f} with "
                          f"({t['delta_ns']:+.1f} ns, {t['delta_pct']:+.1f}%)")
+    if report.get("context_reads"):
+        c = report["context_reads"]
+        lines.append("")
+        lines.append(f"task-context reads alone (a CPython asyncio task on CPU {SERVER_CPU}, {c['requests']} requests of one "
+                     f"message-start write + one read each, {p['ctx_repeats']} runs interleaved): writer CPU per "
+                     f"request, median (least): "
+                     + ", ".join(f"{mode} {value:.2f} ({c['least_us_per_req'][mode]:.2f}) µs"
+                                 for mode, value in c["median_us_per_req"].items())
+                     + f"; the reads cost {c['reads_cost_us']:+.2f} µs per request ({c['reads_cost_least_us']:+.2f} "
+                     f"between the least); chains read per traced run: {sorted(set(c['chains_read']))}")
+        lines.append("  the agent's eBPF programs, per request (kernel.bpf_stats_enabled, median): "
+                     + ", ".join(f"{mode} {value:.0f} ns" for mode, value in c["kernel_ns_per_req"].items())
+                     + f"; the reads: {c['reads_kernel_ns']:+.0f} ns per request")
     if report.get("soak"):
         s = report["soak"]
         first, last = s["samples"][0]["agent_rss_kib"], s["samples"][-1]["agent_rss_kib"]
@@ -706,7 +784,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "saturation", "connections", "tax")
+SECTIONS = ("verify", "run", "saturation", "connections", "tax", "ctx")
 
 
 def parse_args(argv):
@@ -729,6 +807,8 @@ def parse_args(argv):
     args.scale_connections = [500] if quick else [1000, 5000]
     args.tax_repeats = 3 if quick else 5
     args.tax_iterations = 50_000 if quick else 200_000
+    args.ctx_requests = 5_000 if quick else 40_000
+    args.ctx_repeats = 3 if quick else 9
     args.sections = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
@@ -789,6 +869,8 @@ def main(argv=None):
             report["connections"] = connection_scale(args, receiver)
         if "tax" in args.sections:
             report["host_tax"] = host_tax(args, build_tax_program(args.out_dir), receiver)
+        if "ctx" in args.sections:
+            report["context_reads"] = context_reads(args, receiver)
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:

@@ -242,9 +242,6 @@ impl ContextReads {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::processes::python::{
-        ContextOffsets, Linkage, PythonVersion, WalkOffsets, WalkSource,
-    };
 
     #[derive(Default)]
     struct FakeMap {
@@ -266,42 +263,7 @@ mod tests {
     }
 
     fn runtime() -> PythonRuntime {
-        PythonRuntime {
-            version: PythonVersion {
-                major: 3,
-                minor: 13,
-                micro: 0,
-            },
-            linkage: Linkage::Shared,
-            library: "/lib/libpython3.13.so.1.0".into(),
-            runtime_address: 0x1000,
-            walk: WalkOffsets {
-                interpreters_head: 0,
-                interpreter_next: 0,
-                threads_head: 0,
-                thread_next: 0,
-                thread_interp: 0,
-                thread_native_id: 0,
-            },
-            walk_source: WalkSource::DebugOffsets,
-            context: ContextOffsets {
-                thread_context: 208,
-                context_prev: 16,
-                context_vars: 24,
-                hamt_root: 16,
-                hamt_count: 32,
-                bitmap_size: 16,
-                bitmap_bits: 24,
-                bitmap_pairs: 32,
-                array_children: 16,
-                collision_pairs: 32,
-                var_name: 16,
-                var_hash: 56,
-                ascii_length: 16,
-                ascii_data: 40,
-            },
-            context_type: Some(0x5000),
-        }
+        python::testing::runtime_313(0x1000, 0x5000)
     }
 
     fn thread(pid: u32, state: u64) -> PythonThread {

@@ -1190,7 +1190,7 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             })?
         };
         let end = &body[body.len() - REQUEST_TAIL_BYTES..];
-        let mut recorder = |transfers: &[(usize, usize, usize)]| {
+        let recorder = |transfers: &[(usize, usize, usize)]| {
             // (bytes of the body in this transfer, of which captured, tail length)
             let mut recorder = Recorder {
                 stream: MessageStream::new(StreamKind::Requests),

@@ -126,7 +126,7 @@ impl Stitcher {
         match verdict {
             Verdict::One(parent, how) => {
                 self.set_parent(call, parent, how);
-                self.bind_group(key, parent);
+                self.bind_group(key, parent, Evidence::TaskContext);
             }
             Verdict::Undecided(why) => {
                 if let Some(node) = self.nodes.get_mut(&call) {
@@ -153,9 +153,10 @@ impl Stitcher {
         *counter += 1;
     }
 
-    /// The group now serves `owner`: its other unplaced calls that started while `owner` was
-    /// in flight get it too. A group that already serves another request keeps it (counted).
-    fn bind_group(&mut self, key: Option<(u32, u64)>, owner: SpanId) {
+    /// The group now serves `owner`: its unplaced calls that started while `owner` was in
+    /// flight get it too, as decided by `how`. A group that already serves another request
+    /// keeps it (counted).
+    fn bind_group(&mut self, key: Option<(u32, u64)>, owner: SpanId, how: Evidence) {
         let Some(group) = key.and_then(|k| self.groups.get_mut(&k)) else {
             return;
         };
@@ -169,14 +170,19 @@ impl Stitcher {
         }
         let members = group.members.clone();
         for member in members {
-            let unplaced = self.nodes.get(&member).filter(|n| n.parent == Parent::None);
-            if let Some(node) = unplaced
-                && self.in_flight_at(owner, node.started)
-                && !self.excluded(owner, member, key)
-            {
-                self.set_parent(member, owner, Evidence::TaskContext);
+            if self.placeable_under(owner, member, key) {
+                self.set_parent(member, owner, how);
             }
         }
+    }
+
+    /// Whether `member`, a call of the group `key`, has no parent yet and may have `owner`.
+    fn placeable_under(&self, owner: SpanId, member: SpanId, key: Option<(u32, u64)>) -> bool {
+        self.nodes.get(&member).is_some_and(|node| {
+            node.parent == Parent::None
+                && self.in_flight_at(owner, node.started)
+                && !self.excluded(owner, member, key)
+        })
     }
 
     /// Intersects what each item of the call's own evidence allows.
@@ -270,33 +276,22 @@ impl Stitcher {
         if self.tails.learn_response(pid, &context) {
             self.regroup(pid);
         }
-        if let TaskKey::Root(root) = self.tails.key(pid, &context)
-            && self
-                .groups
-                .get(&(pid, root))
-                .is_some_and(|g| g.owner.is_none())
+        let TaskKey::Root(root) = self.tails.key(pid, &context) else {
+            return;
+        };
+        let key = Some((pid, root));
+        let Some(group) = self.groups.get(&(pid, root)) else {
+            return;
+        };
+        // A group already serving a request is another handler's: the response is written by
+        // a middleware task at a reused address, or by a handler whose calls were placed.
+        if group.owner.is_none()
+            && group
+                .members
+                .iter()
+                .any(|m| self.placeable_under(request, *m, key))
         {
-            let members = self.groups[&(pid, root)].members.clone();
-            let placed = members.iter().any(|m| {
-                self.nodes.get(m).is_some_and(|n| {
-                    n.parent == Parent::None && self.in_flight_at(request, n.started)
-                })
-            });
-            if placed {
-                let key = Some((pid, root));
-                if let Some(group) = self.groups.get_mut(&(pid, root)) {
-                    group.owner = Some(request);
-                }
-                for member in members {
-                    let unplaced = self.nodes.get(&member).filter(|n| n.parent == Parent::None);
-                    if let Some(node) = unplaced
-                        && self.in_flight_at(request, node.started)
-                        && !self.excluded(request, member, key)
-                    {
-                        self.set_parent(member, request, Evidence::ResponseContext);
-                    }
-                }
-            }
+            self.bind_group(key, request, Evidence::ResponseContext);
         }
     }
 
@@ -319,12 +314,9 @@ impl Stitcher {
                     return;
                 };
                 let key = self.group_key(call_node);
-                if call_node.parent == Parent::None
-                    && self.in_flight_at(request, call_node.started)
-                    && !self.excluded(request, call, key)
-                {
+                if self.placeable_under(request, call, key) {
                     self.set_parent(call, request, Evidence::EchoedId);
-                    self.bind_group(key, request);
+                    self.bind_group(key, request, Evidence::TaskContext);
                 }
             }
         }

@@ -377,3 +377,31 @@ fn at(base: u64, offset: u64) -> Result<u64, ReadError> {
 
 #[cfg(test)]
 mod tests;
+
+/// A recognised runtime for tests elsewhere (the agent's context reads).
+#[cfg(test)]
+pub mod testing {
+    use super::*;
+
+    /// CPython 3.13.0 with its header layout, `_PyRuntime` at `runtime_address`.
+    pub fn runtime_313(runtime_address: u64, context_type: u64) -> PythonRuntime {
+        let layout = layout::layout_for(3, 13).expect("known");
+        let layout::HeaderWalk::Full(walk) = layout.walk else {
+            panic!("3.13 has a full walk")
+        };
+        PythonRuntime {
+            version: PythonVersion {
+                major: 3,
+                minor: 13,
+                micro: 0,
+            },
+            linkage: Linkage::Shared,
+            library: PathBuf::from("/lib/libpython3.13.so.1.0"),
+            runtime_address,
+            walk,
+            walk_source: WalkSource::DebugOffsets,
+            context: layout.context,
+            context_type: Some(context_type),
+        }
+    }
+}

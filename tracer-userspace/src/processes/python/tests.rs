@@ -10,24 +10,7 @@ const WORKER: u64 = 0x5600_0000_1000;
 const CONTEXT_TYPE: u64 = 0x7f00_0055_0000;
 
 fn runtime_313() -> PythonRuntime {
-    let layout = layout::layout_for(3, 13).expect("known");
-    let layout::HeaderWalk::Full(walk) = layout.walk else {
-        panic!("3.13 has a full walk")
-    };
-    PythonRuntime {
-        version: PythonVersion {
-            major: 3,
-            minor: 13,
-            micro: 0,
-        },
-        linkage: Linkage::Shared,
-        library: PathBuf::from("/lib/libpython3.13.so.1.0"),
-        runtime_address: RUNTIME,
-        walk,
-        walk_source: WalkSource::DebugOffsets,
-        context: layout.context,
-        context_type: Some(CONTEXT_TYPE),
-    }
+    testing::runtime_313(RUNTIME, CONTEXT_TYPE)
 }
 
 /// One interpreter with two thread states (worker newest, then main), as 3.13 lays them out.
