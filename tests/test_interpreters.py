@@ -3,7 +3,8 @@ stdlib-only asyncio server (support/servers/stdlib_asyncio_app.py) under each, t
 `--pid`, 40 requests 8 at a time, each making two calls.
 
 A minor the tracer knows (3.12, 3.13) is read: every call hangs under exactly the request
-that made it (the handler's task writes the response, so its context binds the calls). One
+that made it (the handler's task writes the response, so its context binds the calls; the
+first calls, made while their request was the only one in flight, by that). One
 it does not know (3.11) is reported (`python_runtimes_off`, a log line), never misread: its
 calls get no parent where several requests are in flight, each counted, and never a wrong
 one. A minor pyenv lacks is a failure, not a skip: the machine kind provides all three."""
@@ -96,7 +97,12 @@ def test_task_contexts_on_each_cpython_minor(stdlib_server, agents, version, kno
           + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith(("parents_", "python_", "context_"))))
     assert not wrong, f"calls under a wrong request: {wrong}"
     if known:
-        assert orphans == 0 and summary["parents_by_response_context"] == 2 * REQUESTS, summary
+        # Mostly by the task context their request's response was written under; the first
+        # ones, made while their request was the only one in flight, by that (and the other
+        # call of that handler by its task context).
+        decided = sum(value for name, value in summary.items() if name.startswith("parents_by_"))
+        assert orphans == 0 and decided == 2 * REQUESTS, summary
+        assert summary["parents_by_response_context"] >= REQUESTS, summary
     else:
         assert summary["context_chains_read"] == 0, "an unknown interpreter is never read"
         assert sum(summary[name] for name in UNDECIDED) >= orphans, summary

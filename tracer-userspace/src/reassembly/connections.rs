@@ -115,8 +115,6 @@ struct Connection {
     last_activity_ns: u64,
     /// Sum of [`RequestHead::heap_bytes`] over `in_flight`.
     in_flight_head_bytes: usize,
-    /// The task context the kernel read for the write that comes next on this connection.
-    pending_context: Option<ContextChain>,
 }
 
 impl Connection {
@@ -167,6 +165,10 @@ pub struct ConnectionTable {
     max_buffered_bytes: usize,
     /// Inbound requests whose body is read for a rollout id.
     wants_body: Option<WantsBody>,
+    /// Task contexts the kernel read for the write that comes next on a connection (its
+    /// `conn_id`, the chain): held from one record to the next, so kept out of `Connection`,
+    /// whose size every idle connection pays.
+    pending_contexts: HashMap<SocketId, (u64, Option<ContextChain>)>,
     scratch_events: Vec<MessageEvent>,
     scratch_errors: Vec<ParseError>,
 }
@@ -208,6 +210,7 @@ impl ConnectionTable {
             buffered_bytes: 0,
             max_buffered_bytes: MAX_BUFFERED_BYTES,
             wants_body: None,
+            pending_contexts: HashMap::new(),
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
             counters: ReassemblyCounters::default(),
@@ -282,15 +285,18 @@ impl ConnectionTable {
                     pid: context.pid,
                     fd: context.fd,
                 };
-                match self.connections.get_mut(&id) {
-                    Some(connection) if connection.conn_id == context.conn_id => {
-                        if connection.pending_context.is_some() {
-                            counters.task_contexts_unused += 1;
-                        }
-                        connection.pending_context = context.chain;
-                        counters.task_contexts_unreadable += u64::from(context.chain.is_none());
-                    }
-                    _ => counters.task_contexts_unused += 1,
+                if self
+                    .connections
+                    .get(&id)
+                    .is_some_and(|c| c.conn_id == context.conn_id)
+                {
+                    let stale = self
+                        .pending_contexts
+                        .insert(id, (context.conn_id, context.chain));
+                    counters.task_contexts_unused += u64::from(stale.is_some());
+                    counters.task_contexts_unreadable += u64::from(context.chain.is_none());
+                } else {
+                    counters.task_contexts_unused += 1;
                 }
             }
             KernelEvent::ProcessExit { pid, timestamp_ns } => {
@@ -398,7 +404,6 @@ impl ConnectionTable {
                 parse_errors: 0,
                 last_activity_ns: open.timestamp_ns,
                 in_flight_head_bytes: 0,
-                pending_context: None,
             },
         );
     }
@@ -497,7 +502,11 @@ impl ConnectionTable {
         let is_request = (connection.role == Role::Server) == (data.direction == Direction::Read);
         // The kernel emits a context right before the write it was read for: on anything
         // else it is stale.
-        let pending = connection.pending_context.take();
+        let pending = self
+            .pending_contexts
+            .remove(&id)
+            .filter(|(conn_id, _)| *conn_id == data.conn_id)
+            .and_then(|(_, chain)| chain);
         let context = match data.direction {
             Direction::Write => pending,
             Direction::Read => {
@@ -565,6 +574,7 @@ impl ConnectionTable {
 
     /// Takes a connection out of the table, keeping the buffered-bytes total.
     fn remove(&mut self, id: &SocketId) -> Option<Connection> {
+        self.pending_contexts.remove(id);
         let connection = self.connections.remove(id)?;
         self.buffered_bytes -= connection.buffered_bytes();
         Some(connection)

@@ -227,7 +227,8 @@ pub struct MessageStream {
     kind: StreamKind,
     state: State,
     wants_body: Option<WantsBody>,
-    sample: Option<BodyCollector>,
+    /// Boxed: every connection holds two streams, few of them mid-body.
+    sample: Option<Box<BodyCollector>>,
     /// The message being read is a final (non-1xx) response: its end answers a request.
     final_response: bool,
     /// Final responses ended during the current [`feed`](Self::feed): a head parsed now
@@ -267,7 +268,7 @@ impl MessageStream {
             State::Head { buffer, .. } => buffer.capacity(),
             _ => 0,
         };
-        head + self.sample.as_ref().map_or(0, BodyCollector::heap_bytes)
+        head + self.sample.as_ref().map_or(0, |sample| sample.heap_bytes())
     }
 
     /// Feeds one transfer. `request(n)` is consulted when a response head is parsed (HEAD
@@ -326,7 +327,7 @@ impl MessageStream {
             self.answered_in_feed += 1;
         }
         if let Some(sample) = self.sample.take() {
-            out.push(MessageEvent::Body(sample.finish(body_bytes)));
+            out.push(MessageEvent::Body((*sample).finish(body_bytes)));
         }
         out.push(MessageEvent::End {
             last_byte_ns,
@@ -386,8 +387,8 @@ impl MessageStream {
                                     } else {
                                         0
                                     };
-                                self.sample =
-                                    sampled(body).then(|| BodyCollector::new(prefix_limit, true));
+                                self.sample = sampled(body)
+                                    .then(|| Box::new(BodyCollector::new(prefix_limit, true)));
                                 body
                             }
                             Head::Response(response_head) => {
@@ -397,8 +398,9 @@ impl MessageStream {
                                     request(self.answered_in_feed),
                                     framing,
                                 );
-                                self.sample = sampled(body)
-                                    .then(|| BodyCollector::new(RESPONSE_PREFIX_BYTES, false));
+                                self.sample = sampled(body).then(|| {
+                                    Box::new(BodyCollector::new(RESPONSE_PREFIX_BYTES, false))
+                                });
                                 body
                             }
                         };

@@ -167,8 +167,9 @@ struct Node {
     ended: Option<u64>,
     /// Inbound: the session tokens its request carried; outbound: the ones the call carries.
     cookies: Vec<Token>,
-    /// Outbound: the task context of its first write.
-    context: Option<ContextChain>,
+    /// Outbound: the task context of its first write (boxed: most requests have none, and
+    /// every request in the graph pays the field).
+    context: Option<Box<ContextChain>>,
     /// Outbound, until placed: why it has no parent.
     undecided: Option<Undecided>,
     parent: Parent,
@@ -310,7 +311,7 @@ impl Stitcher {
             started: self.seq,
             ended: None,
             cookies: start.cookies.clone(),
-            context: start.context,
+            context: start.context.map(Box::new),
             undecided: None,
             parent: Parent::None,
             rollout: facts.rollout_id,
