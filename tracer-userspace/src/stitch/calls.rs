@@ -185,22 +185,17 @@ impl Stitcher {
         })
     }
 
-    /// Intersects what each item of the call's own evidence allows.
+    /// Intersects what each item of the call's own evidence allows. Each item is looked up
+    /// by what it names (the rollout's requests, the cookie's holders) and only those are
+    /// checked as candidates; without evidence, the scan of the requests in flight stops at
+    /// the second candidate.
     fn own_evidence(&self, call: SpanId, key: Option<(u32, u64)>) -> Verdict {
         let Some(node) = self.nodes.get(&call) else {
             return Verdict::Undecided(Undecided::NoEvidence);
         };
-        let in_flight: Vec<SpanId> = self
-            .inbound
-            .get(&node.pid)
-            .into_iter()
-            .flatten()
-            .copied()
-            .filter(|x| self.in_flight_at(*x, node.started) && !self.excluded(*x, call, key))
-            .collect();
-        if in_flight.is_empty() {
-            return Verdict::Undecided(Undecided::NoInbound);
-        }
+        let candidate =
+            |x: &SpanId| self.in_flight_at(*x, node.started) && !self.excluded(*x, call, key);
+        let in_flight = self.inbound.get(&node.pid).map_or(&[][..], Vec::as_slice);
         let mut survivors: Option<Vec<SpanId>> = None;
         let mut decided_by = Evidence::OnlyInbound;
         let mut narrow = |named: Vec<SpanId>, how: Evidence| {
@@ -216,8 +211,8 @@ impl Stitcher {
         if let Some(rollout) = &node.rollout {
             let same = in_flight
                 .iter()
+                .filter(|x| self.effective_rollout(**x) == Some(rollout) && candidate(x))
                 .copied()
-                .filter(|x| self.effective_rollout(*x) == Some(rollout))
                 .collect();
             narrow(same, Evidence::RolloutId);
         }
@@ -227,8 +222,8 @@ impl Stitcher {
                 .get(&(node.pid, *token))
                 .into_iter()
                 .flatten()
+                .filter(|x| candidate(x))
                 .copied()
-                .filter(|x| in_flight.contains(x))
                 .collect();
             narrow(holders, Evidence::Cookie);
         }
@@ -236,10 +231,14 @@ impl Stitcher {
             Some([one]) => Verdict::One(*one, decided_by),
             Some([]) => Verdict::Undecided(Undecided::Contradicted),
             Some(_) => Verdict::Undecided(Undecided::Ambiguous),
-            None => match in_flight.as_slice() {
-                [only] => Verdict::One(*only, Evidence::OnlyInbound),
-                _ => Verdict::Undecided(Undecided::NoEvidence),
-            },
+            None => {
+                let mut candidates = in_flight.iter().filter(|x| candidate(x));
+                match (candidates.next(), candidates.next()) {
+                    (None, _) => Verdict::Undecided(Undecided::NoInbound),
+                    (Some(only), None) => Verdict::One(*only, Evidence::OnlyInbound),
+                    _ => Verdict::Undecided(Undecided::NoEvidence),
+                }
+            }
         }
     }
 

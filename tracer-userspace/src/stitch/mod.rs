@@ -570,15 +570,18 @@ impl Stitcher {
             self.waiting_clients.remove(&key);
             self.waiting_servers.remove(&key);
         }
+        let mut forgotten = false;
         while self
             .finished
             .front()
             .is_some_and(|(at, _)| *at + FINISHED_LINGER <= now)
         {
             let (_, id) = self.finished.pop_front().expect("checked");
-            self.nodes.remove(&id);
+            forgotten |= self.nodes.remove(&id).is_some();
         }
-        self.forget_gone_calls();
+        if forgotten {
+            self.forget_gone_calls();
+        }
         shrink_if_sparse(&mut self.nodes);
         shrink_if_sparse(&mut self.waiting_clients);
         shrink_if_sparse(&mut self.waiting_servers);
