@@ -42,8 +42,8 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     assert run["one_span_per_request"]
     assert traced["events_lost"] == 0 and traced["agent_drops"] == 0, traced
     assert report["headline"]["verify"]["otel_throughput_cost"] is not None
-    # The task-context reads priced on their own: one chain per /verify response with them,
-    # none without.
+    # The task-context reads priced on their own: one chain per /verify response with them
+    # (per request wrk sent: the last ones sent are not all answered), none without.
     cost = report["context_cost"]["verify"]
-    assert cost["context_chains_per_req"] >= 0.99, cost
+    assert 0.9 <= cost["context_chains_per_req"] <= 1.05, cost  # + the route harvest's response
     assert table["verify/tracer-no-ctx"]["context_chains_per_req"] == 0, table["verify/tracer-no-ctx"]
