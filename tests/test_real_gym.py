@@ -118,6 +118,15 @@ def wait_for_requests(run, before, count, timeout=15):
     return wait_until(enough, timeout, lambda: f"{count} requests in the access logs: {run.access_log_paths()}")
 
 
+def attached_tracer(tracer, pids):
+    """gym-tracer with --discover gym, once it has attached to every server and harvested its routes."""
+    agent = tracer()
+    for name, pid in pids.items():
+        agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
+        agent.wait_for_routes(pid)
+    return agent
+
+
 @pytest.fixture
 def real_gym():
     venv = gym_venv()
@@ -144,10 +153,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
     run = real_gym(observability=observability)
     pids = run.pids
     by_pid = {pid: name for name, pid in pids.items()}
-    agent = tracer()
-    for name, pid in pids.items():
-        agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
-        agent.wait_for_routes(pid)
+    agent = attached_tracer(tracer, pids)
 
     before = {name: len(entries) for name, entries in run.access_log_paths().items()}
     result = run.drive_rollout(task_index=TASK, rollout_index=ROLLOUT)
@@ -363,10 +369,7 @@ def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observabi
     run = real_gym(observability=observability)
     pids = run.pids
     by_pid = {pid: name for name, pid in pids.items()}
-    agent = tracer()
-    for name, pid in pids.items():
-        agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
-        agent.wait_for_routes(pid)
+    agent = attached_tracer(tracer, pids)
 
     def body_options(task):
         return {"row_index": task % EXAMPLE_ROWS, "pad_to": BODY_BYTES}

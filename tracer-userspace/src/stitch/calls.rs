@@ -431,13 +431,7 @@ mod tests {
             let port = self.port();
             let mut start = testing::start(pid, Role::Server, (8000, port), 0, "POST", path);
             start.cookies = cookies.to_vec();
-            let facts = StartFacts {
-                rollout_id: None,
-                emits_own: true,
-                emits_semantic: false,
-            };
-            self.stitcher.start(&start, facts, self.now);
-            start
+            self.register(start)
         }
 
         /// A call from `pid` made under the task contexts `task` (innermost first).
@@ -446,6 +440,11 @@ mod tests {
             let mut start = testing::start(pid, Role::Client, (port, 9000), 0, "POST", "/x");
             start.cookies = cookies.to_vec();
             start.context = Some(chain(task));
+            self.register(start)
+        }
+
+        /// Starts `start` in the stitcher, without a rollout id from its path.
+        fn register(&mut self, start: RequestStart) -> RequestStart {
             let facts = StartFacts {
                 rollout_id: None,
                 emits_own: true,
