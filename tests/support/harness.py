@@ -220,13 +220,16 @@ class Agent:
     def wait_for_routes(self, pid, timeout=15):
         """Waits until the agent has harvested `pid`'s route table: requests served before
         that are named from Gym's known routes only."""
-        return self.wait_for_stderr(f"pid {pid}: ", timeout)
+        # "pid N: K route templates from its /openapi.json", or "pid N: /openapi.json: <error>";
+        # other lines also start with "pid N: " (the Python runtime line comes first).
+        return self.wait_for_stderr(f"pid {pid}: ", timeout, also="/openapi.json")
 
-    def wait_for_stderr(self, text, timeout=15):
-        """Waits until `text` appears in a message of the agent's log; returns that message."""
+    def wait_for_stderr(self, text, timeout=15, also=""):
+        """Waits until `text` (and `also`) appear in a message of the agent's log; returns that
+        message."""
 
         def found():
-            message = next((m for m in self.log_messages() if text in m), None)
+            message = next((m for m in self.log_messages() if text in m and also in m), None)
             if message is None and self.process.poll() is not None:
                 raise AssertionError(f"gym-tracer exited before logging {text!r}:\n{self.stderr()}")
             return message
