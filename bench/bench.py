@@ -22,6 +22,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -559,6 +560,203 @@ def context_reads(params, receiver):
 
 
 # ---------------------------------------------------------------------------------------
+# tls: an HTTPS client's cost per call with the SSL uprobes attached
+# ---------------------------------------------------------------------------------------
+
+# Mode: None (no agent), or (whom the agent traces, its options). "idle" is a CPython that has
+# imported ssl and sleeps: an agent tracing it attaches the uprobes to the libssl file the
+# client maps too, so the client (not traced) pays what every other process on the host that
+# uses that libssl pays. "untraced, agent --no-tls" is that agent without the uprobes: its
+# difference to "untraced, uprobes attached" is the uprobes' part alone (the syscall
+# tracepoints' filtering, the `tax` section's subject, is in both).
+TLS_MODES = {
+    "untraced": None,
+    "untraced, agent --no-tls": ("idle", ["--no-tls"]),
+    "untraced, uprobes attached": ("idle", []),
+    "traced, --no-tls": ("client", ["--no-tls"]),
+    "traced, uprobes": ("client", []),
+}
+TLS_IDLE = "import ssl, time; print('ready', flush=True); time.sleep(1e6)"
+
+
+def tls_certificate(out_dir):
+    """A self-signed certificate for 127.0.0.1 (made once, kept in the out dir)."""
+    cert, key = out_dir / "tls-bench-cert.pem", out_dir / "tls-bench-key.pem"
+    if not (cert.exists() and key.exists()):
+        args = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                "-keyout", str(key), "-out", str(cert), "-days", "3650", "-subj", "/CN=127.0.0.1",
+                "-addext", "subjectAltName=IP:127.0.0.1"]
+        out = subprocess.run(args, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise BenchError(f"could not make the tls section's certificate ({' '.join(args)}): {out.stderr}")
+    return cert, key
+
+
+def mapped_libssl(pid):
+    """The path of the libssl.so* file `pid` maps, or None."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libssl.so"):
+            return Path(fields[5])
+    return None
+
+
+def sink_library_dir(out_dir):
+    """A directory holding a copy of the libssl this Python maps, for the sink's
+    LD_LIBRARY_PATH: a copy is another file, so the sink's own TLS calls do not hit the uprobes
+    (which are attached to the file the client maps), and the eBPF figures are the client's
+    alone. None when this Python maps no libssl (OpenSSL linked statically)."""
+    import ssl  # noqa: F401  (maps libssl into this process)
+    library = mapped_libssl(os.getpid())
+    if library is None:
+        return None
+    directory = out_dir / "tls-sink-lib"
+    directory.mkdir(exist_ok=True)
+    shutil.copyfile(library, directory / library.name)
+    return directory
+
+
+def tls_calls(params, receiver):
+    """A CPython HTTPS client (bench/tls_client.py: aiohttp if this Python has it, else
+    asyncio streams) making `tls_requests` sequential calls on one keep-alive TLS connection to
+    an untraced sink (bench/tls_sink.py) on the load CPU, the client pinned to the server CPU:
+    its CPU µs per call in each of TLS_MODES, interleaved, median and least of `tls_repeats`
+    runs; the agent's eBPF ns per call (kernel.bpf_stats_enabled). Checks that the uprobes
+    fired for the traced client (tls_records), stayed silent for the untraced one, and that a
+    libssl file was probed in the modes with uprobes."""
+    python, n = sys.executable, params.tls_requests
+    cert, key = tls_certificate(params.out_dir)
+    library_dir = sink_library_dir(params.out_dir)
+    sink_env = dict(os.environ)
+    if library_dir:
+        sink_env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(library_dir), os.environ.get("LD_LIBRARY_PATH")]))
+    with spawning_on(LOAD_CPU):
+        sink = CHILDREN.add(subprocess.Popen([python, str(BENCH_DIR / "tls_sink.py"), str(cert), str(key)],
+                                             stdout=subprocess.PIPE, text=True, env=sink_env))
+        idle = CHILDREN.add(subprocess.Popen([python, "-c", TLS_IDLE], stdout=subprocess.PIPE, text=True))
+    runs = {mode: [] for mode in TLS_MODES}
+    agent_modes = [mode for mode, agent in TLS_MODES.items() if agent]
+    kernel_ns = {mode: [] for mode in agent_modes}
+    kernel_runs = {mode: [] for mode in agent_modes}
+    summaries = {mode: [] for mode in agent_modes}
+    client_spans, calls = [], set()
+    clients = set()
+    try:
+        ready = sink.stdout.readline().split()
+        if len(ready) != 2 or ready[0] != "ready":
+            raise BenchError("the HTTPS sink (bench/tls_sink.py) did not start: see its error above")
+        port = ready[1]
+        if idle.stdout.readline().strip() != "ready":
+            raise BenchError("the idle CPython of the tls section did not start: see its error above")
+        sink_libssl = mapped_libssl(sink.pid)
+        sink_own_libssl = bool(library_dir and sink_libssl and sink_libssl.parent == library_dir)
+        with bpf_stats.stats_enabled():
+            for _ in range(params.tls_repeats):
+                for mode, traced in TLS_MODES.items():
+                    client = CHILDREN.add(subprocess.Popen(
+                        ["taskset", "-c", str(SERVER_CPU), python, str(BENCH_DIR / "tls_client.py"), port, str(cert),
+                         str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                    # Its modules (ssl, aiohttp) are loaded: the agent finds libssl mapped at attach.
+                    if client.stdout.readline().strip() != "ready":
+                        raise BenchError("bench/tls_client.py did not start: see its error above")
+                    agent = None
+                    if traced:
+                        whom, options = traced
+                        agent = start_agent([client.pid if whom == "client" else idle.pid], receiver.url,
+                                            servers=False, options=options)
+                    try:
+                        before = bpf_stats.run_time(agent.process.pid) if agent else None
+                        out, _ = client.communicate("go\n", timeout=600)
+                        if client.returncode != 0:
+                            raise BenchError(f"bench/tls_client.py failed ({client.returncode}) in mode {mode!r}: "
+                                             "see its error above")
+                        figures = json.loads(out)
+                        runs[mode].append(figures["us_per_req"])
+                        clients.add(figures["client"])
+                        calls.add(figures["calls"])
+                        if agent:
+                            spent_ns, spent_runs = (after - first for after, first in
+                                                    zip(bpf_stats.run_time(agent.process.pid), before))
+                            # Over every call the agent saw, the warm-up's and the handshake included.
+                            kernel_ns[mode].append(spent_ns / figures["calls"])
+                            kernel_runs[mode].append(spent_runs / figures["calls"])
+                            agent.stop()
+                            summary = Counters(agent.summary(), "exit summary (--summary-file)")
+                            summaries[mode].append({name: summary[name] for name in
+                                                    ("tls_records", "tls_records_unmatched", "tls_libraries_probed",
+                                                     "tls_libraries_failed", "tls_processes_unprobed")})
+                            check_tls_counters(mode, traced, summary, n)
+                            if mode == "traced, uprobes":
+                                # The agent exported every span before it exited.
+                                client_spans.append(receiver.counts([client.pid]).get("CLIENT", 0))
+                    finally:
+                        stop_agent(agent)
+    finally:
+        for process in (sink, idle):
+            process.kill()
+            process.wait()
+    medians_us = {mode: statistics.median(values) for mode, values in runs.items()}
+    least_us = {mode: min(values) for mode, values in runs.items()}
+    kernel_medians = {mode: statistics.median(values) for mode, values in kernel_ns.items()}
+    runs_medians = {mode: statistics.median(values) for mode, values in kernel_runs.items()}
+    base, base_least = medians_us["untraced"], least_us["untraced"]
+    [calls] = calls  # warm-up included: the same in every run
+
+    def cost(on, off):
+        return {"us": medians_us[on] - medians_us[off], "least_us": least_us[on] - least_us[off],
+                "ratio": (medians_us[on] - medians_us[off]) / base,
+                "least_ratio": (least_us[on] - least_us[off]) / base_least,
+                "kernel_ns": kernel_medians.get(on, 0.0) - kernel_medians.get(off, 0.0),
+                "program_runs": runs_medians.get(on, 0.0) - runs_medians.get(off, 0.0)}
+
+    def per_run(figures):
+        # Of the uprobes alone: the client's CPU per extra program run (entry or return probe),
+        # the trap and the program together; what carries to another machine's call counts.
+        figures["us_per_program_run"] = (figures["us"] / figures["program_runs"]
+                                         if figures["program_runs"] >= 0.5 else None)
+        return figures
+
+    return {"requests": n, "calls": calls, "repeats": params.tls_repeats, "client": sorted(clients),
+            "sink_own_libssl": sink_own_libssl,
+            "runs": runs, "median_us_per_req": medians_us, "least_us_per_req": least_us,
+            "median_vs_untraced": {mode: value / base for mode, value in medians_us.items()},
+            "least_vs_untraced": {mode: value / base_least for mode, value in least_us.items()},
+            "kernel_ns_runs": kernel_ns, "kernel_ns_per_req": kernel_medians,
+            "program_runs_runs": kernel_runs, "program_runs_per_req": runs_medians,
+            "agent_counters": summaries,
+            "tls_records_per_call": [s["tls_records"] / calls for s in summaries["traced, uprobes"]],
+            "client_spans": client_spans, "client_spans_per_call": [spans / calls for spans in client_spans],
+            # The uprobes on the traced client: traced with them against traced without.
+            "uprobes_cost": per_run(cost("traced, uprobes", "traced, --no-tls")),
+            # The client not traced, the uprobes attached for another process: against no agent
+            # at all, and against an agent without uprobes (the uprobes' part alone).
+            "attached_cost": cost("untraced, uprobes attached", "untraced"),
+            "attached_uprobes_cost": per_run(cost("untraced, uprobes attached", "untraced, agent --no-tls")),
+            # Tracing the client at all, uprobes included, against no agent.
+            "traced_cost": cost("traced, uprobes", "untraced")}
+
+
+def check_tls_counters(mode, traced, summary, requests):
+    """The uprobes fired for the traced client, not for the untraced one, and not at all with
+    --no-tls; a libssl file was probed whenever they are on."""
+    whom, options = traced
+    uprobes = "--no-tls" not in options
+    if uprobes and summary["tls_libraries_probed"] < 1:
+        raise BenchError(f"tls, {mode}: the agent's tls_libraries_probed is {summary['tls_libraries_probed']}: no "
+                         f"libssl file got the uprobes (tls_libraries_failed {summary['tls_libraries_failed']}; "
+                         "see the agent's log)")
+    if not uprobes and (summary["tls_libraries_probed"] or summary["tls_records"]):
+        raise BenchError(f"tls, {mode}: with --no-tls the agent probed {summary['tls_libraries_probed']} libssl "
+                         f"file(s) and saw {summary['tls_records']} tls_records")
+    if uprobes and whom == "client" and summary["tls_records"] < 2 * requests:
+        raise BenchError(f"tls, {mode}: the agent's tls_records is {summary['tls_records']} for {requests} HTTPS "
+                         f"calls (at least {2 * requests}: a write and a read each): the uprobes did not fire")
+    if whom == "idle" and summary["tls_records"]:
+        raise BenchError(f"tls, {mode}: the agent reported {summary['tls_records']} tls_records of a client it does "
+                         "not trace: the uprobes' PID filter let them through")
+
+
+# ---------------------------------------------------------------------------------------
 # soak: agent memory under steady load
 # ---------------------------------------------------------------------------------------
 
@@ -756,6 +954,38 @@ def render(report):
         lines.append("  the agent's eBPF programs, per request (kernel.bpf_stats_enabled, median): "
                      + ", ".join(f"{mode} {value:.0f} ns" for mode, value in c["kernel_ns_per_req"].items())
                      + f"; the reads: {c['reads_kernel_ns']:+.0f} ns per request")
+    if report.get("tls_calls"):
+        t = report["tls_calls"]
+        lines.append("")
+        lines.append(f"HTTPS client calls ({', '.join(t['client'])} on CPU {SERVER_CPU}, {t['requests']} sequential "
+                     f"POSTs on one keep-alive TLS connection to an untraced sink, {t['repeats']} runs interleaved): "
+                     f"client CPU per call, median (least), and × untraced:")
+        for mode, value in t["median_us_per_req"].items():
+            kernel = t["kernel_ns_per_req"].get(mode)
+            lines.append(f"  {mode:27} {value:8.2f} ({t['least_us_per_req'][mode]:8.2f}) µs  "
+                         f"×{t['median_vs_untraced'][mode]:.4f} (×{t['least_vs_untraced'][mode]:.4f})"
+                         + (f"  eBPF {kernel:6.0f} ns, {t['program_runs_per_req'][mode]:.1f} program runs"
+                            if kernel is not None else ""))
+
+        def cost(c):
+            text = (f"{c['us']:+.2f} µs per call ({c['least_us']:+.2f} between the least), {100 * c['ratio']:+.2f}% "
+                    f"of untraced ({100 * c['least_ratio']:+.2f}%); eBPF {c['kernel_ns']:+.0f} ns")
+            if "us_per_program_run" in c:
+                text += (f" in {c['program_runs']:+.1f} program runs, "
+                         f"{fmt(c['us_per_program_run'], '.2f', 'n/a')} µs of client CPU each")
+            return text
+
+        lines.append(f"  the uprobes on the traced client (traced, uprobes − traced, --no-tls): {cost(t['uprobes_cost'])}")
+        lines.append(f"  the client untraced, an agent tracing an idle CPython that maps the same libssl (uprobes "
+                     f"attached − untraced): {cost(t['attached_cost'])}")
+        lines.append(f"    the uprobes' part (uprobes attached − agent --no-tls): {cost(t['attached_uprobes_cost'])}")
+        lines.append(f"  tracing the client, uprobes included (traced, uprobes − untraced): {cost(t['traced_cost'])}")
+        records, spans = t["tls_records_per_call"], t["client_spans_per_call"]
+        sink = ("the sink maps its own copy of libssl, so its calls hit no uprobe" if t["sink_own_libssl"]
+                else "the sink maps the same libssl: its calls are in the eBPF figures")
+        lines.append(f"  traced with uprobes, per call: tls_records {min(records):.2f}-{max(records):.2f}, CLIENT spans "
+                     f"{min(spans):.2f}-{max(spans):.2f}; eBPF: the agent's programs (kernel.bpf_stats_enabled), "
+                     f"median per call over the {t['calls']} calls of a run (warm-up and handshake included); {sink}")
     if report.get("soak"):
         s = report["soak"]
         first, last = s["samples"][0]["agent_rss_kib"], s["samples"][-1]["agent_rss_kib"]
@@ -784,7 +1014,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "saturation", "connections", "tax", "ctx")
+SECTIONS = ("verify", "run", "saturation", "connections", "tax", "ctx", "tls")
 
 
 def parse_args(argv):
@@ -796,6 +1026,10 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, help="repeats per variant; the table shows medians (default 3, quick 1)")
     parser.add_argument("--connections", type=int, default=32, help="wrk connections of the measured runs")
     parser.add_argument("--soak", type=int, default=0, help="also run a memory soak of this many seconds (600 = 10 min)")
+    parser.add_argument("--tls-requests", type=int,
+                        help="HTTPS calls per run of the tls section (default 3000, quick 500)")
+    parser.add_argument("--tls-repeats", type=int,
+                        help="runs per mode of the tls section, interleaved (default 9, quick 3)")
     parser.add_argument("--only", help=f"comma list of sections to run: {','.join(SECTIONS)} (default all)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -809,6 +1043,8 @@ def parse_args(argv):
     args.tax_iterations = 50_000 if quick else 200_000
     args.ctx_requests = 5_000 if quick else 40_000
     args.ctx_repeats = 3 if quick else 9
+    args.tls_requests = args.tls_requests or (500 if quick else 3000)
+    args.tls_repeats = args.tls_repeats or args.ctx_repeats
     args.sections = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
@@ -825,6 +1061,10 @@ def preflight(args):
         if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
             raise BenchError(f"{tool} is not on PATH: install it (`apt-get install -y {package}`; "
                              "`cargo xtask bench` does this) and retry")
+    if "tls" in args.sections and subprocess.run(["sh", "-c", "command -v openssl"],
+                                                  capture_output=True).returncode != 0:
+        raise BenchError("openssl is not on PATH (the tls section makes its certificate with it): install it "
+                         "(`apt-get install -y openssl`) and retry")
     if not args.agent.exists():
         raise BenchError(f"{args.agent} does not exist: build it with `cargo xtask build --release`")
     os.environ["GYM_TRACER_BIN"] = str(args.agent.resolve())
@@ -871,6 +1111,8 @@ def main(argv=None):
             report["host_tax"] = host_tax(args, build_tax_program(args.out_dir), receiver)
         if "ctx" in args.sections:
             report["context_reads"] = context_reads(args, receiver)
+        if "tls" in args.sections:
+            report["tls_calls"] = tls_calls(args, receiver)
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:

@@ -47,3 +47,55 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     cost = report["context_cost"]["verify"]
     assert 0.9 <= cost["context_chains_per_req"] <= 1.05, cost  # + the route harvest's response
     assert table["verify/tracer-no-ctx"]["context_chains_per_req"] == 0, table["verify/tracer-no-ctx"]
+
+
+def test_quick_bench_prices_the_tls_uprobes(tmp_path):
+    """The tls section, shortest form: an HTTPS client's CPU per call in every mode, the
+    uprobes' cost as differences and ratios, the agent's eBPF time per call; the uprobes fired
+    for the traced client (two plaintext records and one CLIENT span a call) and for no one
+    else."""
+    requests = 200
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
+         "--quick", "--only", "tls", "--tls-requests", str(requests), "--tls-repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the uprobes on the traced client" in out.stdout, out.stdout
+
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert "HTTPS client calls" in report["text"]
+    tls = report["tls_calls"]
+    modes = {"untraced", "untraced, agent --no-tls", "untraced, uprobes attached", "traced, --no-tls",
+             "traced, uprobes"}
+    assert tls["requests"] == requests and tls["calls"] > requests, tls
+    for figure in ("median_us_per_req", "least_us_per_req", "median_vs_untraced", "least_vs_untraced"):
+        assert set(tls[figure]) == modes, (figure, tls[figure])
+        assert all(value > 0 for value in tls[figure].values()), (figure, tls[figure])
+    assert all(len(runs) == 1 for runs in tls["runs"].values()), tls["runs"]
+    agent_modes = modes - {"untraced"}
+    for figure in ("kernel_ns_per_req", "program_runs_per_req"):
+        assert set(tls[figure]) == agent_modes, (figure, tls[figure])
+        assert all(value > 0 for value in tls[figure].values()), (figure, tls[figure])
+    # The uprobes run programs on every call of the client, traced or not: more runs per call
+    # than the same agent without them.
+    runs = tls["program_runs_per_req"]
+    assert runs["traced, uprobes"] > runs["traced, --no-tls"], runs
+    assert runs["untraced, uprobes attached"] > runs["untraced, agent --no-tls"], runs
+    # Costs are differences of noisy figures: present and finite, not necessarily positive.
+    for cost in ("uprobes_cost", "attached_cost", "attached_uprobes_cost", "traced_cost"):
+        for key in ("us", "least_us", "ratio", "least_ratio", "kernel_ns", "program_runs"):
+            value = tls[cost][key]
+            assert isinstance(value, float) and abs(value) < float("inf"), (cost, key, tls[cost])
+    for cost in ("uprobes_cost", "attached_uprobes_cost"):
+        assert tls[cost]["program_runs"] > 0 and "us_per_program_run" in tls[cost], tls[cost]
+    counters = tls["agent_counters"]
+    [traced] = counters["traced, uprobes"]
+    assert traced["tls_records"] >= 2 * requests and traced["tls_libraries_probed"] >= 1, traced
+    assert all(records >= 2 for records in tls["tls_records_per_call"]), tls["tls_records_per_call"]
+    assert requests <= tls["client_spans"][0] <= tls["calls"], tls["client_spans"]
+    [attached] = counters["untraced, uprobes attached"]
+    assert attached["tls_libraries_probed"] >= 1 and attached["tls_records"] == 0, attached
+    for mode in ("traced, --no-tls", "untraced, agent --no-tls"):
+        [off] = counters[mode]
+        assert off["tls_libraries_probed"] == 0 and off["tls_records"] == 0, (mode, off)

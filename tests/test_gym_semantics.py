@@ -109,7 +109,7 @@ def visible_run_id(body, capture):
     return tail_run_id(items)
 
 
-TAIL_BYTES = 128  # the last bytes of a body the kernel reports past the capture
+TAIL_BYTES = 512  # the last bytes of a body the kernel reports past the capture
 
 
 def tail_run_id(items):

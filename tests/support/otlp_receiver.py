@@ -126,6 +126,7 @@ class Received:
                                     "attributes": _attributes(point.attributes),
                                     "resource": resource,
                                     "count": point.count,
+                                    "sum": point.sum,
                                     "time_unix_nano": point.time_unix_nano,
                                 }
                             )

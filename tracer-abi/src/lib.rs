@@ -14,10 +14,11 @@ pub const MAX_CAPTURE_BYTES: usize = 8192;
 pub const DEFAULT_CAPTURE_BYTES: u32 = 4096;
 
 /// Bytes taken from the end of every read/write whose data was not captured in full: user space
-/// sees the terminating `0\r\n\r\n` of a chunked body, and Gym's `_ng_*` ids, which sit in
-/// the last ~40–100 bytes of an 11 KB request body, without receiving the body. They follow
-/// the captured head in the record's payload. At most 255 (`tail_len` is a u8).
-pub const TAIL_BYTES: usize = 128;
+/// sees the terminating `0\r\n\r\n` of a chunked body, Gym's `_ng_*` ids, which sit in the
+/// last ~40–100 bytes of an 11 KB request body, and the `usage` object at the end of a model
+/// response (~250 bytes with OpenAI's `*_details` and the fields after it), without receiving
+/// the body. They follow the captured head in the record's payload. A power of two.
+pub const TAIL_BYTES: usize = 512;
 
 /// How many iovecs of one `readv`/`writev`/`sendmsg`/`recvmsg` are looked at.
 pub const MAX_IOVECS: u32 = 4;
@@ -46,8 +47,12 @@ pub enum EventKind {
     /// without a `close` call the agent could see.
     ProcessExec = 6,
     /// The contextvars chain of the Python task that is writing a message (see
-    /// [`TaskContextEvent`]); it precedes that write's [`EventKind::Data`] record.
+    /// [`TaskContextEvent`]); it precedes that write's [`EventKind::Data`] record, or for
+    /// TLS that write's [`EventKind::TlsData`] record (then `fd` is -1 and `conn_id` the
+    /// `SSL*`).
     TaskContext = 7,
+    /// Plaintext a traced process passed to or got from OpenSSL (see [`TlsDataHeader`]).
+    TlsData = 8,
 }
 
 impl EventKind {
@@ -60,6 +65,7 @@ impl EventKind {
             5 => Some(Self::ProcessFork),
             6 => Some(Self::ProcessExec),
             7 => Some(Self::TaskContext),
+            8 => Some(Self::TlsData),
             _ => None,
         }
     }
@@ -122,12 +128,12 @@ pub struct DataEventHeader {
     pub header: EventHeader,
     /// [`DIRECTION_READ`] or [`DIRECTION_WRITE`].
     pub direction: u8,
+    pub _pad: u8,
     /// Bytes of the transfer's end that follow the captured head in the payload (at most
     /// [`TAIL_BYTES`]); 0 when the whole transfer was captured. They are the last bytes of
     /// the transfer's last buffer (a vectored call's last iovec), and may repeat bytes of the
     /// head when the transfer is only a little longer than the capture.
-    pub tail_len: u8,
-    pub _pad: [u8; 2],
+    pub tail_len: u16,
     /// Bytes of the transfer's start in the payload.
     pub captured_len: u32,
     /// Bytes the syscall actually moved (its return value).
@@ -145,6 +151,64 @@ pub struct DataEvent {
     pub header: DataEventHeader,
     pub payload: [u8; 2 * MAX_CAPTURE_BYTES],
 }
+
+/// Fixed part of a TLS plaintext record, from the uprobes on `SSL_write`, `SSL_read` and their
+/// `_ex` forms: `data.header.fd` is -1 (OpenSSL does not know it) and `data.header.conn_id`
+/// is the `SSL*`, which user space maps to a connection (see `reassembly::tls`). The payload
+/// follows as for [`DataEventHeader`]; `timestamp_ns` is when the call returned.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TlsDataHeader {
+    pub data: DataEventHeader,
+    /// `bpf_ktime_get_ns()` when the call was entered: a blocking socket's own read or write
+    /// happens between the two, on the same thread.
+    pub start_ns: u64,
+}
+
+/// The per-CPU scratch value in which a TLS plaintext record is assembled (as [`DataEvent`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct TlsDataEvent {
+    pub header: TlsDataHeader,
+    pub payload: [u8; 2 * MAX_CAPTURE_BYTES],
+}
+
+/// An `SSL_read`/`SSL_write` call between its uprobe and its uretprobe, per thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PendingTlsCall {
+    pub ssl: u64,
+    pub buffer: u64,
+    /// The `_ex` forms' `size_t *` out-argument for the bytes moved; 0 for the plain forms,
+    /// whose return value is that count.
+    pub moved_out: u64,
+    pub start_ns: u64,
+    /// [`DIRECTION_READ`] or [`DIRECTION_WRITE`].
+    pub direction: u32,
+    pub _pad: u32,
+}
+
+/// Key of the kernel's per-`SSL*` capture budgets (an `SSL*` is an address in one process).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TlsKey {
+    pub ssl: u64,
+    pub tgid: u32,
+    pub _pad: u32,
+}
+
+/// Bytes of the current message still to be captured, per direction, for one `SSL*` (the
+/// TLS counterpart of [`SocketState`]'s budgets).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TlsBudget {
+    pub read: u32,
+    pub write: u32,
+}
+
+/// `SSL*`s whose budgets the kernel keeps (an LRU: one evicted only loses the capture of a
+/// message's continuation).
+pub const MAX_TLS_SESSIONS: u32 = 16384;
 
 /// A traced process created a new process (not a thread: the kernel skips those). The
 /// kernel has already added `child_pid` to the PID filter so that nothing the child does
@@ -349,7 +413,10 @@ const _: () = assert!(size_of::<ConnOpenEvent>() == 72);
 const _: () = assert!(size_of::<DataEventHeader>() == 48);
 const _: () = assert!(size_of::<ProcessForkEvent>() == 40);
 const _: () = assert!(size_of::<DataEvent>() == 48 + 2 * MAX_CAPTURE_BYTES);
-const _: () = assert!(TAIL_BYTES <= u8::MAX as usize && TAIL_BYTES <= MAX_CAPTURE_BYTES);
+const _: () = assert!(TAIL_BYTES.is_power_of_two() && TAIL_BYTES <= MAX_CAPTURE_BYTES);
+const _: () = assert!(size_of::<TlsDataHeader>() == 56);
+const _: () = assert!(size_of::<PendingTlsCall>() == 40);
+const _: () = assert!(size_of::<TlsKey>() == 16);
 const _: () = assert!(size_of::<SocketState>() == 24);
 const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 24);
@@ -376,4 +443,8 @@ mod user {
     unsafe impl aya::Pod for TracepointLayout {}
     // SAFETY: as above (two u64 and four u32, no padding).
     unsafe impl aya::Pod for PythonThread {}
+    // SAFETY: as above (u64, u32, explicit pad).
+    unsafe impl aya::Pod for TlsKey {}
+    // SAFETY: as above (two u32).
+    unsafe impl aya::Pod for TlsBudget {}
 }

@@ -39,9 +39,9 @@ use aya_ebpf::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
     },
-    macros::{map, tracepoint},
-    maps::{HashMap, PerCpuArray, RingBuf},
-    programs::TracePointContext,
+    macros::{map, tracepoint, uprobe, uretprobe},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext, TracePointContext},
 };
 use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET, CALL_READ_BUFFER,
@@ -50,9 +50,10 @@ use tracer_abi::{
     CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, ConnOpenEvent,
     DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
     EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH,
-    MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TRACED_PIDS, PendingCall,
-    ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
-    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TaskContextEvent, TracepointLayout,
+    MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS,
+    PendingCall, PendingTlsCall, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT,
+    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
+    TaskContextEvent, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout,
     UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
     UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
@@ -143,6 +144,21 @@ static PYTHON_THREADS: HashMap<u32, PythonThread> =
 /// What happened at each message-start write of a traced process, per CPU (`CONTEXT_*`).
 #[map]
 static CONTEXT_READS: PerCpuArray<u64> = PerCpuArray::with_max_entries(CONTEXT_OUTCOMES, 0);
+
+/// `SSL_read`/`SSL_write` calls of traced processes between uprobe and uretprobe, per thread
+/// (see [`PENDING_CALLS`] for why a plain hash).
+#[map]
+static TLS_CALLS: HashMap<u64, PendingTlsCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+
+/// Capture budgets per `SSL*` of a traced process. An LRU: an entry evicted, or left behind by
+/// a freed `SSL`, costs at most the capture of one message's continuation.
+#[map]
+static TLS_BUDGETS: LruHashMap<TlsKey, TlsBudget> =
+    LruHashMap::with_max_entries(MAX_TLS_SESSIONS, 0);
+
+/// Where a TLS plaintext record is assembled.
+#[map]
+static TLS_SCRATCH: PerCpuArray<TlsDataEvent> = PerCpuArray::with_max_entries(1, 0);
 
 const EINPROGRESS: i64 = 115;
 
@@ -736,8 +752,8 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             } else {
                 DIRECTION_WRITE
             },
+            _pad: 0,
             tail_len: 0,
-            _pad: [0; 2],
             captured_len: copied as u32,
             total_len: moved,
         };
@@ -749,12 +765,178 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             let length = bounded(tail_len as usize, TAIL_MASK).min(TAIL_BYTES);
             let destination = event.payload.as_mut_ptr().add(head);
             if probe_read_user_raw(destination.cast(), length as u32, tail_from as *const _) == 0 {
-                event.header.tail_len = length as u8;
+                event.header.tail_len = length as u16;
                 tail = length;
             }
         }
 
         let size = size_of::<DataEventHeader>() + head + bounded(tail, TAIL_MASK).min(TAIL_BYTES);
+        let record =
+            core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
+        if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {
+            count_lost();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// OpenSSL uprobes: the plaintext of TLS connections. Attached by user space to each libssl
+// file its traced processes map (every process that maps the file hits them, so each checks
+// the PID filter first), entry and return: the plaintext and its length are known only at
+// return for reads, and the bytes moved only at return for both.
+// ---------------------------------------------------------------------------------------
+
+#[inline(always)]
+fn tls_enter(ctx: &ProbeContext, direction: u8, extended: bool) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    let call = PendingTlsCall {
+        ssl: ctx.arg::<u64>(0).unwrap_or(0),
+        buffer: ctx.arg::<u64>(1).unwrap_or(0),
+        moved_out: if extended {
+            ctx.arg::<u64>(3).unwrap_or(0)
+        } else {
+            0
+        },
+        // SAFETY: a helper with no arguments.
+        start_ns: unsafe { bpf_ktime_get_ns() },
+        direction: u32::from(direction),
+        _pad: 0,
+    };
+    if TLS_CALLS.insert(&pid_tgid, &call, BPF_ANY as u64).is_err() {
+        count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
+    }
+    0
+}
+
+/// `int SSL_write(SSL *ssl, const void *buf, int num)`
+#[uprobe]
+pub fn ssl_write(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_WRITE, false)
+}
+
+/// `int SSL_write_ex(SSL *s, const void *buf, size_t num, size_t *written)`
+#[uprobe]
+pub fn ssl_write_ex(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_WRITE, true)
+}
+
+/// `int SSL_read(SSL *ssl, void *buf, int num)`
+#[uprobe]
+pub fn ssl_read(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_READ, false)
+}
+
+/// `int SSL_read_ex(SSL *ssl, void *buf, size_t num, size_t *readbytes)`
+#[uprobe]
+pub fn ssl_read_ex(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_READ, true)
+}
+
+/// The return of any of the four: only a call its uprobe remembered (a traced process's) goes
+/// further than the one lookup.
+#[uretprobe]
+pub fn ssl_return(ctx: RetProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(call) = (unsafe { TLS_CALLS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = TLS_CALLS.remove(&pid_tgid);
+    let returned: i32 = ctx.ret::<i32>();
+    let moved = if call.moved_out != 0 {
+        if returned != 1 {
+            return 0;
+        }
+        user_u64(call.moved_out).unwrap_or(0)
+    } else if returned > 0 {
+        returned as u64
+    } else {
+        0
+    };
+    if moved > 0 && call.buffer != 0 {
+        on_tls_transfer(pid_tgid, &call, moved);
+    }
+    0
+}
+
+/// Reports the plaintext of one TLS call: the head of each HTTP message (budgeted per `SSL*`
+/// as for sockets) and the tail of what was not captured. A write that starts a message also
+/// reports the writing task's context, as a socket write does.
+fn on_tls_transfer(pid_tgid: u64, call: &PendingTlsCall, moved: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(event) = TLS_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let reading = call.direction == u32::from(DIRECTION_READ);
+    let key = TlsKey {
+        ssl: call.ssl,
+        tgid,
+        _pad: 0,
+    };
+    // SAFETY: the value is copied out.
+    let known = unsafe { TLS_BUDGETS.get(&key) }.copied();
+    let mut budget = known.unwrap_or_default();
+    // SAFETY: user memory is read only through the helpers; `event` points into a map value
+    // owned by this CPU for the duration of the program.
+    unsafe {
+        let event = &mut *event;
+        let first: [u8; 4] = bpf_probe_read_user(call.buffer as *const [u8; 4]).unwrap_or([0; 4]);
+        let slot = if reading {
+            &mut budget.read
+        } else {
+            &mut budget.write
+        };
+        let message_start = moved >= 4 && starts_http_message(first);
+        if message_start {
+            *slot = capture_bytes();
+            if !reading {
+                report_task_context(pid_tgid, -1, call.ssl);
+            }
+        }
+        let want = moved.min(*slot as u64).min(CAPTURE_MASK as u64);
+        let mut copied = bounded(want as usize, CAPTURE_MASK);
+        if copied > 0
+            && probe_read_user_raw(
+                event.payload.as_mut_ptr().cast(),
+                copied as u32,
+                call.buffer as *const _,
+            ) != 0
+        {
+            copied = 0;
+        }
+        *slot = slot.saturating_sub(copied as u32);
+        if message_start || copied > 0 {
+            let _ = TLS_BUDGETS.insert(&key, &budget, BPF_ANY as u64);
+        }
+        event.header = TlsDataHeader {
+            data: DataEventHeader {
+                header: header(EventKind::TlsData, pid_tgid, -1, call.ssl),
+                direction: if reading {
+                    DIRECTION_READ
+                } else {
+                    DIRECTION_WRITE
+                },
+                _pad: 0,
+                tail_len: 0,
+                captured_len: copied as u32,
+                total_len: moved,
+            },
+            start_ns: call.start_ns,
+        };
+        let head = bounded(copied, CAPTURE_MASK);
+        let mut tail = 0;
+        if (copied as u64) < moved {
+            let length = bounded(moved.min(TAIL_BYTES as u64) as usize, TAIL_MASK).min(TAIL_BYTES);
+            let from = call.buffer + moved - length as u64;
+            let destination = event.payload.as_mut_ptr().add(head);
+            if probe_read_user_raw(destination.cast(), length as u32, from as *const _) == 0 {
+                event.header.data.tail_len = length as u16;
+                tail = length;
+            }
+        }
+        let size = size_of::<TlsDataHeader>() + head + bounded(tail, TAIL_MASK).min(TAIL_BYTES);
         let record =
             core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
         if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {

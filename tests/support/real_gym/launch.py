@@ -27,13 +27,18 @@ nemo_gym/cli/setup_command.py `run_command`), and what this module does the same
 
 Readiness is Gym's: any HTTP answer on `GET /` of every server.
 
+With `upstream_tls=True` the canned upstream serves HTTPS with a self-signed certificate for
+127.0.0.1 and localhost (made here with the `openssl` command), `openai_base_url` is
+`https://127.0.0.1:<port>/v1`, and the servers trust the certificate through `SSL_CERT_FILE`
+(aiohttp's default context is `ssl.create_default_context()`, which loads it).
+
 Use with the gym venv (`cargo xtask setup` makes target/gym-venv):
 
     run = RealGymRun(venv).start()
     result = run.drive_rollout(task_index=0, rollout_index=0)
     run.stop()
 
-Or by hand: `python tests/support/real_gym/launch.py --venv target/gym-venv [--observability]`.
+Or by hand: `python tests/support/real_gym/launch.py --venv target/gym-venv [--observability] [--upstream-tls]`.
 """
 
 import argparse
@@ -41,8 +46,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -84,14 +91,54 @@ def default_venv():
     return Path(os.environ.get("GYM_REAL_VENV") or HERE.parents[2] / "target" / "gym-venv")
 
 
-def run_config(ports, upstream_port, observability, capture_dir, access_log):
+# The self-signed certificate of the HTTPS upstream: written as the config of `openssl req`,
+# so the system's openssl.cnf changes nothing. Python 3.13's default context verifies
+# strictly (VERIFY_X509_STRICT): the key identifiers and key usage are needed.
+CERT_CONFIG = """\
+[req]
+distinguished_name = dn
+x509_extensions = v3
+prompt = no
+[dn]
+CN = localhost
+[v3]
+subjectAltName = IP:127.0.0.1, DNS:localhost
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, digitalSignature, keyCertSign
+extendedKeyUsage = serverAuth
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid:always
+"""
+
+
+def make_self_signed_cert(directory):
+    """A self-signed certificate for IP 127.0.0.1 and DNS localhost (subjectAltName) and its
+    key, PEM files in `directory`: (cert path, key path). Needs the `openssl` command."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("upstream_tls needs the `openssl` command line tool to make a self-signed "
+                           "certificate: install openssl (e.g. `apt-get install openssl`)")
+    directory = Path(directory)
+    config, cert, key = directory / "upstream-cert.cnf", directory / "upstream-cert.pem", directory / "upstream-key.pem"
+    config.write_text(CERT_CONFIG)
+    out = subprocess.run(
+        [openssl, "req", "-x509", "-config", str(config), "-newkey", "ec", "-pkeyopt",
+         "ec_paramgen_curve:prime256v1", "-nodes", "-days", "7", "-keyout", str(key), "-out", str(cert)],
+        capture_output=True, text=True, timeout=60,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"openssl req failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return cert, key
+
+
+def run_config(ports, upstream_port, observability, capture_dir, access_log, upstream_scheme="http"):
     """The run config before Gym's parser fills the global keys (what a user's YAML holds)."""
     config = {
         MODEL: {"responses_api_models": {"openai_model": {
             "entrypoint": "app.py",
             "host": "127.0.0.1",
             "port": ports[MODEL],
-            "openai_base_url": f"http://127.0.0.1:{upstream_port}/v1",
+            "openai_base_url": f"{upstream_scheme}://127.0.0.1:{upstream_port}/v1",
             "openai_api_key": API_KEY,
             "openai_model": "canned-model",
         }}},
@@ -127,15 +174,77 @@ def _clean_env():
     return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
 
 
+class CannedUpstream:
+    """canned_upstream.py in a process of its own on 127.0.0.1:`port`, expecting `api_key`;
+    with `tls`, over HTTPS with a self-signed certificate made in `workdir` (`cert`, `key`).
+    Its output goes to `workdir`/canned_upstream.log."""
+
+    def __init__(self, workdir, port=None, tls=False, api_key=API_KEY):
+        self.workdir = Path(workdir)
+        self.port = port or free_ports(1)[0]
+        self.tls, self.api_key = tls, api_key
+        self.cert = self.key = None
+        self.process = None
+
+    @property
+    def base_url(self):
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def start(self, timeout=20):
+        ready = self.workdir / "upstream.ready"
+        tls = []
+        if self.tls:
+            self.cert, self.key = make_self_signed_cert(self.workdir)
+            tls = ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
+        log = open(self.workdir / "canned_upstream.log", "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "canned_upstream.py"), "--port", str(self.port),
+             "--api-key", self.api_key, "--ready-file", str(ready), *tls],
+            env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+        )
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"canned upstream exited: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"canned upstream did not start within {timeout} s")
+            time.sleep(0.05)
+        return self
+
+    def requests(self):
+        """What it saw, in order: [{method, path, auth_ok, stream, model, model_offset,
+        body_bytes, usage: {input, output} or None}] (canned_upstream.py)."""
+        context = ssl.create_default_context(cafile=str(self.cert)) if self.tls else None
+        with urllib.request.urlopen(f"{self.base_url}/_canned/requests", timeout=5, context=context) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout=10):
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log_tail(self, lines=40):
+        try:
+            return "\n".join((self.workdir / "canned_upstream.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"<{e}>"
+
+
 class RealGymRun:
     """One run of the three real servers and the canned upstream.
 
     observability: enable Gym's model-call capture (adds the /ng-rollout/<id>/ prefixes).
     access_log: let uvicorn log every request (`uvicorn_logging_show_200_ok`); see
     `access_log_paths()`.
+    upstream_tls: the canned upstream serves HTTPS with a self-signed certificate
+    (`upstream_cert`), which the servers trust through SSL_CERT_FILE.
     """
 
-    def __init__(self, venv=None, observability=False, access_log=False, workdir=None):
+    def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False):
         self.venv = Path(venv or default_venv()).absolute()
         self.python = self.venv / "bin" / "python"
         if not self.python.exists():
@@ -146,6 +255,9 @@ class RealGymRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.upstream_port, *ports = free_ports(1 + len(SERVER_TYPES))
         self.ports = dict(zip(SERVER_TYPES, ports))
+        self.upstream_tls = upstream_tls
+        self.canned = CannedUpstream(self.workdir, self.upstream_port, tls=upstream_tls)
+        self.upstream_cert = self.upstream_key = None
         self.upstream = None
         self.processes = {}
         self.servers = {}
@@ -166,24 +278,13 @@ class RealGymRun:
         return self
 
     def _start_upstream(self):
-        ready = self.workdir / "upstream.ready"
-        log = open(self.workdir / "canned_upstream.log", "wb")
-        self.upstream = subprocess.Popen(
-            [sys.executable, str(HERE / "canned_upstream.py"), "--port", str(self.upstream_port),
-             "--api-key", API_KEY, "--ready-file", str(ready)],
-            env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-        )
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            if self.upstream.poll() is not None:
-                raise RuntimeError(f"canned upstream exited: {self._tail('canned_upstream.log')}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("canned upstream did not start within 20 s")
-            time.sleep(0.05)
+        self.canned.start()
+        self.upstream = self.canned.process
+        self.upstream_cert, self.upstream_key = self.canned.cert, self.canned.key
 
     def _resolve_config(self):
         initial = run_config(self.ports, self.upstream_port, self.observability,
-                             self.workdir / "model-calls", self.access_log)
+                             self.workdir / "model-calls", self.access_log, self.upstream_scheme)
         initial_path = self.workdir / "run_config.yaml"
         initial_path.write_text(json.dumps(initial, indent=2))  # JSON is YAML
         resolved_path = self.workdir / "resolved_config.yaml"
@@ -211,6 +312,8 @@ class RealGymRun:
         env["PYTHONPATH"] = ":".join(p for p in (server["dir"], env.get("PYTHONPATH")) if p)
         env["UV_CACHE_DIR"] = str(self.workdir / "cache" / "uv")
         env["UV_LOCK_TIMEOUT"] = "1800"
+        if self.upstream_cert:
+            env["SSL_CERT_FILE"] = str(self.upstream_cert)  # how the servers trust the upstream
         log = open(self.workdir / f"{name}.log", "wb")
         self.processes[name] = subprocess.Popen(
             self.launch_command(server), shell=True, executable="/bin/bash",
@@ -269,6 +372,15 @@ class RealGymRun:
     def urls(self):
         return {name: f"http://{s['host']}:{s['port']}" for name, s in self.servers.items()}
 
+    @property
+    def upstream_scheme(self):
+        return "https" if self.upstream_tls else "http"
+
+    @property
+    def upstream_base_url(self):
+        """The canned upstream's root, e.g. https://127.0.0.1:PORT (the model calls {this}/v1/...)."""
+        return self.canned.base_url
+
     def server_type(self, name):
         return self.servers[name]["type"]
 
@@ -280,10 +392,13 @@ class RealGymRun:
                     return json.loads(line)
         raise IndexError(index)
 
-    def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None, *, row_index=None, pad_to=None):
+    def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None, *, row_index=None, pad_to=None,
+                     prompt_suffix=None):
         """A flat row as rollout collection posts it to /run.
 
         row_index: the example row (default: task_index; the example file has 5 rows).
+        prompt_suffix: appended to the row's last input message (the user's prompt), which the
+        model server sends on to its upstream (e.g. a canary the tracer must never export).
         pad_to: lengthen the row's first input message (its developer prompt, as the long
         system prompts of example_multi_step's ~11 KB rows) until the JSON body is `pad_to`
         bytes; the `_ng_*` fields stay last, so they are only in the body's tail."""
@@ -293,6 +408,9 @@ class RealGymRun:
         body["_ng_rollout_index"] = rollout_index
         if attempt_index is not None:
             body["_ng_attempt_index"] = attempt_index
+        if prompt_suffix:
+            last = body["responses_create_params"]["input"][-1]
+            last["content"] = last["content"] + prompt_suffix
         if pad_to:
             first = body["responses_create_params"]["input"][0]
             missing = pad_to - len(json.dumps(body).encode())
@@ -302,7 +420,7 @@ class RealGymRun:
 
     def drive_rollout(self, task_index=0, rollout_index=0, attempt_index=None, timeout=60, **body_options):
         """POST one rollout to the agent's /run; returns the verify response (has `reward`).
-        `body_options` go to `rollout_body` (row_index, pad_to)."""
+        `body_options` go to `rollout_body` (row_index, pad_to, prompt_suffix)."""
         body = json.dumps(self.rollout_body(task_index, rollout_index, attempt_index, **body_options)).encode()
         request = urllib.request.Request(self.urls[AGENT] + "/run", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -313,9 +431,8 @@ class RealGymRun:
             raise RuntimeError(f"/run answered {e.code}: {e.read()[:2000]!r}\n{self.logs()}") from e
 
     def upstream_requests(self):
-        """What the canned upstream saw: [{method, path, auth_ok}]."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.upstream_port}/_canned/requests", timeout=5) as r:
-            return json.loads(r.read())
+        """What the canned upstream saw, in order (CannedUpstream.requests)."""
+        return self.canned.requests()
 
     def access_log_paths(self):
         """Server name -> [(method, path, status)] from uvicorn's access log (access_log=True)."""
@@ -341,9 +458,10 @@ def main():
     parser = argparse.ArgumentParser(description="Start the real Gym servers, drive one rollout, print paths.")
     parser.add_argument("--venv", default=None)
     parser.add_argument("--observability", action="store_true")
+    parser.add_argument("--upstream-tls", action="store_true", help="the canned upstream serves HTTPS")
     parser.add_argument("--keep", action="store_true", help="keep the servers running until Ctrl-C")
     args = parser.parse_args()
-    run = RealGymRun(args.venv, observability=args.observability, access_log=True)
+    run = RealGymRun(args.venv, observability=args.observability, access_log=True, upstream_tls=args.upstream_tls)
     with run:
         print("workdir:", run.workdir)
         print("pids:", run.pids)
@@ -355,7 +473,9 @@ def main():
             for method, path, status in entries:
                 print(f"{name}: {method} {path} {status}")
         for entry in run.upstream_requests():
-            print(f"upstream: {entry['method']} {entry['path']} auth_ok={entry['auth_ok']}")
+            print(f"upstream ({run.upstream_base_url}): {entry['method']} {entry['path']} auth_ok={entry['auth_ok']} "
+                  f"model={entry.get('model')!r} at byte {entry.get('model_offset')} of {entry.get('body_bytes')} "
+                  f"usage={entry.get('usage')}")
         if args.keep:
             print("running; Ctrl-C to stop")
             try:

@@ -4,6 +4,7 @@
 
 mod attach;
 mod context_reads;
+mod tls_probes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,6 +33,7 @@ use crate::stitch::StitchConfig;
 
 use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
 use context_reads::ContextReads;
+use tls_probes::TlsProbes;
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
 const DISCOVERY_INTERVAL: Duration = Duration::from_secs(1);
@@ -65,6 +67,8 @@ struct Agent {
     kernel_entries_swept: u64,
     /// Which processes' asyncio task contexts the kernel reads.
     context_reads: ContextReads,
+    /// Which TLS libraries carry the SSL uprobes.
+    tls_probes: TlsProbes,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -131,6 +135,11 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             ContextReads::disabled()
         } else {
             ContextReads::default()
+        },
+        tls_probes: if args.no_tls {
+            TlsProbes::disabled()
+        } else {
+            TlsProbes::default()
         },
     };
     for &pid in &args.pids {
@@ -258,7 +267,8 @@ impl Agent {
                 _ = sweep.tick() => self.kernel_entries_swept += probes.sweep_gone(),
                 _ = python_rescan.tick() => {
                     let traced: Vec<u32> = self.pipeline.processes.pids().collect();
-                    self.context_reads.rescan(traced, probes);
+                    self.context_reads.rescan(traced.iter().copied(), probes);
+                    self.tls_probes.rescan(traced, probes);
                 }
                 Some(result) = harvest_results.recv() => self.harvested(result),
                 _ = interrupt.recv() => break,
@@ -293,6 +303,9 @@ impl Agent {
         for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
             probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
+        for pid in std::mem::take(&mut self.pipeline.output.tls_opened) {
+            self.tls_probes.tls_opened(pid, probes);
+        }
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
                 Lifecycle::NotAdopted(pid) => {
@@ -321,6 +334,7 @@ impl Agent {
         self.counters.processes_attached += 1;
         tracing::info!(pid, "attached pid {pid} as {}", process.identity.labels);
         self.context_reads.attach(pid, probes);
+        self.tls_probes.attach(pid, probes);
         // Callers name this server as `peer.service` by the address they connect to.
         // (Only literal addresses: a host name would need a DNS lookup here.)
         if let Some(server) = &server
@@ -402,6 +416,7 @@ impl Agent {
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         probes.untrace_pid(pid);
         self.context_reads.forget(pid, probes);
+        self.tls_probes.forget(pid);
         self.kernel_entries_swept += probes.forget_process(pid);
         if self.pipeline.forget(pid) {
             self.counters.processes_exited += 1;
@@ -435,6 +450,8 @@ impl Agent {
             },
             pipeline: self.pipeline.counters,
             reassembly: self.pipeline.table.counters,
+            tls: self.pipeline.tls.counters,
+            tls_probes: self.tls_probes.counters,
             stitch: self.pipeline.stitcher.counters,
             agent: self.counters,
             events_lost_by_cpu,
@@ -539,6 +556,23 @@ const RECORDS_TARGET: &str = "gym_tracer::records";
 
 fn trace_record(record: &[u8]) {
     use crate::kernel::events::{Direction, KernelEvent, decode};
+    let direction_name = |direction| match direction {
+        Direction::Read => "read",
+        Direction::Write => "write",
+    };
+    // A request or status line, never more: bodies and header values stay out of logs.
+    let first_line = |captured: &[u8]| {
+        let line = captured
+            .split(|&b| b == b'\r' || b == b'?')
+            .next()
+            .unwrap_or_default();
+        let line = &line[..line.len().min(60)];
+        if line.is_ascii() && line.iter().all(|b| !b.is_ascii_control()) {
+            String::from_utf8_lossy(line).into_owned()
+        } else {
+            format!("<{} bytes>", captured.len())
+        }
+    };
     match decode(record) {
         Ok(KernelEvent::TaskContext(context)) => tracing::trace!(
             target: RECORDS_TARGET,
@@ -549,25 +583,30 @@ fn trace_record(record: &[u8]) {
             context.conn_id,
             context.chain.as_ref().map(|chain| chain.links())
         ),
-        Ok(KernelEvent::Data(data)) if data.direction == Direction::Write => {
-            let line = data
-                .captured
-                .split(|&b| b == b'\r')
-                .next()
-                .unwrap_or_default();
-            let line = &line[..line.len().min(60)];
-            tracing::trace!(
-                target: RECORDS_TARGET,
-                "write pid={} tid={} fd={} conn={} len={} tail={} {:?}",
-                data.pid,
-                data.tid,
-                data.fd,
-                data.conn_id,
-                data.total_len,
-                data.tail.len(),
-                String::from_utf8_lossy(line)
-            );
-        }
+        Ok(KernelEvent::Data(data)) => tracing::trace!(
+            target: RECORDS_TARGET,
+            "{} pid={} tid={} fd={} conn={} len={} tail={} {:?}",
+            direction_name(data.direction),
+            data.pid,
+            data.tid,
+            data.fd,
+            data.conn_id,
+            data.total_len,
+            data.tail.len(),
+            first_line(data.captured)
+        ),
+        Ok(KernelEvent::TlsData(data)) => tracing::trace!(
+            target: RECORDS_TARGET,
+            "tls {} pid={} tid={} ssl={:x} entered={} len={} tail={} {:?}",
+            direction_name(data.direction),
+            data.pid,
+            data.tid,
+            data.ssl,
+            data.start_ns,
+            data.total_len,
+            data.tail.len(),
+            first_line(data.captured)
+        ),
         _ => {}
     }
 }

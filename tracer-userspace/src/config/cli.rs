@@ -213,6 +213,15 @@ pub struct RunArgs {
     #[arg(long, env = "GYM_TRACER_NO_TASK_CONTEXTS")]
     pub no_task_contexts: bool,
 
+    /// Do not attach uprobes to the OpenSSL library (libssl) of traced processes. By default
+    /// each libssl file a traced process maps gets uprobes on SSL_read/SSL_write (and their
+    /// _ex forms), so HTTPS calls (a model server's to its inference endpoint) become CLIENT
+    /// spans like plaintext ones. Every process that maps the same file then pays a uprobe
+    /// hit per call (`cargo xtask bench` measures it); without it, TLS connections are
+    /// followed by their timing and bytes only.
+    #[arg(long, env = "GYM_TRACER_NO_TLS")]
+    pub no_tls: bool,
+
     /// Create this file once every probe is attached and the PIDs are in the filter
     /// (scripts and tests wait for it). Removed on exit.
     #[arg(long, value_name = "PATH", env = "GYM_TRACER_READY_FILE")]

@@ -197,22 +197,10 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
             };
             match metric.data() {
                 AggregatedMetrics::F64(MetricData::Histogram(histogram)) => {
-                    for point in histogram.data_points() {
-                        lines.push(base(
-                            kv_json(point.attributes()),
-                            json!({
-                                "type": "histogram",
-                                "count": point.count(),
-                                "sum": point.sum(),
-                                "min": point.min(),
-                                "max": point.max(),
-                                "explicit_bounds": point.bounds().collect::<Vec<_>>(),
-                                "bucket_counts": point.bucket_counts().collect::<Vec<_>>(),
-                                "start_time_unix_nano": unix_nanos(histogram.start_time()),
-                                "time_unix_nano": unix_nanos(histogram.time()),
-                            }),
-                        ));
-                    }
+                    histogram_lines(histogram, &base, &mut lines);
+                }
+                AggregatedMetrics::U64(MetricData::Histogram(histogram)) => {
+                    histogram_lines(histogram, &base, &mut lines);
                 }
                 AggregatedMetrics::U64(MetricData::Sum(sum)) => {
                     for point in sum.data_points() {
@@ -246,6 +234,30 @@ pub fn metric_lines(metrics: &ResourceMetrics) -> Vec<Value> {
         }
     }
     lines
+}
+
+/// One line per point of a histogram of either number type.
+fn histogram_lines<T: Copy + Into<Value>>(
+    histogram: &opentelemetry_sdk::metrics::data::Histogram<T>,
+    base: &impl Fn(Value, Value) -> Value,
+    lines: &mut Vec<Value>,
+) {
+    for point in histogram.data_points() {
+        lines.push(base(
+            kv_json(point.attributes()),
+            json!({
+                "type": "histogram",
+                "count": point.count(),
+                "sum": point.sum().into(),
+                "min": point.min().map(Into::into),
+                "max": point.max().map(Into::into),
+                "explicit_bounds": point.bounds().collect::<Vec<_>>(),
+                "bucket_counts": point.bucket_counts().collect::<Vec<_>>(),
+                "start_time_unix_nano": unix_nanos(histogram.start_time()),
+                "time_unix_nano": unix_nanos(histogram.time()),
+            }),
+        ));
+    }
 }
 
 impl PushMetricExporter for StdoutMetricExporter {

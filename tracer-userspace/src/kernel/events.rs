@@ -9,7 +9,7 @@ use thiserror::Error;
 use tracer_abi::{
     AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
     EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
-    TaskContextEvent,
+    TaskContextEvent, TlsDataHeader,
 };
 
 use crate::model::context::ContextChain;
@@ -46,6 +46,24 @@ pub struct DataTransfer<'a> {
     pub tail: &'a [u8],
 }
 
+/// Plaintext passed to or returned by OpenSSL in a traced process (see
+/// [`tracer_abi::TlsDataHeader`]): not yet tied to a connection, only to its `SSL*`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsTransfer<'a> {
+    pub pid: u32,
+    pub tid: u32,
+    /// The `SSL*`: an address in `pid`, stable for the life of one TLS connection.
+    pub ssl: u64,
+    /// When the call was entered.
+    pub start_ns: u64,
+    /// When the call returned.
+    pub timestamp_ns: u64,
+    pub direction: Direction,
+    pub captured: &'a [u8],
+    pub total_len: u64,
+    pub tail: &'a [u8],
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KernelEvent<'a> {
     Open(ConnOpen),
@@ -70,8 +88,10 @@ pub enum KernelEvent<'a> {
         parent: u32,
         child: u32,
     },
-    /// The Python task context under which the next write on this socket starts a message.
+    /// The Python task context under which the next write on this socket starts a message
+    /// (`fd` -1 and `conn_id` the `SSL*`: the next TLS write of that `SSL*`).
     TaskContext(TaskContext),
+    TlsData(TlsTransfer<'a>),
 }
 
 /// See [`tracer_abi::TaskContextEvent`]. `chain` is `None` when the kernel could not read
@@ -119,6 +139,32 @@ fn address(family: u16, raw: [u8; 16], port: u16) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, port))
 }
 
+/// The direction, captured head and tail of a data record's payload, each length checked.
+fn payload_parts<'a>(
+    data: &DataEventHeader,
+    payload: &'a [u8],
+) -> Result<(Direction, &'a [u8], &'a [u8]), DecodeError> {
+    let captured_len = data.captured_len as usize;
+    if captured_len > payload.len() || captured_len as u64 > data.total_len {
+        return Err(DecodeError::BadField("captured_len"));
+    }
+    // The tail follows the head in the payload.
+    let tail_len = usize::from(data.tail_len);
+    if tail_len > TAIL_BYTES || captured_len + tail_len > payload.len() {
+        return Err(DecodeError::BadField("tail_len"));
+    }
+    let direction = match data.direction {
+        DIRECTION_READ => Direction::Read,
+        DIRECTION_WRITE => Direction::Write,
+        _ => return Err(DecodeError::BadField("direction")),
+    };
+    Ok((
+        direction,
+        &payload[..captured_len],
+        &payload[captured_len..captured_len + tail_len],
+    ))
+}
+
 pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
     let header: EventHeader = read_struct(bytes)?;
     let kind = EventKind::from_u8(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
@@ -142,21 +188,8 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
         }
         EventKind::Data => {
             let data: DataEventHeader = read_struct(bytes)?;
-            let payload = &bytes[size_of::<DataEventHeader>()..];
-            let captured_len = data.captured_len as usize;
-            if captured_len > payload.len() || captured_len as u64 > data.total_len {
-                return Err(DecodeError::BadField("captured_len"));
-            }
-            // The tail follows the head in the payload.
-            let tail_len = usize::from(data.tail_len);
-            if tail_len > TAIL_BYTES || captured_len + tail_len > payload.len() {
-                return Err(DecodeError::BadField("tail_len"));
-            }
-            let direction = match data.direction {
-                DIRECTION_READ => Direction::Read,
-                DIRECTION_WRITE => Direction::Write,
-                _ => return Err(DecodeError::BadField("direction")),
-            };
+            let (direction, captured, tail) =
+                payload_parts(&data, &bytes[size_of::<DataEventHeader>()..])?;
             KernelEvent::Data(DataTransfer {
                 pid: header.tgid,
                 tid: header.tid,
@@ -164,9 +197,28 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
                 conn_id: header.conn_id,
                 timestamp_ns: header.timestamp_ns,
                 direction,
-                captured: &payload[..captured_len],
+                captured,
                 total_len: data.total_len,
-                tail: &payload[captured_len..captured_len + tail_len],
+                tail,
+            })
+        }
+        EventKind::TlsData => {
+            let tls: TlsDataHeader = read_struct(bytes)?;
+            let (direction, captured, tail) =
+                payload_parts(&tls.data, &bytes[size_of::<TlsDataHeader>()..])?;
+            if tls.start_ns > header.timestamp_ns {
+                return Err(DecodeError::BadField("start_ns"));
+            }
+            KernelEvent::TlsData(TlsTransfer {
+                pid: header.tgid,
+                tid: header.tid,
+                ssl: header.conn_id,
+                start_ns: tls.start_ns,
+                timestamp_ns: header.timestamp_ns,
+                direction,
+                captured,
+                total_len: tls.data.total_len,
+                tail,
             })
         }
         EventKind::ConnClose => KernelEvent::Close {
@@ -262,7 +314,7 @@ mod tests {
         let mut short = as_bytes(&header);
         short.extend_from_slice(b"abc0\r\n");
         assert_eq!(decode(&short), Err(DecodeError::BadField("tail_len")));
-        header.tail_len = (TAIL_BYTES + 1) as u8;
+        header.tail_len = (TAIL_BYTES + 1) as u16;
         header.total_len = 1000;
         let mut long = as_bytes(&header);
         long.extend_from_slice(&[b'x'; 3 + TAIL_BYTES + 1]);
@@ -276,7 +328,7 @@ mod tests {
         header.direction = DIRECTION_WRITE;
         header.captured_len = 4096;
         header.total_len = 11_100;
-        header.tail_len = TAIL_BYTES as u8;
+        header.tail_len = TAIL_BYTES as u16;
         let mut bytes = as_bytes(&header);
         bytes.extend(std::iter::repeat_n(b'h', 4096));
         let tail: Vec<u8> = (0..TAIL_BYTES).map(|i| i as u8).collect();

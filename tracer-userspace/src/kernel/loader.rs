@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
-    programs::TracePoint,
+    programs::{TracePoint, UProbe, uprobe::UProbeScope},
 };
 use tracer_abi::{
     CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES,
@@ -23,6 +23,18 @@ use tracer_abi::{
 
 use crate::kernel::btf::Btf;
 use crate::kernel::tracepoint_format;
+use crate::processes::tls_library::SSL_FUNCTIONS;
+
+/// The uretprobe program every probed SSL function's return is attached to.
+const SSL_RETURN_PROGRAM: &str = "ssl_return";
+
+/// The uprobe programs: attached per TLS library, when a traced process maps one.
+fn uprobe_programs() -> impl Iterator<Item = &'static str> {
+    SSL_FUNCTIONS
+        .iter()
+        .map(|(_, program)| *program)
+        .chain([SSL_RETURN_PROGRAM])
+}
 
 /// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
 /// `AYA_BUILD_SKIP=1`, such as the fuzz target's, which never loads it).
@@ -203,7 +215,11 @@ pub fn embedded_programs() -> Result<Vec<String>> {
 /// attached, or an attachment to a program that was renamed, would otherwise show up only
 /// as a feature that silently does nothing, or as an error deep inside the loader.
 pub fn check_attachments_cover(programs: &[String], attachments: &[Attachment]) -> Result<()> {
-    let attached: Vec<&str> = attachments.iter().map(|a| a.program).collect();
+    let attached: Vec<&str> = attachments
+        .iter()
+        .map(|a| a.program)
+        .chain(uprobe_programs())
+        .collect();
     let unattached: Vec<&str> = programs
         .iter()
         .map(String::as_str)
@@ -667,6 +683,11 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
             .load()
             .with_context(|| format!("the kernel verifier rejected {name}"))?;
     }
+    for name in uprobe_programs() {
+        uprobe(&mut ebpf, name)?
+            .load()
+            .with_context(|| format!("the kernel verifier rejected {name}"))?;
+    }
     Ok((ebpf, FeatureReport { socket_addresses }))
 }
 
@@ -736,6 +757,49 @@ impl LoadedProbes {
         let (mut ebpf, features) = load_programs(options)?;
         attach_programs(&mut ebpf)?;
         Ok(Self { ebpf, features })
+    }
+
+    /// Attaches the SSL uprobes (entry and return) to the functions of `functions` that
+    /// `library` defines, for every process that maps it (each program checks the PID filter
+    /// first). `library` is a path the agent can open (`/proc/PID/root/...`). Returns the
+    /// functions attached; an error when not even `SSL_write` and `SSL_read` could be.
+    pub fn attach_tls_library(
+        &mut self,
+        library: &std::path::Path,
+        functions: &[&'static str],
+    ) -> Result<Vec<&'static str>> {
+        let mut attached = Vec::new();
+        let mut failures = Vec::new();
+        for (function, program) in SSL_FUNCTIONS {
+            if !functions.contains(&function) {
+                continue;
+            }
+            let result = uprobe(&mut self.ebpf, program)?
+                .attach(function, library, UProbeScope::AllProcesses)
+                .and_then(|_| {
+                    uprobe(&mut self.ebpf, SSL_RETURN_PROGRAM)
+                        .map_err(|e| aya::programs::ProgramError::IOError(io::Error::other(e)))?
+                        .attach(function, library, UProbeScope::AllProcesses)
+                });
+            match result {
+                Ok(_) => attached.push(function),
+                Err(error) => failures.push(format!("{function}: {error}")),
+            }
+        }
+        if !(attached.contains(&"SSL_write") || attached.contains(&"SSL_write_ex"))
+            || !(attached.contains(&"SSL_read") || attached.contains(&"SSL_read_ex"))
+        {
+            bail!(
+                "attaching uprobes to {}: {}",
+                library.display(),
+                if failures.is_empty() {
+                    "it defines neither SSL_write nor SSL_read".to_string()
+                } else {
+                    failures.join("; ")
+                }
+            );
+        }
+        Ok(attached)
     }
 
     pub fn take_ring_buffer(&mut self) -> Result<RingBuf<MapData>> {
@@ -917,6 +981,13 @@ const UNTRACKED_REASONS_READ: u32 = tracer_abi::UNTRACKED_REASONS;
 /// `BPF_EXIST` (linux/bpf.h): update an entry only if it is still there.
 const BPF_EXIST: u64 = 2;
 
+fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))?
+        .try_into()
+        .with_context(|| format!("program {name} is not a uprobe"))
+}
+
 fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint> {
     ebpf.program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?
@@ -1018,7 +1089,8 @@ mod tests {
         check_attachments_cover(&programs, &all).unwrap();
         for program in &programs {
             assert!(
-                all.iter().any(|a| a.program == program),
+                all.iter().any(|a| a.program == program)
+                    || uprobe_programs().any(|uprobe| uprobe == program),
                 "{program} unattached"
             );
         }
@@ -1027,7 +1099,12 @@ mod tests {
     #[test]
     fn a_mismatched_attachment_table_is_named() {
         let all = attachments();
-        let mut programs: Vec<String> = all.iter().map(|a| a.program.to_string()).collect();
+        let mut programs: Vec<String> = all
+            .iter()
+            .map(|a| a.program)
+            .chain(uprobe_programs())
+            .map(str::to_string)
+            .collect();
         programs.sort();
         programs.dedup();
         check_attachments_cover(&programs, &all).unwrap();

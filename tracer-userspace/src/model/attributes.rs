@@ -29,6 +29,15 @@ pub const USER_AGENT_ORIGINAL: &str = "user_agent.original";
 pub const ERROR_TYPE: &str = "error.type";
 pub const PEER_SERVICE: &str = "peer.service";
 
+// GenAI client spans and metrics (OpenTelemetry GenAI semantic conventions).
+pub const GEN_AI_OPERATION_NAME: &str = "gen_ai.operation.name";
+pub const GEN_AI_PROVIDER_NAME: &str = "gen_ai.provider.name";
+pub const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
+pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
+pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
+pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+pub const GEN_AI_TOKEN_TYPE: &str = "gen_ai.token.type";
+
 // Gym (`nemo_gym` / nemo-lens).
 pub const GYM_ROLLOUT_ID: &str = "nemo.gym.rollout.id";
 pub const GYM_SERVER_NAME: &str = "nemo.gym.server.name";

@@ -7,6 +7,7 @@ use crate::gym::rollout_id::RolloutId;
 
 use super::context::ContextChain;
 use super::evidence::Token;
+use super::genai::{GenAiOperation, TokenUsage};
 
 use super::ids::SpanId;
 
@@ -114,6 +115,31 @@ pub struct HttpExchange {
     pub run_rollout_id: Option<RolloutId>,
     /// Given when the request started (see [`TableAction::Started`]).
     pub span_id: SpanId,
+    /// It went over TLS (its plaintext came from the uprobes on the TLS library).
+    pub tls: bool,
+    /// For a call to an OpenAI-compatible endpoint: its model and token counts.
+    pub model_call: Option<Box<ModelCall>>,
+}
+
+/// What a call to an OpenAI-compatible endpoint says about its model and tokens, read from
+/// the few body fields that name them (see [`super::genai`]); nothing else of the bodies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelCall {
+    pub operation: GenAiOperation,
+    pub request_model: Option<String>,
+    pub response_model: Option<String>,
+    pub usage: TokenUsage,
+}
+
+impl ModelCall {
+    pub fn new(operation: GenAiOperation) -> Self {
+        Self {
+            operation,
+            request_model: None,
+            response_model: None,
+            usage: TokenUsage::default(),
+        }
+    }
 }
 
 /// A request whose head was just seen. Its span id exists from now on, so that the calls it

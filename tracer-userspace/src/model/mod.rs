@@ -8,6 +8,7 @@ pub mod context;
 pub mod evidence;
 pub mod counters;
 pub mod exchange;
+pub mod genai;
 pub mod ids;
 pub mod service;
 pub mod span;

@@ -6,7 +6,9 @@ use std::fmt;
 
 use crate::model::counters::{Counters, counters};
 use crate::pipeline::PipelineCounters;
+use crate::processes::tls_library::TlsProbeCounters;
 use crate::reassembly::connections::ReassemblyCounters;
+use crate::reassembly::tls::TlsCounters;
 use crate::stitch::StitchCounters;
 
 counters! {
@@ -78,6 +80,8 @@ pub struct CounterSnapshot {
     pub host: HostCounters,
     pub pipeline: PipelineCounters,
     pub reassembly: ReassemblyCounters,
+    pub tls: TlsCounters,
+    pub tls_probes: TlsProbeCounters,
     pub stitch: StitchCounters,
     pub agent: AgentCounters,
     /// Records lost per CPU (index = CPU number): a CPU that loses alone points at a hot core.
@@ -89,6 +93,8 @@ impl Counters for CounterSnapshot {
         self.host.for_each(visit);
         self.pipeline.for_each(visit);
         self.reassembly.for_each(visit);
+        self.tls.for_each(visit);
+        self.tls_probes.for_each(visit);
         self.stitch.for_each(visit);
         self.agent.for_each(visit);
     }

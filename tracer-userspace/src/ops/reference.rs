@@ -226,6 +226,8 @@ fn example_exchange(pid: u32, method: &str, path: &str, status: u16, role: Role)
         end_ns: 1_000_000,
         run_rollout_id: (path == "/run").then(|| RolloutId::parse("r-1").expect("valid id")),
         span_id: SpanId::random(),
+        tls: false,
+        model_call: None,
     }
 }
 

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
-use crate::kernel::events::{KernelEvent, decode};
+use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
 use crate::model::exchange::{HttpExchange, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
@@ -27,6 +27,7 @@ use crate::model::span::SpanRecord;
 use crate::processes::ProcessTable;
 use crate::processes::harvest::SelfPorts;
 use crate::reassembly::connections::{ConnectionTable, TableAction};
+use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::{classify, semantic_at_start, wants_run_body};
 use crate::signals::metrics::RequestMetrics;
@@ -96,6 +97,9 @@ pub struct PipelineOutput {
     /// kernel keeps it as not HTTP: see [`TableAction::Untrack`]).
     pub untrack: Vec<(SocketId, u64, bool)>,
     pub lifecycle: Vec<Lifecycle>,
+    /// Processes that just opened a TLS connection (one entry per connection): the driver
+    /// makes sure their TLS library is probed.
+    pub tls_opened: Vec<u32>,
 }
 
 pub struct PipelineConfig {
@@ -111,6 +115,8 @@ pub struct PipelineConfig {
 pub struct Pipeline<M: RequestMetrics> {
     clock: WallClock,
     pub table: ConnectionTable,
+    /// Ties TLS plaintext to its connection before the table sees it.
+    pub tls: TlsSessions,
     pub processes: ProcessTable,
     groups: SpanGroups,
     /// Port pairs of the agent's own route harvests (shared with the harvest tasks).
@@ -133,6 +139,7 @@ impl<M: RequestMetrics> Pipeline<M> {
         Self {
             clock: WallClock::measure(),
             table: ConnectionTable::new(config.max_connections).reading_run_bodies(wants_run_body),
+            tls: TlsSessions::default(),
             processes: ProcessTable::new(config.routes, config.agent_resource),
             groups: config.groups,
             self_ports: SelfPorts::new(),
@@ -168,8 +175,95 @@ impl<M: RequestMetrics> Pipeline<M> {
             KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
             _ => {}
         }
-        self.table
-            .apply(&event, &mut self.exchanges, &mut self.actions);
+        match &event {
+            KernelEvent::TlsData(transfer) => {
+                let mut released = Vec::new();
+                if let Some(connection) = self.tls.plaintext(transfer, &mut released) {
+                    let data = DataTransfer {
+                        pid: transfer.pid,
+                        tid: transfer.tid,
+                        fd: connection.id.fd,
+                        conn_id: connection.conn_id,
+                        timestamp_ns: transfer.timestamp_ns,
+                        direction: transfer.direction,
+                        captured: transfer.captured,
+                        total_len: transfer.total_len,
+                        tail: transfer.tail,
+                    };
+                    self.table
+                        .apply_plaintext(&data, &mut self.exchanges, &mut self.actions);
+                }
+                self.apply_released(released, now, observer);
+            }
+            KernelEvent::TaskContext(context) if context.fd < 0 => {
+                if let Some(connection) = self.tls.context(context) {
+                    self.apply_context(context, connection);
+                }
+            }
+            KernelEvent::Data(data)
+                if self.table.is_ciphertext(data, &mut self.output.tls_opened) =>
+            {
+                let mut released = Vec::new();
+                self.tls.ciphertext(data, &mut released);
+                self.apply_released(released, now, observer);
+            }
+            KernelEvent::Close {
+                pid, fd, conn_id, ..
+            } => {
+                self.tls.closed(SocketId { pid: *pid, fd: *fd }, *conn_id);
+                self.table
+                    .apply(&event, &mut self.exchanges, &mut self.actions);
+            }
+            _ => self
+                .table
+                .apply(&event, &mut self.exchanges, &mut self.actions),
+        }
+        self.after_table(now, observer);
+    }
+
+    /// TLS records whose connection just became known, in the order they were reported.
+    fn apply_released(
+        &mut self,
+        released: Vec<Released>,
+        now: Instant,
+        observer: &mut impl Observer,
+    ) {
+        for Released {
+            pid,
+            connection,
+            records,
+        } in released
+        {
+            for record in records {
+                match record {
+                    TlsRecord::Context(context) => self.apply_context(&context, connection),
+                    TlsRecord::Data(data) => self.table.apply_plaintext(
+                        &data.on(pid, connection),
+                        &mut self.exchanges,
+                        &mut self.actions,
+                    ),
+                }
+                // Each record's starts and ends before the next record's.
+                self.after_table(now, observer);
+            }
+        }
+    }
+
+    fn apply_context(&mut self, context: &TaskContext, connection: ConnectionKey) {
+        let on_socket = TaskContext {
+            fd: connection.id.fd,
+            conn_id: connection.conn_id,
+            ..*context
+        };
+        self.table.apply(
+            &KernelEvent::TaskContext(on_socket),
+            &mut self.exchanges,
+            &mut self.actions,
+        );
+    }
+
+    /// Acts on what the table reported for the last event it applied.
+    fn after_table(&mut self, now: Instant, observer: &mut impl Observer) {
         // Starts first: a request's span id must be known before anything refers to it.
         let mut actions = std::mem::take(&mut self.actions);
         for action in actions.drain(..) {
@@ -217,6 +311,7 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// Releases every held span (shutdown).
     pub fn release_all(&mut self) {
+        self.tls.give_up_held();
         self.stitcher.release_all(&mut self.output.released);
     }
 
@@ -241,6 +336,7 @@ impl<M: RequestMetrics> Pipeline<M> {
     /// A traced process is gone: free what was kept for it.
     pub fn forget(&mut self, pid: u32) -> bool {
         let known = self.processes.remove(pid).is_some();
+        self.tls.process_gone(pid);
         if known {
             self.metrics.remove_service(pid);
         }

@@ -516,7 +516,7 @@ impl Replay {
                     } else {
                         DIRECTION_READ
                     },
-                    tail_len: tail.len() as u8,
+                    tail_len: tail.len() as u16,
                     captured_len: captured.len() as u32,
                     total_len: captured.len() as u64 + gap,
                     ..DataEventHeader::default()
@@ -750,7 +750,7 @@ pub fn seed_scripts() -> Vec<(&'static str, Vec<u8>)> {
             "not_http",
             Script::new()
                 .open(1, server)
-                .read(1, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+                .read(1, b"SSH-2.0-OpenSSH_9.6\r\n")
                 .read(1, b"GETX nonsense\r\n\r\n")
                 .raw(&[2, 0, 0, 0, 1, 2, 3])
                 .into_bytes(),

@@ -58,6 +58,8 @@ pub fn exchange(pid: u32, role: Role, request: RequestHead, outcome: Outcome) ->
         end_ns: 5_000,
         run_rollout_id: None,
         span_id: SpanId::random(),
+        tls: false,
+        model_call: None,
     }
 }
 

@@ -6,6 +6,7 @@ pub mod discovery;
 pub mod harvest;
 pub mod identity;
 pub mod python;
+pub mod tls_library;
 mod table;
 
 pub use table::{ProcessTable, TracedProcess};

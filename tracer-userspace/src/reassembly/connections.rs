@@ -15,10 +15,14 @@ use crate::model::evidence::{Token, response_id_token};
 use crate::model::exchange::RequestHead;
 use crate::model::exchange::ResponseHead;
 use crate::model::exchange::Role;
-use crate::model::exchange::{AbortReason, HttpExchange, Outcome, RequestStart, SocketId};
+use crate::model::exchange::{
+    AbortReason, HttpExchange, ModelCall, Outcome, RequestStart, SocketId,
+};
+use crate::model::genai::{BodyView, GenAiOperation, top_level_model, usage};
 use crate::model::ids::SpanId;
 use crate::reassembly::http::{
-    Head, MessageEvent, MessageStream, ParseError, RequestContext, StreamKind, Transfer, WantsBody,
+    BodySample, Head, MessageEvent, MessageStream, ParseError, RequestContext, StreamKind,
+    Transfer, WantsBody,
 };
 
 counters! {
@@ -95,12 +99,46 @@ struct InFlight {
     start_ns: u64,
     run_rollout_id: Option<RolloutId>,
     span_id: SpanId,
+    /// A call to an OpenAI-compatible endpoint (client role): what its bodies said so far.
+    model_call: Option<Box<ModelCall>>,
+}
+
+/// Calls whose bodies are read for their model and token counts.
+fn is_model_call(head: &RequestHead) -> bool {
+    GenAiOperation::from_path(&head.path).is_some()
+}
+
+fn body_view(sample: &BodySample) -> BodyView<'_> {
+    let (prefix, tail) = sample.unframed();
+    BodyView {
+        prefix,
+        complete: sample.complete,
+        tail,
+    }
+}
+
+/// What a connection's bytes on the socket are, decided by its first captured bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Transport {
+    Undecided,
+    /// HTTP (or anything else) in the clear.
+    Plain,
+    /// TLS records: the socket's bytes are ciphertext, the HTTP comes from the uprobes on
+    /// the TLS library (see [`super::tls`]).
+    Tls,
+}
+
+/// A TLS handshake record (content type 22, protocol major version 3): how every TLS
+/// connection starts, in both directions.
+fn starts_tls_handshake(bytes: &[u8]) -> bool {
+    matches!(bytes, [0x16, 0x03, minor, ..] if *minor <= 0x04)
 }
 
 #[derive(Debug)]
 struct Connection {
     conn_id: u64,
     role: Role,
+    transport: Transport,
     local: Option<SocketAddr>,
     peer: Option<SocketAddr>,
     requests: MessageStream,
@@ -233,6 +271,44 @@ impl ConnectionTable {
         self.connections.len()
     }
 
+    /// Whether `data` is TLS ciphertext, which the table does not parse (the first captured
+    /// bytes of a connection decide; a connection found to be TLS now has its process pushed
+    /// on `tls_opened`).
+    pub fn is_ciphertext(&mut self, data: &DataTransfer<'_>, tls_opened: &mut Vec<u32>) -> bool {
+        let id = SocketId {
+            pid: data.pid,
+            fd: data.fd,
+        };
+        let Some(connection) = self
+            .connections
+            .get_mut(&id)
+            .filter(|c| c.conn_id == data.conn_id)
+        else {
+            return false;
+        };
+        if connection.transport == Transport::Undecided && !data.captured.is_empty() {
+            connection.transport = if starts_tls_handshake(data.captured) {
+                tls_opened.push(data.pid);
+                Transport::Tls
+            } else {
+                Transport::Plain
+            };
+        }
+        connection.transport == Transport::Tls
+    }
+
+    /// Applies a TLS plaintext transfer, already tied to its connection.
+    pub fn apply_plaintext(
+        &mut self,
+        data: &DataTransfer<'_>,
+        exchanges: &mut Vec<HttpExchange>,
+        actions: &mut Vec<TableAction>,
+    ) {
+        let mut counters = self.counters;
+        self.data(data, true, &mut counters, exchanges, actions);
+        self.counters = counters;
+    }
+
     /// Applies one kernel event; finished exchanges are appended to `exchanges`.
     pub fn apply(
         &mut self,
@@ -255,7 +331,6 @@ impl ConnectionTable {
     ) {
         match event {
             KernelEvent::Open(open) => self.open(open, counters, exchanges, actions),
-            KernelEvent::Data(data) => self.data(data, counters, exchanges, actions),
             KernelEvent::Close {
                 pid,
                 fd,
@@ -279,7 +354,10 @@ impl ConnectionTable {
                     );
                 }
             }
-            KernelEvent::ProcessFork { .. } => {}
+            KernelEvent::Data(data) => self.data(data, false, counters, exchanges, actions),
+            // The pipeline ties TLS records to their connection and hands them on as
+            // [`ConnectionTable::apply_plaintext`] and task contexts with the socket's fd.
+            KernelEvent::ProcessFork { .. } | KernelEvent::TlsData(_) => {}
             KernelEvent::TaskContext(context) => {
                 let id = SocketId {
                     pid: context.pid,
@@ -391,11 +469,13 @@ impl ConnectionTable {
             Connection {
                 conn_id: open.conn_id,
                 role: open.role,
+                transport: Transport::Undecided,
                 local: open.local,
                 peer: open.peer,
                 requests: match (open.role, self.wants_body) {
                     (Role::Server, Some(wants)) => MessageStream::keeping_bodies(wants),
-                    _ => MessageStream::new(StreamKind::Requests),
+                    (Role::Server, None) => MessageStream::new(StreamKind::Requests),
+                    (Role::Client, _) => MessageStream::keeping_bodies(is_model_call),
                 },
                 responses: MessageStream::new(StreamKind::Responses),
                 in_flight: VecDeque::new(),
@@ -477,9 +557,11 @@ impl ConnectionTable {
         self.eviction_candidates = candidates;
     }
 
+    /// `plaintext`: TLS plaintext from the uprobes, as opposed to the socket's own bytes.
     fn data(
         &mut self,
         data: &DataTransfer<'_>,
+        plaintext: bool,
         counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
         actions: &mut Vec<TableAction>,
@@ -495,6 +577,11 @@ impl ConnectionTable {
         if connection.conn_id != data.conn_id {
             counters.data_without_connection += 1;
             return;
+        }
+        if plaintext {
+            connection.transport = Transport::Tls;
+        } else if connection.transport == Transport::Tls {
+            return; // ciphertext: the TLS sessions' evidence, not HTTP
         }
         connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
         let buffered_before = connection.buffered_bytes();
@@ -534,10 +621,12 @@ impl ConnectionTable {
             let in_flight = &connection.in_flight;
             connection.responses.feed(
                 transfer,
-                |answered| RequestContext {
-                    is_head: in_flight
-                        .get(answered)
-                        .is_some_and(|r| r.head.method == "HEAD"),
+                |answered| {
+                    let request = in_flight.get(answered);
+                    RequestContext {
+                        is_head: request.is_some_and(|r| r.head.method == "HEAD"),
+                        keeps_body: request.is_some_and(|r| r.model_call.is_some()),
+                    }
                 },
                 events,
                 errors,
@@ -646,11 +735,16 @@ fn on_message_event(
                 context: context.filter(|_| connection.role == Role::Client),
             }));
             connection.requests_seen += 1;
+            let model_call = match connection.role {
+                Role::Client => GenAiOperation::from_path(&head.path),
+                Role::Server => None,
+            };
             connection.in_flight.push_back(InFlight {
                 head,
                 start_ns: first_byte_ns,
                 run_rollout_id: None,
                 span_id,
+                model_call: model_call.map(|operation| Box::new(ModelCall::new(operation))),
             });
         }
         (
@@ -688,8 +782,12 @@ fn on_message_event(
         }
         (true, MessageEvent::Body(sample)) => {
             // The body is read for the few fields that name the rollout, then let go: its
-            // start for an agent's `/run` (kept when asked for), its end for every request.
+            // start for an agent's `/run` (kept when asked for), its end for every request;
+            // and a model call's for the model it asks for.
             if let Some(request) = connection.in_flight.back_mut() {
+                if let Some(call) = &mut request.model_call {
+                    call.request_model = top_level_model(&body_view(&sample));
+                }
                 let from_prefix = (!sample.prefix.is_empty())
                     .then(|| rollout_id_from_run_body(&sample.prefix, sample.complete))
                     .flatten();
@@ -707,6 +805,15 @@ fn on_message_event(
             }
         }
         (false, MessageEvent::Body(sample)) => {
+            if let (Some(request), Some(_)) = (
+                connection.in_flight.front_mut(),
+                &connection.current_response,
+            ) && let Some(call) = &mut request.model_call
+            {
+                let body = body_view(&sample);
+                call.response_model = top_level_model(&body);
+                call.usage = usage(&body);
+            }
             if let (Some(token), Some(request), Some(_)) = (
                 response_id_token(&sample.prefix),
                 connection.in_flight.front(),
@@ -742,6 +849,8 @@ fn exchange(
         end_ns: end_ns.max(request.start_ns),
         run_rollout_id: request.run_rollout_id,
         span_id: request.span_id,
+        tls: connection.transport == Transport::Tls,
+        model_call: request.model_call,
     }
 }
 

@@ -51,8 +51,13 @@ pub const MAX_BODY_PREFIX: usize = tracer_abi::MAX_CAPTURE_BYTES;
 /// starts with (see `model::evidence::response_id_token`).
 pub const RESPONSE_PREFIX_BYTES: usize = 256;
 
-/// Bytes of every request body's end that are kept: Gym's `_ng_*` rollout fields are the
-/// last members of its bodies, past any head capture (CAUSALITY.md: 11 KB `/run` bodies).
+/// Bytes of the start of a model call's response body that are kept: room for the `model`
+/// among the fields before it (~230 bytes into an OpenAI Responses object).
+pub const MODEL_RESPONSE_PREFIX_BYTES: usize = 1024;
+
+/// Bytes of a body's end that are kept, for every request body and a model call's response:
+/// Gym's `_ng_*` rollout fields are the last members of its bodies, past any head capture
+/// (CAUSALITY.md: 11 KB `/run` bodies), and a model's `usage` ends its response.
 pub const REQUEST_TAIL_BYTES: usize = tracer_abi::TAIL_BYTES;
 
 /// The parts of one body the tracer reads, then lets go of: its start (for requests a stream
@@ -65,6 +70,36 @@ pub struct BodySample {
     /// The body's last bytes (at most [`REQUEST_TAIL_BYTES`]) when they were seen: captured,
     /// or the tail of the transfer that ended the body exactly.
     pub tail: Option<Vec<u8>>,
+    /// The body is chunked: `prefix` and `tail` hold its framing too (see
+    /// [`BodySample::unframed`]).
+    pub chunked: bool,
+}
+
+impl BodySample {
+    /// `prefix` and `tail` without the chunk framing at their edges: the first chunk's size
+    /// line and the last chunk (`\r\n0\r\n\r\n`). Framing between chunks stays: a reader
+    /// of JSON or events finds it between whole values or lines, where servers cut chunks.
+    pub fn unframed(&self) -> (&[u8], Option<&[u8]>) {
+        if !self.chunked {
+            return (&self.prefix, self.tail.as_deref());
+        }
+        let prefix = match self.prefix.iter().position(|&b| b == b'\n') {
+            Some(end)
+                if self.prefix[..end]
+                    .first()
+                    .is_some_and(u8::is_ascii_hexdigit) =>
+            {
+                &self.prefix[end + 1..]
+            }
+            _ => &self.prefix[..],
+        };
+        let tail = self.tail.as_deref().map(|tail| {
+            tail.strip_suffix(b"\r\n0\r\n\r\n")
+                .or_else(|| tail.strip_suffix(b"0\r\n\r\n"))
+                .unwrap_or(tail)
+        });
+        (prefix, tail)
+    }
 }
 
 /// Which requests' bodies a stream keeps a prefix of (most bodies are never looked at, and
@@ -82,6 +117,7 @@ struct BodyCollector {
     /// (bytes that moved uncaptured) until a transfer's tail ends the body.
     tail: Option<Vec<u8>>,
     keeps_tail: bool,
+    chunked: bool,
 }
 
 impl BodyCollector {
@@ -92,7 +128,13 @@ impl BodyCollector {
             missed: false,
             tail: keeps_tail.then(Vec::new),
             keeps_tail,
+            chunked: false,
         }
+    }
+
+    fn framed_by(mut self, body: Option<Body>) -> Self {
+        self.chunked = matches!(body, Some(Body::Chunked(_)));
+        self
     }
 
     fn take(&mut self, bytes: &[u8]) {
@@ -138,6 +180,7 @@ impl BodyCollector {
             complete: !self.missed && self.prefix.len() as u64 == body_bytes,
             prefix: self.prefix,
             tail: self.tail.filter(|tail| !tail.is_empty()),
+            chunked: self.chunked,
         }
     }
 }
@@ -209,6 +252,9 @@ enum State {
 pub struct RequestContext {
     /// HEAD requests get responses without bodies.
     pub is_head: bool,
+    /// The request is a model call: its response's start and end are kept, whatever its
+    /// framing (a streamed response is chunked or ends at close).
+    pub keeps_body: bool,
 }
 
 /// One read or write as the parser sees it: `captured` is its first bytes, `total_len` what
@@ -381,26 +427,36 @@ impl MessageStream {
                         let body = match &head {
                             Head::Request(request_head) => {
                                 let body = framing.body();
-                                let prefix_limit =
-                                    if self.wants_body.is_some_and(|wants| wants(request_head)) {
-                                        MAX_BODY_PREFIX
-                                    } else {
-                                        0
-                                    };
-                                self.sample = sampled(body)
-                                    .then(|| Box::new(BodyCollector::new(prefix_limit, true)));
+                                let wanted =
+                                    self.wants_body.is_some_and(|wants| wants(request_head));
+                                let prefix_limit = if wanted { MAX_BODY_PREFIX } else { 0 };
+                                self.sample =
+                                    (sampled(body) || (wanted && body.is_some())).then(|| {
+                                        Box::new(
+                                            BodyCollector::new(prefix_limit, true).framed_by(body),
+                                        )
+                                    });
                                 body
                             }
                             Head::Response(response_head) => {
                                 self.final_response = response_head.status >= 200;
-                                let body = response_body(
-                                    response_head,
-                                    request(self.answered_in_feed),
-                                    framing,
-                                );
-                                self.sample = sampled(body).then(|| {
-                                    Box::new(BodyCollector::new(RESPONSE_PREFIX_BYTES, false))
-                                });
+                                let answered = request(self.answered_in_feed);
+                                let body = response_body(response_head, answered, framing);
+                                let keeps = answered.keeps_body && self.final_response;
+                                self.sample =
+                                    (sampled(body) || (keeps && body.is_some())).then(|| {
+                                        Box::new(
+                                            if keeps {
+                                                BodyCollector::new(
+                                                    MODEL_RESPONSE_PREFIX_BYTES,
+                                                    true,
+                                                )
+                                            } else {
+                                                BodyCollector::new(RESPONSE_PREFIX_BYTES, false)
+                                            }
+                                            .framed_by(body),
+                                        )
+                                    });
                                 body
                             }
                         };
@@ -504,7 +560,12 @@ impl MessageStream {
             State::Body { body, bytes } => {
                 *bytes += gap;
                 if let Some(sample) = &mut self.sample {
-                    let within = matches!(body, Body::Length(remaining) if gap <= *remaining);
+                    // Without a length the gap is all body (a chunked body's end is known only
+                    // from a transfer's tail), so the transfer's tail is the body's so far.
+                    let within = match body {
+                        Body::Length(remaining) => gap <= *remaining,
+                        Body::Chunked(_) | Body::ChunkedBlind | Body::UntilClose => true,
+                    };
                     sample.skip(gap, within.then_some(tail));
                 }
                 match body {
@@ -1082,7 +1143,10 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             head_response.len() as u64,
             b"",
             2,
-            RequestContext { is_head: true },
+            RequestContext {
+                is_head: true,
+                ..RequestContext::default()
+            },
         );
         assert_eq!(ends(&rec.out), vec![(2, 0)]);
         assert!(rec.errors.is_empty());
@@ -1148,6 +1212,7 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
                 prefix: b"{\"a\":1234}".to_vec(),
                 complete: true,
                 tail: Some(b"{\"a\":1234}".to_vec()),
+                chunked: false,
             }]
         );
         // The prefix comes right before its message's end.
@@ -1172,12 +1237,17 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         assert_eq!(kept.len(), 1);
         assert!(!kept[0].complete);
         assert_eq!(kept[0].prefix, b"{\"_ng_task_index\": 1");
-        // Chunked bodies are not kept: their bytes are framing, not the document.
+        // A chunked body asked for is kept with its framing, which `unframed` takes off its
+        // edges.
         let (events, _) = feed_all(
             &mut MessageStream::keeping_bodies(wants_post),
             &[b"POST /run HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"],
         );
-        assert!(prefixes(&events).is_empty());
+        let kept = prefixes(&events);
+        assert!(kept[0].chunked);
+        let (prefix, tail) = kept[0].unframed();
+        assert!(prefix.starts_with(b"{}\r\n"), "{prefix:?}");
+        assert_eq!(tail, Some(&b"2\r\n{}"[..]));
     }
     /// The body's last bytes, however the transfers cut it: captured, a gap's tail, a short
     /// last read whose tail continues the one before; none when a gap's tail did not reach.
@@ -1191,7 +1261,8 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
                 _ => None,
             })?
         };
-        let end = &body[body.len() - REQUEST_TAIL_BYTES..];
+        const T: usize = REQUEST_TAIL_BYTES;
+        let end = &body[body.len() - T..];
         let recorder = |transfers: &[(usize, usize, usize)]| {
             // (bytes of the body in this transfer, of which captured, tail length)
             let mut recorder = Recorder {
@@ -1215,22 +1286,22 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
             "captured whole"
         );
         assert_eq!(
-            recorder(&[(3000, 1000, 128)]).as_deref(),
+            recorder(&[(3000, 1000, T)]).as_deref(),
             Some(end),
             "one gap"
         );
         assert_eq!(
-            recorder(&[(2950, 1000, 128), (50, 0, 50)]).as_deref(),
+            recorder(&[(2950, 1000, T), (50, 0, 50)]).as_deref(),
             Some(end),
             "a short last read continues the tail before it"
         );
         assert_eq!(
-            recorder(&[(2000, 1000, 128), (900, 0, 128), (100, 0, 100)]).as_deref(),
+            recorder(&[(2000, 1000, T), (900, 0, T), (100, 0, 100)]).as_deref(),
             Some(end),
             "two gaps, each tail reaching back to the one before"
         );
         assert_eq!(
-            recorder(&[(2000, 1000, 128), (900, 0, 128), (100, 0, 50)]).as_deref(),
+            recorder(&[(2000, 1000, T), (900, 0, T), (100, 0, 50)]).as_deref(),
             Some(&body[body.len() - 50..]),
             "a tail that does not cover its gap: only its own bytes are known"
         );

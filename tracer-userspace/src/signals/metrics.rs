@@ -16,12 +16,14 @@ use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::model::attributes as attr;
-use crate::model::exchange::HttpExchange;
 use crate::model::exchange::Outcome;
 use crate::model::exchange::Role;
+use crate::model::exchange::{HttpExchange, ModelCall};
+use crate::model::genai::provider_name;
 use crate::model::service::ServiceIdentity;
 use crate::signals::meaning::RequestMeaning;
 use crate::signals::outcome::http_outcome;
+use crate::signals::spans::url_scheme;
 
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
@@ -47,6 +49,52 @@ fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
     }
     if let Some(error) = outcome.error_type {
         attributes.push(KeyValue::new(attr::ERROR_TYPE, error.value()));
+    }
+}
+
+/// The GenAI metrics of a model call, by server (the process's resource and its Gym server
+/// name) and model: the duration, and each token count its response reported.
+fn record_model_call(
+    service: &ServiceMetrics,
+    exchange: &HttpExchange,
+    call: &ModelCall,
+    elapsed_s: f64,
+    attributes: &mut Vec<KeyValue>,
+) {
+    attributes.clear();
+    attributes.extend(service.server_name.iter().cloned());
+    attributes.push(KeyValue::new(
+        attr::GEN_AI_OPERATION_NAME,
+        call.operation.operation_name(),
+    ));
+    if let Some(provider) = exchange.request.host.as_deref().and_then(provider_name) {
+        attributes.push(KeyValue::new(attr::GEN_AI_PROVIDER_NAME, provider));
+    }
+    if let Some(model) = &call.request_model {
+        attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_MODEL, model.clone()));
+    }
+    if let Some(model) = &call.response_model {
+        attributes.push(KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.clone()));
+    }
+    if let Some(peer) = exchange.peer {
+        attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
+        attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
+    }
+    let errors_at = attributes.len();
+    push_outcome(&exchange.outcome, attributes);
+    // The duration takes error.type only (the HTTP status is the HTTP metric's).
+    attributes.retain(|kv| kv.key.as_str() != attr::HTTP_RESPONSE_STATUS_CODE);
+    service.gen_ai_duration.record(elapsed_s, attributes);
+    attributes.truncate(errors_at);
+    for (kind, tokens) in [
+        ("input", call.usage.input_tokens),
+        ("output", call.usage.output_tokens),
+    ] {
+        if let Some(tokens) = tokens {
+            attributes.push(KeyValue::new(attr::GEN_AI_TOKEN_TYPE, kind));
+            service.gen_ai_tokens.record(tokens, attributes);
+            attributes.pop();
+        }
     }
 }
 
@@ -95,13 +143,39 @@ const VERIFY_CALLS: Instrument = Instrument {
     description: "/verify calls, by whether the handler completed (succeeded).",
 };
 
-pub const INSTRUMENTS: [&Instrument; 6] = [
+const GEN_AI_DURATION: Instrument = Instrument {
+    name: "gen_ai.client.operation.duration",
+    kind: "histogram",
+    unit: "s",
+    description: "Duration of calls to OpenAI-compatible endpoints (GenAI semantic conventions).",
+};
+const GEN_AI_TOKENS: Instrument = Instrument {
+    name: "gen_ai.client.token.usage",
+    kind: "histogram",
+    unit: "{token}",
+    description: "Tokens a model call used, by gen_ai.token.type (input, output), from its response's usage.",
+};
+
+pub const INSTRUMENTS: [&Instrument; 8] = [
     &SERVER_DURATION,
     &CLIENT_DURATION,
     &ROLLOUT_DURATION,
     &VERIFY_DURATION,
     &VERIFY_SUCCESS_RATE,
     &VERIFY_CALLS,
+    &GEN_AI_DURATION,
+    &GEN_AI_TOKENS,
+];
+
+/// Bucket boundaries the GenAI semantic conventions advise for
+/// `gen_ai.client.operation.duration`, in seconds.
+const GEN_AI_DURATION_BOUNDARIES_S: [f64; 14] = [
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+/// ... and for `gen_ai.client.token.usage`.
+const GEN_AI_TOKEN_BOUNDARIES: [f64; 14] = [
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
 ];
 
 /// Bucket boundaries the OTel HTTP semantic conventions specify for
@@ -120,6 +194,8 @@ struct ServiceMetrics {
     verify_duration: Histogram<f64>,
     verify_success_rate: Gauge<f64>,
     verify_calls: Counter<u64>,
+    gen_ai_duration: Histogram<f64>,
+    gen_ai_tokens: Histogram<u64>,
     /// Verify calls seen since attach, and how many succeeded: the success rate is the
     /// cumulative fraction, as Gym defines it (per process, since it started).
     verify_total: u64,
@@ -220,6 +296,18 @@ impl Metrics {
             .u64_counter(VERIFY_CALLS.name)
             .with_description(VERIFY_CALLS.description)
             .build();
+        let gen_ai_duration = meter
+            .f64_histogram(GEN_AI_DURATION.name)
+            .with_unit(GEN_AI_DURATION.unit)
+            .with_description(GEN_AI_DURATION.description)
+            .with_boundaries(GEN_AI_DURATION_BOUNDARIES_S.to_vec())
+            .build();
+        let gen_ai_tokens = meter
+            .u64_histogram(GEN_AI_TOKENS.name)
+            .with_unit(GEN_AI_TOKENS.unit)
+            .with_description(GEN_AI_TOKENS.description)
+            .with_boundaries(GEN_AI_TOKEN_BOUNDARIES.to_vec())
+            .build();
         self.services.insert(
             service.pid,
             ServiceMetrics {
@@ -233,6 +321,8 @@ impl Metrics {
                 verify_duration,
                 verify_success_rate,
                 verify_calls,
+                gen_ai_duration,
+                gen_ai_tokens,
                 verify_total: 0,
                 verify_succeeded: 0,
             },
@@ -289,6 +379,9 @@ impl Metrics {
             }
             push_outcome(&exchange.outcome, attributes);
             service.client_duration.record(elapsed_ns / 1e9, attributes);
+            if let Some(call) = &exchange.model_call {
+                record_model_call(service, exchange, call, elapsed_ns / 1e9, attributes);
+            }
             return;
         }
         attributes.extend(service.server_name.iter().cloned());
@@ -318,7 +411,7 @@ impl Metrics {
         }
         attributes.extend([
             method_attribute(&exchange.request.method),
-            KeyValue::new(attr::URL_SCHEME, "http"),
+            KeyValue::new(attr::URL_SCHEME, url_scheme(exchange)),
             KeyValue::new(
                 attr::NETWORK_PROTOCOL_VERSION,
                 if exchange.request.version_minor == 0 {

@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::model::attributes as attr;
-use crate::model::exchange::HttpExchange;
 use crate::model::exchange::Outcome;
 use crate::model::exchange::RequestHead;
 use crate::model::exchange::Role;
+use crate::model::exchange::{HttpExchange, ModelCall};
+use crate::model::genai::provider_name;
 use crate::model::ids::{SpanId, TraceId, parse_traceparent};
 use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus};
@@ -89,11 +90,13 @@ fn client_span(
 ) -> SpanRecord {
     let request = &exchange.request;
     let mut attributes = request_attributes(request);
+    let scheme = url_scheme(exchange);
+    attributes.push((attr::URL_SCHEME, AttributeValue::Str(scheme.into())));
     if let Some(peer) = exchange.peer {
         // The query string was never kept: `path` has none.
         attributes.push((
             attr::URL_FULL,
-            AttributeValue::Str(format!("http://{peer}{}", request.path)),
+            AttributeValue::Str(format!("{scheme}://{peer}{}", request.path)),
         ));
         attributes.push((
             attr::SERVER_ADDRESS,
@@ -103,6 +106,9 @@ fn client_span(
     }
     if let Some(name) = peer_service {
         attributes.push((attr::PEER_SERVICE, AttributeValue::Str(name.to_string())));
+    }
+    if let Some(call) = &exchange.model_call {
+        model_call_attributes(call, request, &mut attributes);
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     if let Some(id) = &meaning.rollout_id {
@@ -124,6 +130,36 @@ fn client_span(
         attributes,
         status,
     }
+}
+
+/// The GenAI semantic conventions' attributes of a model call, where its bodies named them.
+fn model_call_attributes(call: &ModelCall, request: &RequestHead, attributes: &mut Attributes) {
+    let text = |value: &str| AttributeValue::Str(value.to_string());
+    attributes.push((
+        attr::GEN_AI_OPERATION_NAME,
+        text(call.operation.operation_name()),
+    ));
+    if let Some(provider) = request.host.as_deref().and_then(provider_name) {
+        attributes.push((attr::GEN_AI_PROVIDER_NAME, text(provider)));
+    }
+    if let Some(model) = &call.request_model {
+        attributes.push((attr::GEN_AI_REQUEST_MODEL, text(model)));
+    }
+    if let Some(model) = &call.response_model {
+        attributes.push((attr::GEN_AI_RESPONSE_MODEL, text(model)));
+    }
+    let count = |tokens: u64| AttributeValue::Int(i64::try_from(tokens).unwrap_or(i64::MAX));
+    if let Some(tokens) = call.usage.input_tokens {
+        attributes.push((attr::GEN_AI_USAGE_INPUT_TOKENS, count(tokens)));
+    }
+    if let Some(tokens) = call.usage.output_tokens {
+        attributes.push((attr::GEN_AI_USAGE_OUTPUT_TOKENS, count(tokens)));
+    }
+}
+
+/// `https` for an exchange whose plaintext came from the TLS library.
+pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
+    if exchange.tls { "https" } else { "http" }
 }
 
 /// What SERVER and CLIENT spans both say about the request.
@@ -186,7 +222,10 @@ fn server_span(
     let request = &exchange.request;
     let mut attributes = request_attributes(request);
     attributes.push((attr::URL_PATH, AttributeValue::Str(request.path.clone())));
-    attributes.push((attr::URL_SCHEME, AttributeValue::Str("http".into())));
+    attributes.push((
+        attr::URL_SCHEME,
+        AttributeValue::Str(url_scheme(exchange).into()),
+    ));
     // A guessed template is fine for a name, not for `http.route`, which dashboards group
     // by: that must be the server's own.
     if let Some(route) = meaning.route.http_route() {

@@ -1,0 +1,489 @@
+//! TLS plaintext joins the connection it travels on.
+//!
+//! The uprobes on OpenSSL report plaintext by `SSL*`; the syscall tracepoints report the
+//! ciphertext by socket. An `SSL*` is tied to one connection for its life, so the tie is
+//! learned once, from evidence, and kept until the connection closes:
+//!
+//! - **Blocking sockets** (`ssl.SSLSocket`, `requests`): OpenSSL itself reads or writes the
+//!   socket inside `SSL_read`/`SSL_write`. A ciphertext transfer of the same thread, in the
+//!   same direction, between the call's entry and return, is on the call's connection.
+//! - **Memory BIOs** (asyncio's `SSLProtocol`, so aiohttp, uvloop and uvicorn): `SSL_write`
+//!   encrypts into a buffer and the transport sends it afterwards, on the same thread, as a
+//!   socket write whose length is exactly that of the TLS records the calls made. A
+//!   ciphertext write is matched with the thread's unmatched `SSL_write`s of one `SSL*` whose
+//!   record lengths add up to it, for one of the AEAD record overheads; when two `SSL*`s could
+//!   account for it, nothing is decided (counted) and the next write decides.
+//!
+//! Reads of a memory-BIO `SSL*` carry no such evidence (the ciphertext is read before the
+//! call, maybe much before), so they wait for the `SSL*`'s first write to decide: a client
+//! writes first, a server answers the request it read. Until its connection is known, what an
+//! `SSL*` reported is held, bounded in records, bytes and time; what is given up is counted.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::kernel::events::{DataTransfer, Direction, TaskContext, TlsTransfer};
+use crate::model::counters::counters;
+use crate::model::exchange::SocketId;
+
+counters! {
+    /// How TLS plaintext found (or did not find) its connection.
+    pub struct TlsCounters {
+        /// Plaintext records (TLS reads and writes) the uprobes reported.
+        tls_records,
+        /// `SSL*`s tied to their connection by a socket transfer inside the call (blocking).
+        tls_sessions_by_syscall,
+        /// `SSL*`s tied to their connection by the length of the records their writes made.
+        tls_sessions_by_record_length,
+        /// Ciphertext writes that two `SSL*`s could have made: decided by a later write.
+        tls_matches_ambiguous,
+        /// Plaintext records given up before their connection was known (held too long,
+        /// or past the bounds on what is held).
+        tls_records_unmatched,
+    }
+}
+
+/// Largest TLS record plaintext (RFC 8446 §5.1): a write longer than it makes several records.
+const MAX_RECORD_PLAINTEXT: u64 = 16 * 1024;
+
+/// Bytes a record adds to its plaintext, for the ciphers OpenSSL negotiates by default:
+/// TLS 1.3 AEAD (5 header + 1 content type + 16 tag), TLS 1.2 AES-GCM (5 + 8 explicit nonce +
+/// 16 tag), TLS 1.2 ChaCha20-Poly1305 (5 + 16).
+const RECORD_OVERHEADS: [u64; 3] = [22, 29, 21];
+
+/// Bytes the end of a TLS 1.3 client handshake may add to the first ciphertext write after
+/// it, when the transport sends both at once (uvloop does): the Finished record (5 header +
+/// 4 handshake header + 32 or 48 verify data + 1 content type + 16 tag), with or without the
+/// 6-byte ChangeCipherSpec that OpenSSL sends for middlebox compatibility.
+const HANDSHAKE_TAILS: [u64; 4] = [58, 64, 74, 80];
+
+/// How long plaintext waits for its connection to be known.
+const HOLD_NS: u64 = 2_000_000_000;
+/// Records and bytes one `SSL*` may have held.
+const MAX_HELD_RECORDS: usize = 256;
+const MAX_HELD_BYTES: usize = 1 << 20;
+/// `SSL*`s with held records at once; past it new ones are not held.
+const MAX_UNTIED_SESSIONS: usize = 4096;
+/// Unmatched `SSL_write`s and recent ciphertext transfers kept per thread.
+const MAX_THREAD_HISTORY: usize = 16;
+
+/// One TLS session: an `SSL*` in one process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct SessionKey {
+    pid: u32,
+    ssl: u64,
+}
+
+/// A connection of the table: its socket and the `conn_id` that tells it from an older
+/// connection on the same fd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectionKey {
+    pub id: SocketId,
+    pub conn_id: u64,
+}
+
+/// A plaintext record as held, or released to the connection table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedTransfer {
+    pub tid: u32,
+    pub timestamp_ns: u64,
+    pub direction: Direction,
+    /// The captured head, then the tail.
+    pub bytes: Vec<u8>,
+    pub captured_len: usize,
+    pub total_len: u64,
+}
+
+impl OwnedTransfer {
+    fn of(transfer: &TlsTransfer<'_>) -> Self {
+        let mut bytes = Vec::with_capacity(transfer.captured.len() + transfer.tail.len());
+        bytes.extend_from_slice(transfer.captured);
+        bytes.extend_from_slice(transfer.tail);
+        Self {
+            tid: transfer.tid,
+            timestamp_ns: transfer.timestamp_ns,
+            direction: transfer.direction,
+            bytes,
+            captured_len: transfer.captured.len(),
+            total_len: transfer.total_len,
+        }
+    }
+
+    /// As the table takes it: a transfer on `connection`.
+    pub fn on(&self, pid: u32, connection: ConnectionKey) -> DataTransfer<'_> {
+        DataTransfer {
+            pid,
+            tid: self.tid,
+            fd: connection.id.fd,
+            conn_id: connection.conn_id,
+            timestamp_ns: self.timestamp_ns,
+            direction: self.direction,
+            captured: &self.bytes[..self.captured_len],
+            total_len: self.total_len,
+            tail: &self.bytes[self.captured_len..],
+        }
+    }
+}
+
+/// What an `SSL*` reported, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TlsRecord {
+    Context(TaskContext),
+    Data(OwnedTransfer),
+}
+
+/// Records released to a connection now that it is known, in the order they were reported.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Released {
+    pub pid: u32,
+    pub connection: ConnectionKey,
+    pub records: Vec<TlsRecord>,
+}
+
+#[derive(Debug)]
+struct Held {
+    first_ns: u64,
+    records: Vec<TlsRecord>,
+    bytes: usize,
+}
+
+/// An `SSL_write` not yet matched with the ciphertext that carried it.
+#[derive(Clone, Copy, Debug)]
+struct SslWrite {
+    session: SessionKey,
+    plaintext: u64,
+    end_ns: u64,
+}
+
+/// A ciphertext transfer on a TLS connection.
+#[derive(Clone, Copy, Debug)]
+struct Ciphertext {
+    pid: u32,
+    connection: ConnectionKey,
+    direction: Direction,
+    timestamp_ns: u64,
+}
+
+#[derive(Debug, Default)]
+struct ThreadTraffic {
+    writes: VecDeque<SslWrite>,
+    recent: VecDeque<Ciphertext>,
+}
+
+/// The ties between `SSL*`s and connections, and what waits for one.
+#[derive(Debug, Default)]
+pub struct TlsSessions {
+    pub counters: TlsCounters,
+    tied: HashMap<SessionKey, ConnectionKey>,
+    /// The sessions tied to each connection, to untie them when it closes.
+    by_connection: HashMap<SocketId, (u64, Vec<u64>)>,
+    held: HashMap<SessionKey, Held>,
+    /// Sessions with held records, oldest first (entries of sessions tied since are skipped).
+    held_order: VecDeque<(u64, SessionKey)>,
+    threads: HashMap<u32, ThreadTraffic>,
+}
+
+impl TlsSessions {
+    /// The connection of a TLS plaintext record, if known; otherwise the record is held (and
+    /// may tie its session at once: then what it released is in `released`).
+    pub fn plaintext(
+        &mut self,
+        transfer: &TlsTransfer<'_>,
+        released: &mut Vec<Released>,
+    ) -> Option<ConnectionKey> {
+        self.counters.tls_records += 1;
+        self.expire(transfer.timestamp_ns);
+        let session = SessionKey {
+            pid: transfer.pid,
+            ssl: transfer.ssl,
+        };
+        let inside = self.inside_call(transfer);
+        if transfer.direction == Direction::Write && inside.is_none() {
+            // A memory BIO's write: its ciphertext is sent after it returns.
+            let thread = self.threads.entry(transfer.tid).or_default();
+            push_bounded(
+                &mut thread.writes,
+                SslWrite {
+                    session,
+                    plaintext: transfer.total_len,
+                    end_ns: transfer.timestamp_ns,
+                },
+            );
+        }
+        if let Some(connection) = self.tied.get(&session) {
+            return Some(*connection);
+        }
+        self.hold(session, TlsRecord::Data(OwnedTransfer::of(transfer)));
+        if let Some(connection) = inside {
+            self.counters.tls_sessions_by_syscall += 1;
+            self.tie(session, connection, released);
+        }
+        None
+    }
+
+    /// The connection of a task context read for a TLS write (`fd` -1, `conn_id` the `SSL*`),
+    /// if known; otherwise it is held with the session's records.
+    pub fn context(&mut self, context: &TaskContext) -> Option<ConnectionKey> {
+        let session = SessionKey {
+            pid: context.pid,
+            ssl: context.conn_id,
+        };
+        if let Some(connection) = self.tied.get(&session) {
+            return Some(*connection);
+        }
+        self.hold(session, TlsRecord::Context(*context));
+        None
+    }
+
+    /// A transfer on a connection the table knows to be TLS: evidence for the sessions of its
+    /// thread.
+    pub fn ciphertext(&mut self, transfer: &DataTransfer<'_>, released: &mut Vec<Released>) {
+        let connection = ConnectionKey {
+            id: SocketId {
+                pid: transfer.pid,
+                fd: transfer.fd,
+            },
+            conn_id: transfer.conn_id,
+        };
+        let thread = self.threads.entry(transfer.tid).or_default();
+        push_bounded(
+            &mut thread.recent,
+            Ciphertext {
+                pid: transfer.pid,
+                connection,
+                direction: transfer.direction,
+                timestamp_ns: transfer.timestamp_ns,
+            },
+        );
+        if transfer.direction == Direction::Write
+            && let Some(session) = self.match_record_lengths(transfer, connection)
+            && !self.tied.contains_key(&session)
+        {
+            self.counters.tls_sessions_by_record_length += 1;
+            self.tie(session, connection, released);
+        }
+    }
+
+    /// A connection closed: its sessions are untied (an `SSL*` address may be reused).
+    pub fn closed(&mut self, id: SocketId, conn_id: u64) {
+        if let Some((tied_conn, sessions)) = self.by_connection.remove(&id) {
+            if tied_conn != conn_id {
+                self.by_connection.insert(id, (tied_conn, sessions));
+                return;
+            }
+            for ssl in sessions {
+                self.tied.remove(&SessionKey { pid: id.pid, ssl });
+            }
+        }
+    }
+
+    /// A process is gone: everything of it is dropped (held records counted).
+    pub fn process_gone(&mut self, pid: u32) {
+        self.tied.retain(|key, _| key.pid != pid);
+        self.by_connection.retain(|id, _| id.pid != pid);
+        let counters = &mut self.counters;
+        self.held.retain(|key, held| {
+            let keep = key.pid != pid;
+            if !keep {
+                counters.tls_records_unmatched += held.records.len() as u64;
+            }
+            keep
+        });
+        for thread in self.threads.values_mut() {
+            thread.writes.retain(|write| write.session.pid != pid);
+            thread.recent.retain(|cipher| cipher.pid != pid);
+        }
+        self.threads
+            .retain(|_, thread| !thread.writes.is_empty() || !thread.recent.is_empty());
+    }
+
+    /// Shutdown: what is still held never found its connection.
+    pub fn give_up_held(&mut self) {
+        let held: usize = self.held.drain().map(|(_, held)| held.records.len()).sum();
+        self.counters.tls_records_unmatched += held as u64;
+        self.held_order.clear();
+    }
+
+    /// The one connection of the thread's ciphertext transfers in `transfer`'s direction
+    /// made between the call's entry and return: OpenSSL on a blocking socket.
+    fn inside_call(&self, transfer: &TlsTransfer<'_>) -> Option<ConnectionKey> {
+        let thread = self.threads.get(&transfer.tid)?;
+        let mut inside = thread.recent.iter().filter(|cipher| {
+            cipher.pid == transfer.pid
+                && cipher.direction == transfer.direction
+                && (transfer.start_ns..=transfer.timestamp_ns).contains(&cipher.timestamp_ns)
+        });
+        let first = inside.next()?.connection;
+        inside
+            .all(|cipher| cipher.connection == first)
+            .then_some(first)
+    }
+
+    /// The session whose unmatched writes on this thread account for this ciphertext write
+    /// exactly; its matched writes are consumed. Sessions tied to another connection are no
+    /// candidates: a coincidence of lengths never moves a tie.
+    fn match_record_lengths(
+        &mut self,
+        transfer: &DataTransfer<'_>,
+        connection: ConnectionKey,
+    ) -> Option<SessionKey> {
+        let thread = self.threads.get_mut(&transfer.tid)?;
+        thread.writes.retain(|write| {
+            write.session.pid == transfer.pid && write.end_ns <= transfer.timestamp_ns
+        });
+        let mut sessions: Vec<SessionKey> = Vec::new();
+        for write in &thread.writes {
+            if !sessions.contains(&write.session) {
+                sessions.push(write.session);
+            }
+        }
+        let tied_here = |session: &SessionKey| match self.tied.get(session) {
+            None => true,
+            Some(tied) => *tied == connection,
+        };
+        let fits = |session: &SessionKey| {
+            let first = !self.tied.contains_key(session);
+            matched_writes(&thread.writes, *session, transfer.total_len, first).is_some()
+        };
+        let here: Vec<SessionKey> = sessions
+            .iter()
+            .filter(|s| tied_here(s) && fits(s))
+            .copied()
+            .collect();
+        let chosen = match here.as_slice() {
+            [one] => *one,
+            [] => return None,
+            _ => {
+                self.counters.tls_matches_ambiguous += 1;
+                return None;
+            }
+        };
+        let first = !self.tied.contains_key(&chosen);
+        let count = matched_writes(&thread.writes, chosen, transfer.total_len, first)?;
+        let mut left = count;
+        thread.writes.retain(|write| {
+            if left > 0 && write.session == chosen {
+                left -= 1;
+                false
+            } else {
+                true
+            }
+        });
+        Some(chosen)
+    }
+
+    fn hold(&mut self, session: SessionKey, record: TlsRecord) {
+        let size = match &record {
+            TlsRecord::Data(data) => data.bytes.len(),
+            TlsRecord::Context(_) => size_of::<TaskContext>(),
+        };
+        let first_ns = match &record {
+            TlsRecord::Data(data) => data.timestamp_ns,
+            TlsRecord::Context(context) => context.timestamp_ns,
+        };
+        if !self.held.contains_key(&session) {
+            if self.held.len() >= MAX_UNTIED_SESSIONS {
+                self.counters.tls_records_unmatched += 1;
+                return;
+            }
+            self.held_order.push_back((first_ns, session));
+        }
+        let held = self.held.entry(session).or_insert(Held {
+            first_ns,
+            records: Vec::new(),
+            bytes: 0,
+        });
+        if held.records.len() >= MAX_HELD_RECORDS || held.bytes + size > MAX_HELD_BYTES {
+            self.counters.tls_records_unmatched += 1;
+            return;
+        }
+        held.bytes += size;
+        held.records.push(record);
+    }
+
+    /// Gives up records held longer than [`HOLD_NS`].
+    fn expire(&mut self, now_ns: u64) {
+        while let Some(&(first_ns, session)) = self.held_order.front() {
+            if now_ns.saturating_sub(first_ns) < HOLD_NS {
+                break;
+            }
+            self.held_order.pop_front();
+            if let Some(held) = self.held.get(&session)
+                && held.first_ns == first_ns
+            {
+                let held = self.held.remove(&session).expect("checked above");
+                self.counters.tls_records_unmatched += held.records.len() as u64;
+            }
+        }
+    }
+
+    fn tie(
+        &mut self,
+        session: SessionKey,
+        connection: ConnectionKey,
+        released: &mut Vec<Released>,
+    ) {
+        self.tied.insert(session, connection);
+        let entry = self
+            .by_connection
+            .entry(connection.id)
+            .or_insert((connection.conn_id, Vec::new()));
+        if entry.0 != connection.conn_id {
+            *entry = (connection.conn_id, Vec::new());
+        }
+        if !entry.1.contains(&session.ssl) {
+            entry.1.push(session.ssl);
+        }
+        if let Some(held) = self.held.remove(&session) {
+            released.push(Released {
+                pid: session.pid,
+                connection,
+                records: held.records,
+            });
+        }
+    }
+}
+
+/// A run of consecutive writes of `session` (in `writes`) whose records make exactly
+/// `ciphertext` bytes for one record overhead — plus, for a session's `first` match, the end
+/// of its handshake: how many of the session's writes that run ends at (the ones before it
+/// went out earlier, unmatched, and are given up with it).
+fn matched_writes(
+    writes: &VecDeque<SslWrite>,
+    session: SessionKey,
+    ciphertext: u64,
+    first: bool,
+) -> Option<usize> {
+    let sizes: Vec<u64> = writes
+        .iter()
+        .filter(|write| write.session == session)
+        .map(|write| write.plaintext)
+        .collect();
+    let extras: &[u64] = if first { &HANDSHAKE_TAILS } else { &[] };
+    for start in 0..sizes.len() {
+        for overhead in RECORD_OVERHEADS {
+            let mut total = 0;
+            for (end, size) in sizes.iter().enumerate().skip(start) {
+                total += record_bytes(*size, overhead);
+                if total == ciphertext || extras.iter().any(|extra| total + extra == ciphertext) {
+                    return Some(end + 1);
+                }
+                if total > ciphertext {
+                    break;
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Bytes on the wire for one `SSL_write` of `plaintext` bytes.
+fn record_bytes(plaintext: u64, overhead: u64) -> u64 {
+    plaintext + plaintext.div_ceil(MAX_RECORD_PLAINTEXT) * overhead
+}
+
+fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
+    if queue.len() >= MAX_THREAD_HISTORY {
+        queue.pop_front();
+    }
+    queue.push_back(item);
+}
