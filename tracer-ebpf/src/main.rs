@@ -1,6 +1,6 @@
 //! gym-tracer's kernel side: syscall tracepoints that report the TCP traffic of traced
-//! processes to user space, and task/sched tracepoints that keep the PID filter in step
-//! with the processes they create and end.
+//! processes to user space, OpenSSL uprobes that report their TLS plaintext, and task/sched
+//! tracepoints that keep the PID filter in step with the processes they create and end.
 //!
 //! What each program checks first, so that an untraced process pays as little as the
 //! kernel allows:
@@ -24,6 +24,10 @@
 //!   process enters the filter.
 //! - `process_exit`, `process_exec`: the PID filter; `process_exit` then deletes the exiting
 //!   thread's `PYTHON_THREADS` entry (one hash delete per thread exit of a traced process).
+//! - `ssl_write`, `ssl_write_ex`, `ssl_read`, `ssl_read_ex` (uprobes on OpenSSL, hit by
+//!   every process that maps the library file): the PID filter; a traced call's arguments
+//!   are remembered in `TLS_CALLS`. `ssl_return` (their uretprobe): the thread's `TLS_CALLS`
+//!   entry, then the plaintext is captured as for a socket, budgeted per `SSL*`.
 //!
 //! The offsets the fork and exit programs read come from the tracepoints' `format` files
 //! (`TRACEPOINT_LAYOUT`), the socket walk's from BTF (`KERNEL_OFFSETS`), both set by user

@@ -12,7 +12,7 @@ use anyhow::Result;
 use crate::kernel::loader::LoadedProbes;
 use crate::processes::tls_library::{
     FileId, MappedLibrary, TlsProbeCounters, TlsSupport, defined_ssl_functions,
-    mapped_tls_libraries, tls_support,
+    mapped_tls_libraries, path_in_process, tls_support,
 };
 
 /// Attaching uprobes (a trait so the bookkeeping can be tested without a kernel).
@@ -131,7 +131,7 @@ impl TlsProbes {
         };
         let libraries = mapped_tls_libraries(&maps);
         let support = tls_support(&libraries, |library| {
-            std::fs::read(path_in(pid, &library.path))
+            std::fs::read(path_in_process(pid, &library.path))
                 .map(|elf| defined_ssl_functions(&elf))
                 .unwrap_or_default()
         });
@@ -156,7 +156,7 @@ impl TlsProbes {
         if let Some(probed) = self.libraries.get(&library.file) {
             return *probed;
         }
-        let path = path_in(pid, &library.path);
+        let path = path_in_process(pid, &library.path);
         let functions = std::fs::read(&path)
             .map(|elf| defined_ssl_functions(&elf))
             .unwrap_or_default();
@@ -180,11 +180,6 @@ impl TlsProbes {
         self.libraries.insert(library.file.clone(), probed);
         probed
     }
-}
-
-/// `path` as this agent reaches it: through the process's root (a container's files).
-fn path_in(pid: u32, path: &Path) -> PathBuf {
-    Path::new(&format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path))
 }
 
 fn why_unprobed(support: &TlsSupport) -> String {

@@ -322,6 +322,35 @@ mod tests {
     }
 
     #[test]
+    fn decodes_a_tls_record_by_its_ssl_pointer_and_checks_its_times() {
+        let mut header = TlsDataHeader::default();
+        header.data.header.kind = EventKind::TlsData as u8;
+        header.data.header.tgid = 42;
+        header.data.header.fd = -1;
+        header.data.header.conn_id = 0x5555_0000_1230;
+        header.data.header.timestamp_ns = 2_000;
+        header.start_ns = 1_500;
+        header.data.direction = DIRECTION_READ;
+        header.data.captured_len = 4;
+        header.data.total_len = 4;
+        let mut bytes = as_bytes(&header);
+        bytes.extend_from_slice(b"HTTP");
+        let KernelEvent::TlsData(tls) = decode(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (tls.ssl, tls.start_ns, tls.timestamp_ns),
+            (0x5555_0000_1230, 1_500, 2_000)
+        );
+        assert_eq!(tls.captured, b"HTTP");
+        // A call that returned before it was entered is no record to trust.
+        header.start_ns = 3_000;
+        let mut bytes = as_bytes(&header);
+        bytes.extend_from_slice(b"HTTP");
+        assert_eq!(decode(&bytes), Err(DecodeError::BadField("start_ns")));
+    }
+
+    #[test]
     fn a_full_length_tail_follows_a_full_head() {
         let mut header = DataEventHeader::default();
         header.header.kind = EventKind::Data as u8;

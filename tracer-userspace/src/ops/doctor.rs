@@ -301,7 +301,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
     processes.extend(
         args.pids
             .iter()
-            .flat_map(|&pid| [pid_row(pid), python_row(pid)]),
+            .flat_map(|&pid| [pid_row(pid), python_row(pid), tls_row(pid)]),
     );
     let sections = [
         Section {
@@ -896,6 +896,67 @@ fn python_row(pid: u32) -> Row {
             &name,
             Status::Off,
             format!("{} ({why}); task context reads off", why.reason()),
+        ),
+    }
+}
+
+/// Which TLS library of a `--pid` process the SSL uprobes would attach to (issue #14), or why
+/// its HTTPS requests would not be seen.
+fn tls_row(pid: u32) -> Row {
+    use crate::processes::tls_library::{
+        TlsSupport, defined_ssl_functions, mapped_tls_libraries, path_in_process, tls_support,
+    };
+    let name = format!("pid {pid} tls");
+    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return row(&name, Status::Warn, "its /proc/PID/maps is unreadable");
+    };
+    let in_process = |path: &Path| path_in_process(pid, path);
+    let libraries = mapped_tls_libraries(&maps);
+    let support = tls_support(&libraries, |library| {
+        std::fs::read(in_process(&library.path))
+            .map(|elf| defined_ssl_functions(&elf))
+            .unwrap_or_default()
+    });
+    match support {
+        TlsSupport::Probe(files) => {
+            let described: Vec<String> = files
+                .iter()
+                .map(|library| {
+                    let functions = std::fs::read(in_process(&library.path))
+                        .map(|elf| defined_ssl_functions(&elf))
+                        .unwrap_or_default();
+                    format!("{} ({})", library.path.display(), functions.join(", "))
+                })
+                .collect();
+            row(
+                &name,
+                Status::On,
+                format!(
+                    "HTTPS plaintext through uprobes on {}",
+                    described.join("; ")
+                ),
+            )
+        }
+        TlsSupport::Nothing => row(
+            &name,
+            Status::Info,
+            "no TLS library mapped (yet: CPython maps libssl on `import ssl`; the agent looks              again every 5 s and when the process opens a TLS connection)",
+        ),
+        TlsSupport::Unsupported(path) => row(
+            &name,
+            Status::Off,
+            format!(
+                "it maps {}, a TLS library the uprobes do not know: its HTTPS requests would                  be followed by timing and bytes only",
+                path.display()
+            ),
+        ),
+        TlsSupport::StaticUnknown(path) => row(
+            &name,
+            Status::Off,
+            format!(
+                "its TLS module {} has no OpenSSL symbols (stripped or statically linked):                  its HTTPS requests would be followed by timing and bytes only",
+                path.display()
+            ),
         ),
     }
 }

@@ -12,15 +12,16 @@
 //!
 //! The script format, one operation after another (an operation cut short ends the script):
 //!
-//! | opcode % 7 | operation | fields after the opcode byte |
+//! | opcode % 8 | operation | fields after the opcode byte |
 //! |---|---|---|
 //! | 0 | connection opened | slot, flags (bit 0: client role, bit 1: no addresses) |
-//! | 1 | read or write | slot, flags (bit 0: write, bit 1: stale conn id, bit 2: gap × 65536, bit 3: timestamp 1 µs late, bit 4: captured bytes repeated up to the capture limit), µs elapsed (u8), captured length (u16 LE) and bytes, uncaptured gap (u16 LE), tail length (u8, at most `TAIL_BYTES`, 128) and bytes |
+//! | 1 | read or write | slot, flags (bit 0: write, bit 1: stale conn id, bit 2: gap × 65536, bit 3: timestamp 1 µs late, bit 4: captured bytes repeated up to the capture limit), µs elapsed (u8), captured length (u16 LE) and bytes, uncaptured gap (u16 LE), tail length (u8, at most 255) and bytes |
 //! | 2 | connection closed | slot, flags (bit 1: stale conn id) |
 //! | 3 | process exited | process |
 //! | 4 | process forked | parent process, child process |
 //! | 5 | raw record | length (u8) and bytes, decoded as they are |
 //! | 6 | time passes | milliseconds (u16 LE); held spans are released |
+//! | 7 | TLS plaintext (an uprobe's record) | slot (its `SSL*` is the slot's), flags (bit 0: write, bit 1: the call was entered 2 µs before it returned, so a transfer of the slot just before falls inside it), captured length (u16 LE) and bytes |
 //!
 //! A slot is one of [`SLOTS`] sockets (three processes × three fds); a process is one of
 //! three PIDs (no real process has them: PIDs past the kernel's maximum).
@@ -32,6 +33,7 @@ use std::time::{Duration, Instant};
 use tracer_abi::{
     AF_INET, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader, EventHeader,
     EventKind, MAX_CAPTURE_BYTES, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
+    TlsDataHeader,
 };
 
 use crate::gym::span_groups::SpanGroups;
@@ -45,6 +47,7 @@ use crate::pipeline::{Lifecycle, Observer, Pipeline, PipelineConfig, PipelineCou
 use crate::reassembly::connections::{
     ConnectionTable, MAX_IN_FLIGHT_PER_CONNECTION, ReassemblyCounters, TableAction,
 };
+use crate::reassembly::tls::TlsCounters;
 use crate::signals::meaning::wants_run_body;
 use crate::stitch::{StitchConfig, StitchCounters};
 
@@ -65,7 +68,11 @@ const OP_EXIT: u8 = 3;
 const OP_FORK: u8 = 4;
 const OP_RAW: u8 = 5;
 const OP_TICK: u8 = 6;
-const OPS: u8 = 7;
+const OP_TLS: u8 = 7;
+const OPS: u8 = 8;
+
+/// `TLS_ENTERED_EARLY`: the TLS call's entry lies 2 µs before its return.
+const TLS_ENTERED_EARLY: u8 = 2;
 
 const OPEN_CLIENT: u8 = 1;
 const OPEN_NO_ADDRESSES: u8 = 2;
@@ -81,6 +88,7 @@ const DATA_REPEAT: u8 = 16;
 pub struct ReplaySummary {
     pub pipeline: PipelineCounters,
     pub reassembly: ReassemblyCounters,
+    pub tls: TlsCounters,
     pub stitch: StitchCounters,
     /// Exchanges that ended with a response.
     pub responses: u64,
@@ -166,6 +174,15 @@ impl Script {
         self.bytes.push(OP_RAW);
         self.bytes.push(record.len() as u8);
         self.bytes.extend(record);
+        self
+    }
+
+    /// TLS plaintext of `slot`'s `SSL*` (`flags`: [`DATA_WRITE`], [`TLS_ENTERED_EARLY`]).
+    pub fn tls(mut self, slot: u8, flags: u8, captured: &[u8]) -> Self {
+        let captured = &captured[..captured.len().min(usize::from(u16::MAX))];
+        self.bytes.extend([OP_TLS, slot, flags]);
+        self.bytes
+            .extend((captured.len() as u16).to_le_bytes().iter().chain(captured));
         self
     }
 
@@ -558,6 +575,43 @@ impl Replay {
                 let len = script.u8()?;
                 script.take(usize::from(len)).to_vec()
             }
+            OP_TLS => {
+                let slot = script.u8()?;
+                let flags = script.u8()?;
+                let len = script.u16()?;
+                let captured = script.take(usize::from(len).min(MAX_CAPTURE_BYTES));
+                let socket = slot_socket(slot);
+                let tls = TlsDataHeader {
+                    data: DataEventHeader {
+                        header: EventHeader {
+                            fd: -1,
+                            ..header(
+                                EventKind::TlsData,
+                                socket,
+                                0x1000 + u64::from(slot) % SLOTS as u64,
+                                self.now_ns,
+                            )
+                        },
+                        direction: if flags & DATA_WRITE != 0 {
+                            DIRECTION_WRITE
+                        } else {
+                            DIRECTION_READ
+                        },
+                        captured_len: captured.len() as u32,
+                        total_len: captured.len() as u64,
+                        ..DataEventHeader::default()
+                    },
+                    start_ns: self.now_ns
+                        - if flags & TLS_ENTERED_EARLY != 0 {
+                            2_000
+                        } else {
+                            0
+                        },
+                };
+                let mut record = record_bytes(&tls);
+                record.extend_from_slice(captured);
+                record
+            }
             OP_TICK => {
                 self.now_ns += u64::from(script.u16()?) * 1_000_000;
                 self.pipeline.release(self.now());
@@ -606,8 +660,11 @@ impl Replay {
 
     fn finish(mut self) -> ReplaySummary {
         let checks = &mut self.checks;
+        // TLS plaintext reaches the table only through the pipeline's TLS sessions, which
+        // split ciphertext would not tie: scripts with TLS records are not compared.
         if self.pipeline.table.counters.parse_errors() == 0
             && checks.split.table.counters.parse_errors() == 0
+            && self.pipeline.tls.counters.tls_records == 0
         {
             for list in [
                 &mut checks.summary.started,
@@ -632,6 +689,7 @@ impl Replay {
         let mut summary = std::mem::take(&mut self.checks.summary);
         summary.pipeline = self.pipeline.counters;
         summary.reassembly = self.pipeline.table.counters;
+        summary.tls = self.pipeline.tls.counters;
         summary.stitch = self.pipeline.stitcher.counters;
         summary
     }
@@ -747,6 +805,26 @@ pub fn seed_scripts() -> Vec<(&'static str, Vec<u8>)> {
                 .into_bytes(),
         ),
         (
+            // asyncio's TLS: the plaintext of a call, then the records that carry it (TLS
+            // 1.3: 22 bytes more), then the answer's records and plaintext.
+            "tls_memory_bio",
+            Script::new()
+                .open(0, Role::Client)
+                .write(0, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+                .read(0, b"\x16\x03\x03\x00\x7a\x02\x00\x00\x76\x03\x03")
+                .tls(0, DATA_WRITE, CLIENT_CALL)
+                .transfer(
+                    0,
+                    DATA_WRITE,
+                    b"\x17\x03\x03",
+                    CLIENT_CALL.len() as u16 + 22 - 3,
+                    &[],
+                )
+                .transfer(0, 0, b"\x17\x03\x03", OK.len() as u16 + 22 - 3, &[])
+                .tls(0, 0, OK)
+                .into_bytes(),
+        ),
+        (
             "not_http",
             Script::new()
                 .open(1, server)
@@ -799,6 +877,10 @@ mod tests {
         let reuse = replay(&seeds["fd_reuse_and_exit"]);
         assert_eq!((reuse.responses, reuse.aborts), (0, 2));
         assert_eq!(reuse.reassembly.data_without_connection, 1);
+        let tls = replay(&seeds["tls_memory_bio"]);
+        assert_eq!((tls.responses, tls.aborts), (1, 0));
+        assert_eq!(tls.tls.tls_sessions_by_record_length, 1);
+        assert_eq!(tls.reassembly.parse_errors(), 0);
         let garbage = replay(&seeds["not_http"]);
         assert_eq!(garbage.pipeline.events_undecodable, 1);
         assert!(garbage.reassembly.parse_not_http >= 1);

@@ -135,6 +135,11 @@ pub fn defined_ssl_functions(elf: &[u8]) -> Vec<&'static str> {
         .collect()
 }
 
+/// `path` as the agent reaches it: through the process's root (a container's files).
+pub fn path_in_process(pid: u32, path: &Path) -> PathBuf {
+    Path::new(&format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap_or(path))
+}
+
 /// What the uprobes can do for a process, from the libraries it maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TlsSupport {

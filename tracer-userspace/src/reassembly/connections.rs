@@ -156,6 +156,20 @@ struct Connection {
 }
 
 impl Connection {
+    /// Decides what the socket carries from its first captured bytes; the transport decided
+    /// now, if it was decided now.
+    fn decide_transport(&mut self, captured: &[u8]) -> Option<Transport> {
+        if self.transport != Transport::Undecided || captured.is_empty() {
+            return None;
+        }
+        self.transport = if starts_tls_handshake(captured) {
+            Transport::Tls
+        } else {
+            Transport::Plain
+        };
+        Some(self.transport)
+    }
+
     /// Eviction order: connections without a request in flight (idle keep-alive, abandoned,
     /// half a head) go before those waiting on a response, each by last activity. A slow
     /// request (a long /run) keeps its connection silent but is not abandoned.
@@ -286,13 +300,8 @@ impl ConnectionTable {
         else {
             return false;
         };
-        if connection.transport == Transport::Undecided && !data.captured.is_empty() {
-            connection.transport = if starts_tls_handshake(data.captured) {
-                tls_opened.push(data.pid);
-                Transport::Tls
-            } else {
-                Transport::Plain
-            };
+        if connection.decide_transport(data.captured) == Some(Transport::Tls) {
+            tls_opened.push(data.pid);
         }
         connection.transport == Transport::Tls
     }
@@ -580,8 +589,11 @@ impl ConnectionTable {
         }
         if plaintext {
             connection.transport = Transport::Tls;
-        } else if connection.transport == Transport::Tls {
-            return; // ciphertext: the TLS sessions' evidence, not HTTP
+        } else {
+            connection.decide_transport(data.captured);
+            if connection.transport == Transport::Tls {
+                return; // ciphertext: the TLS sessions' evidence, not HTTP
+            }
         }
         connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
         let buffered_before = connection.buffered_bytes();
@@ -1352,6 +1364,75 @@ mod evidence_tests {
             table.apply(event, &mut exchanges, &mut actions);
         }
         (actions, table.counters)
+    }
+
+    /// A TLS connection: its ciphertext is no HTTP (and no parse error), its plaintext is; the
+    /// model call it carries is an `https` exchange with its model and token counts.
+    #[test]
+    fn a_tls_connection_is_parsed_from_its_plaintext_only() {
+        let mut table = ConnectionTable::new(16);
+        let (mut exchanges, mut actions, mut opened) = (Vec::new(), Vec::new(), Vec::new());
+        table.apply(&open(Role::Client), &mut exchanges, &mut actions);
+        let client_hello = transfer(Direction::Write, b"\x16\x03\x01\x02\x00\x01", 517, b"");
+        let KernelEvent::Data(hello) = &client_hello else {
+            unreachable!()
+        };
+        assert!(table.is_ciphertext(hello, &mut opened));
+        assert_eq!(opened, [7]);
+        table.apply(&client_hello, &mut exchanges, &mut actions);
+        let body = br#"{"input":"hi","model":"m-1"}"#;
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{}",
+            body.len(),
+            String::from_utf8_lossy(body)
+        );
+        let KernelEvent::Data(request) = transfer(
+            Direction::Write,
+            request.as_bytes(),
+            request.len() as u64,
+            b"",
+        ) else {
+            unreachable!()
+        };
+        table.apply_plaintext(&request, &mut exchanges, &mut actions);
+        let response_body = br#"{"id":"c","model":"m-1-0301","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{}",
+            response_body.len(),
+            String::from_utf8_lossy(response_body)
+        );
+        // The ciphertext of the response comes first, then its plaintext.
+        let records = transfer(Direction::Read, b"\x17\x03\x03\x00\xff", 300, b"");
+        let KernelEvent::Data(records) = &records else {
+            unreachable!()
+        };
+        assert!(table.is_ciphertext(records, &mut opened));
+        table.apply(
+            &KernelEvent::Data(records.clone()),
+            &mut exchanges,
+            &mut actions,
+        );
+        let KernelEvent::Data(response) = transfer(
+            Direction::Read,
+            response.as_bytes(),
+            response.len() as u64,
+            b"",
+        ) else {
+            unreachable!()
+        };
+        table.apply_plaintext(&response, &mut exchanges, &mut actions);
+        assert_eq!(table.counters.parse_errors(), 0);
+        let [exchange] = exchanges.as_slice() else {
+            panic!("{exchanges:?}")
+        };
+        assert!(exchange.tls);
+        let call = exchange.model_call.as_deref().expect("a model call");
+        assert_eq!(call.request_model.as_deref(), Some("m-1"));
+        assert_eq!(call.response_model.as_deref(), Some("m-1-0301"));
+        assert_eq!(
+            (call.usage.input_tokens, call.usage.output_tokens),
+            (Some(3), Some(4))
+        );
     }
 
     /// A call whose 11 KB body is captured only in its first 4 KiB: its cookie and task

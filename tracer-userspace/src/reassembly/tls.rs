@@ -487,3 +487,228 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
     }
     queue.push_back(item);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PID: u32 = 7;
+    const TID: u32 = 70;
+    const SSL_A: u64 = 0xa000;
+    const SSL_B: u64 = 0xb000;
+
+    fn connection(fd: i32) -> ConnectionKey {
+        ConnectionKey {
+            id: SocketId { pid: PID, fd },
+            conn_id: 100 + fd as u64,
+        }
+    }
+
+    fn plain(
+        ssl: u64,
+        direction: Direction,
+        bytes: &'static [u8],
+        window: (u64, u64),
+    ) -> TlsTransfer<'static> {
+        TlsTransfer {
+            pid: PID,
+            tid: TID,
+            ssl,
+            start_ns: window.0,
+            timestamp_ns: window.1,
+            direction,
+            captured: bytes,
+            total_len: bytes.len() as u64,
+            tail: &[],
+        }
+    }
+
+    fn cipher(fd: i32, direction: Direction, total_len: u64, at: u64) -> DataTransfer<'static> {
+        let key = connection(fd);
+        DataTransfer {
+            pid: PID,
+            tid: TID,
+            fd,
+            conn_id: key.conn_id,
+            timestamp_ns: at,
+            direction,
+            captured: &[],
+            total_len,
+            tail: &[],
+        }
+    }
+
+    const REQUEST: &[u8] = b"POST /v1/responses HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}";
+
+    /// What was released, as (connection fd, record kinds and lengths).
+    fn released_summary(released: &[Released]) -> Vec<(i32, Vec<u64>)> {
+        released
+            .iter()
+            .map(|r| {
+                let records = r
+                    .records
+                    .iter()
+                    .map(|record| match record {
+                        TlsRecord::Data(data) => data.total_len,
+                        TlsRecord::Context(_) => 0,
+                    })
+                    .collect();
+                (r.connection.id.fd, records)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_memory_bio_write_is_tied_by_the_length_of_its_records() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        // asyncio: SSL_write returns, then the transport sends the records.
+        assert_eq!(
+            sessions.plaintext(
+                &plain(SSL_A, Direction::Write, REQUEST, (10, 11)),
+                &mut released
+            ),
+            None
+        );
+        // Another connection's ciphertext of another length on the same thread decides nothing.
+        sessions.ciphertext(&cipher(4, Direction::Write, 999, 12), &mut released);
+        assert!(released.is_empty());
+        let records = REQUEST.len() as u64 + 22; // TLS 1.3
+        sessions.ciphertext(&cipher(5, Direction::Write, records, 13), &mut released);
+        assert_eq!(
+            released_summary(&released),
+            [(5, vec![REQUEST.len() as u64])]
+        );
+        assert_eq!(sessions.counters.tls_sessions_by_record_length, 1);
+        // Tied from now on, reads included.
+        released.clear();
+        let response = plain(SSL_A, Direction::Read, b"HTTP/1.1 200 OK\r\n\r\n", (20, 21));
+        assert_eq!(
+            sessions.plaintext(&response, &mut released),
+            Some(connection(5))
+        );
+        assert!(released.is_empty());
+    }
+
+    #[test]
+    fn the_end_of_the_handshake_sent_with_the_first_records_still_ties() {
+        // uvloop sends the client's ChangeCipherSpec and Finished (6 + 74 bytes with
+        // SHA-384) in the same write as the first request's records.
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, REQUEST, (10, 11)),
+            &mut released,
+        );
+        let first = REQUEST.len() as u64 + 22 + 80;
+        sessions.ciphertext(&cipher(5, Direction::Write, first, 12), &mut released);
+        assert_eq!(
+            released_summary(&released),
+            [(5, vec![REQUEST.len() as u64])]
+        );
+    }
+
+    #[test]
+    fn a_write_left_unmatched_does_not_block_the_next() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, REQUEST, (10, 11)),
+            &mut released,
+        );
+        // Its records went out with something the tracer cannot account for.
+        sessions.ciphertext(&cipher(5, Direction::Write, 5000, 12), &mut released);
+        assert!(released.is_empty());
+        let second: &[u8] = b"POST /v1/responses HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, second, (20, 21)),
+            &mut released,
+        );
+        sessions.ciphertext(
+            &cipher(5, Direction::Write, second.len() as u64 + 22, 22),
+            &mut released,
+        );
+        // Both of the session's writes are released, in order.
+        assert_eq!(
+            released_summary(&released),
+            [(5, vec![REQUEST.len() as u64, second.len() as u64])]
+        );
+    }
+
+    #[test]
+    fn two_sessions_that_could_each_explain_a_write_decide_nothing() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, REQUEST, (10, 11)),
+            &mut released,
+        );
+        sessions.plaintext(
+            &plain(SSL_B, Direction::Write, REQUEST, (12, 13)),
+            &mut released,
+        );
+        let records = REQUEST.len() as u64 + 22;
+        sessions.ciphertext(&cipher(5, Direction::Write, records, 14), &mut released);
+        assert!(released.is_empty());
+        assert_eq!(sessions.counters.tls_matches_ambiguous, 1);
+        // Records are given up when held too long, and counted.
+        sessions.plaintext(
+            &plain(SSL_B, Direction::Read, b"x", (HOLD_NS + 20, HOLD_NS + 21)),
+            &mut released,
+        );
+        assert_eq!(sessions.counters.tls_records_unmatched, 2);
+        sessions.give_up_held();
+        assert_eq!(sessions.counters.tls_records_unmatched, 3);
+    }
+
+    #[test]
+    fn a_blocking_socket_is_tied_by_the_transfer_inside_the_call() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        // OpenSSL writes the socket itself, between the call's entry (10) and return (20).
+        sessions.ciphertext(&cipher(6, Direction::Write, 1234, 15), &mut released);
+        assert_eq!(
+            sessions.plaintext(
+                &plain(SSL_A, Direction::Write, REQUEST, (10, 20)),
+                &mut released
+            ),
+            None
+        );
+        assert_eq!(
+            released_summary(&released),
+            [(6, vec![REQUEST.len() as u64])]
+        );
+        assert_eq!(sessions.counters.tls_sessions_by_syscall, 1);
+    }
+
+    #[test]
+    fn a_context_waits_with_its_write_and_a_close_unties() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        let context = TaskContext {
+            pid: PID,
+            tid: TID,
+            fd: -1,
+            conn_id: SSL_A,
+            timestamp_ns: 9,
+            chain: None,
+        };
+        assert_eq!(sessions.context(&context), None);
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, REQUEST, (10, 11)),
+            &mut released,
+        );
+        sessions.ciphertext(
+            &cipher(5, Direction::Write, REQUEST.len() as u64 + 22, 12),
+            &mut released,
+        );
+        assert_eq!(
+            released_summary(&released),
+            [(5, vec![0, REQUEST.len() as u64])]
+        );
+        assert_eq!(sessions.context(&context), Some(connection(5)));
+        // The connection closes; the SSL* address may come back for another connection.
+        sessions.closed(connection(5).id, connection(5).conn_id);
+        assert_eq!(sessions.context(&context), None);
+    }
+}
