@@ -460,6 +460,45 @@ impl Replay {
         self.epoch + Duration::from_nanos(self.now_ns)
     }
 
+    /// An [`OP_TLS`] operation's record: what the uprobes report for the slot's `SSL*`.
+    fn tls_record(&self, script: &mut Reader<'_>) -> Option<Vec<u8>> {
+        let slot = script.u8()?;
+        let flags = script.u8()?;
+        let len = script.u16()?;
+        let captured = script.take(usize::from(len).min(MAX_CAPTURE_BYTES));
+        let socket = slot_socket(slot);
+        let tls = TlsDataHeader {
+            data: DataEventHeader {
+                header: EventHeader {
+                    fd: -1,
+                    ..header(
+                        EventKind::TlsData,
+                        socket,
+                        0x1000 + u64::from(slot) % SLOTS as u64,
+                        self.now_ns,
+                    )
+                },
+                direction: if flags & DATA_WRITE != 0 {
+                    DIRECTION_WRITE
+                } else {
+                    DIRECTION_READ
+                },
+                captured_len: captured.len() as u32,
+                total_len: captured.len() as u64,
+                ..DataEventHeader::default()
+            },
+            start_ns: self.now_ns
+                - if flags & TLS_ENTERED_EARLY != 0 {
+                    2_000
+                } else {
+                    0
+                },
+        };
+        let mut record = record_bytes(&tls);
+        record.extend_from_slice(captured);
+        Some(record)
+    }
+
     /// Reads and applies one operation.
     fn step(&mut self, script: &mut Reader<'_>) -> Option<()> {
         self.now_ns += 1_000;
@@ -575,43 +614,7 @@ impl Replay {
                 let len = script.u8()?;
                 script.take(usize::from(len)).to_vec()
             }
-            OP_TLS => {
-                let slot = script.u8()?;
-                let flags = script.u8()?;
-                let len = script.u16()?;
-                let captured = script.take(usize::from(len).min(MAX_CAPTURE_BYTES));
-                let socket = slot_socket(slot);
-                let tls = TlsDataHeader {
-                    data: DataEventHeader {
-                        header: EventHeader {
-                            fd: -1,
-                            ..header(
-                                EventKind::TlsData,
-                                socket,
-                                0x1000 + u64::from(slot) % SLOTS as u64,
-                                self.now_ns,
-                            )
-                        },
-                        direction: if flags & DATA_WRITE != 0 {
-                            DIRECTION_WRITE
-                        } else {
-                            DIRECTION_READ
-                        },
-                        captured_len: captured.len() as u32,
-                        total_len: captured.len() as u64,
-                        ..DataEventHeader::default()
-                    },
-                    start_ns: self.now_ns
-                        - if flags & TLS_ENTERED_EARLY != 0 {
-                            2_000
-                        } else {
-                            0
-                        },
-                };
-                let mut record = record_bytes(&tls);
-                record.extend_from_slice(captured);
-                record
-            }
+            OP_TLS => self.tls_record(script)?,
             OP_TICK => {
                 self.now_ns += u64::from(script.u16()?) * 1_000_000;
                 self.pipeline.release(self.now());
