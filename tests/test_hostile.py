@@ -96,7 +96,10 @@ HOSTILE_PAYLOADS = [
       b"zz-not-hex\r\n{}\r\n0\r\n\r\n"), {"parse_lost_chunk_framing": 1},
      victim_spans("POST /verify", 400, "bad-chunked")),
     (bytes(range(256)) * 16, {"parse_not_http": 1}, []),                                  # binary garbage
-    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(500), {"parse_not_http": 1}, []),  # TLS hello
+    # A TLS hello on a plaintext port: a TLS connection (no HTTP parse error) whose requests
+    # are never read: one `TLS` span of what the syscalls showed of it.
+    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(500), {},
+     [("SERVER", "TLS", None, None, None, "UNSET", None)]),
     # A head larger than the capture: traced by its captured lines (the User-Agent is one).
     ((f"GET /health?token={SECRET} HTTP/1.1\r\nHost: a\r\nUser-Agent: cut-head\r\n"
       f"Cookie: session={SECRET}{'s' * 20 * 1024}\r\n\r\n").encode(), {"parse_head_too_large": 1},

@@ -362,3 +362,50 @@ def test_streamed_response_usage_is_read(agents, tmp_path):
     exported = Exported(agent)
     assert_genai_metrics(exported, {client.pid}, calls)
     exported.assert_never_exported([*SECRETS, "It is cold in", "San Francisco?"])
+
+
+def test_tls_the_probes_cannot_see_is_said_once_and_followed_by_its_syscalls(agents, tmp_path):
+    """wget encrypts with GnuTLS, which the uprobes do not cover: a client attached by `--pid`
+    (a shell that execs wget once the agent is ready, so the agent follows the exec) that
+    fetches twice over HTTPS. The agent says once that it cannot read that TLS (a log line
+    naming GnuTLS, `tls_processes_unprobed` 1), exports no HTTP span for it, and exports each
+    connection as one `TLS` CLIENT span: the upstream's address, connect to close, the bytes of
+    records each way."""
+    upstream = CannedUpstream(tmp_path, tls=True).start()
+    go = tmp_path / "go"
+    url = f"{upstream.base_url}/v1/models"
+    # Two separate wget runs in one process would be two execs; one wget with two URLs keeps
+    # one process and (no keep-alive across hosts' paths is guaranteed) one or two
+    # connections: counted from the upstream's side below.
+    script = (f"while [ ! -e {go} ]; do sleep 0.02; done; exec wget -q -O /dev/null "
+              f"--ca-certificate={upstream.cert} --no-http-keep-alive {url} {url}")
+    client = subprocess.Popen(["sh", "-c", script], stderr=open(tmp_path / "wget.err", "wb"))
+    try:
+        agent = agents([client.pid])
+        go.touch()
+        assert client.wait(30) == 0, (tmp_path / "wget.err").read_text()
+        wait_until(lambda: len([s for s in agent.spans() if s["name"] == "TLS"]) >= 2, 15, "two TLS spans")
+        agent.stop()
+        assert agent.returncode == 0, agent.stderr()
+        calls = upstream.requests()
+    finally:
+        if client.poll() is None:
+            client.kill()
+        upstream.stop()
+
+    assert [(c["method"], c["path"]) for c in calls] == [("GET", "/v1/models")] * 2, calls
+    spans = of_pids(agent.spans(), {client.pid})
+    assert [s["name"] for s in spans] == ["TLS", "TLS"], [(s["name"], s["attributes"]) for s in spans]
+    for span in spans:
+        a = span["attributes"]
+        assert span["kind"] == "CLIENT" and span["parent_span_id"] == "", span
+        assert (a["server.address"], a["server.port"], a["tls.protocol.name"]) == \
+            ("127.0.0.1", upstream.port, "tls"), span
+        # A TLS 1.3 handshake alone is more than 500 bytes each way.
+        assert a["gym_tracer.connection.bytes_sent"] > 500 and a["gym_tracer.connection.bytes_received"] > 500, span
+        assert span["end_time_unix_nano"] > span["start_time_unix_nano"], span
+    summary = agent.summary()
+    assert (summary["tls_processes_unprobed"], summary["tls_connections_unread"], summary["tls_records"]) == \
+        (1, 2, 0), summary
+    said = [m for m in agent.log_messages() if "opened a TLS connection" in m]
+    assert len(said) == 1 and "libgnutls" in said[0], said

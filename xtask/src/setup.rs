@@ -44,12 +44,18 @@ pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     toolchain(ctx)?;
     venv::ensure_venv(ctx)?;
     // The benchmark's load generator and the compiler of its syscall loop: `cargo xtask
-    // bench` and tests/test_bench.py (run by `cargo xtask test`) need them.
+    // bench` and tests/test_bench.py (run by `cargo xtask test`) need them; the HTTPS tests
+    // make their certificates with openssl and use wget as a client whose TLS is GnuTLS.
     if is_root() {
         ensure_system_tool(ctx, "wrk", "wrk")?;
         ensure_system_tool(ctx, "cc", "gcc")?;
+        ensure_system_tool(ctx, "openssl", "openssl")?;
+        ensure_system_tool(ctx, "wget", "wget")?;
     } else {
-        println!("xtask: not root: wrk and cc are not installed (the bench needs them)");
+        println!(
+            "xtask: not root: wrk, cc, openssl and wget are not installed (the bench and the \
+             HTTPS tests need them)"
+        );
     }
     if gym_venv {
         venv::ensure_gym_venv(ctx)?;

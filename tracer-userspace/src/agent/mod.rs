@@ -314,8 +314,10 @@ impl Agent {
                 }
                 Lifecycle::Exited(pid) => self.forget(probes, pid),
                 Lifecycle::Execd(pid) => {
-                    // A new program: its runtime, if any, is looked at afresh on the rescan.
+                    // A new program: its runtime and TLS library, if any, are looked at afresh
+                    // on the rescan (or when it opens a TLS connection).
                     self.context_reads.forget(pid, probes);
+                    self.tls_probes.forget(pid);
                     log_exec(pid, &self.pipeline);
                 }
             }

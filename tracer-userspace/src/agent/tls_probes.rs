@@ -96,7 +96,15 @@ impl TlsProbes {
         if self.disabled {
             return;
         }
-        if self.processes.get(&pid) == Some(&ProcessTls::NotYet) {
+        match self.processes.get(&pid) {
+            Some(ProcessTls::Probed(_) | ProcessTls::Unprobed) => return,
+            Some(ProcessTls::NotYet) => {}
+            // Forgotten at an exec: a new program.
+            None => {
+                self.processes.insert(pid, ProcessTls::NotYet);
+            }
+        }
+        {
             let support = self.look(pid, attacher);
             if self.processes.get(&pid) == Some(&ProcessTls::NotYet) {
                 self.counters.tls_processes_unprobed += 1;

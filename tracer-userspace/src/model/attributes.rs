@@ -28,6 +28,12 @@ pub const NETWORK_PEER_PORT: &str = "network.peer.port";
 pub const USER_AGENT_ORIGINAL: &str = "user_agent.original";
 pub const ERROR_TYPE: &str = "error.type";
 pub const PEER_SERVICE: &str = "peer.service";
+pub const NETWORK_TRANSPORT: &str = "network.transport";
+pub const TLS_PROTOCOL_NAME: &str = "tls.protocol.name";
+/// Bytes of TLS records a connection whose requests could not be read sent and received (the
+/// semantic conventions have no span attribute for them).
+pub const GYM_TRACER_BYTES_SENT: &str = "gym_tracer.connection.bytes_sent";
+pub const GYM_TRACER_BYTES_RECEIVED: &str = "gym_tracer.connection.bytes_received";
 
 // GenAI client spans and metrics (OpenTelemetry GenAI semantic conventions).
 pub const GEN_AI_OPERATION_NAME: &str = "gen_ai.operation.name";

@@ -121,6 +121,20 @@ pub struct HttpExchange {
     pub model_call: Option<Box<ModelCall>>,
 }
 
+/// A TLS connection that ended without a request the tracer could read (its process's TLS
+/// library is not probed, or its plaintext never found it): what the syscalls showed of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpaqueTls {
+    pub pid: u32,
+    pub role: Role,
+    pub local: Option<SocketAddr>,
+    pub peer: Option<SocketAddr>,
+    pub opened_ns: u64,
+    pub ended_ns: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+}
+
 /// What a call to an OpenAI-compatible endpoint says about its model and tokens, read from
 /// the few body fields that name them (see [`super::genai`]); nothing else of the bodies.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -20,7 +20,7 @@ use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
-use crate::model::exchange::{HttpExchange, RequestStart, Role, SocketId};
+use crate::model::exchange::{HttpExchange, OpaqueTls, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
 use crate::model::service::AgentResource;
 use crate::model::span::SpanRecord;
@@ -31,7 +31,7 @@ use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::{classify, semantic_at_start, wants_run_body};
 use crate::signals::metrics::RequestMetrics;
-use crate::signals::spans::{RequestView, request_spans};
+use crate::signals::spans::{RequestView, opaque_tls_span, request_spans};
 use crate::stitch::{StartFacts, StitchConfig, Stitcher};
 
 /// Server addresses remembered for `peer.service`. A server listening on a wildcard
@@ -54,6 +54,9 @@ counters! {
         forks_followed,
         /// Server addresses not remembered for `peer.service`: past [`MAX_PEER_NAMES`].
         peer_names_dropped,
+        /// TLS connections that ended without a request the tracer could read (a TLS
+        /// library the uprobes do not cover): exported as one `TLS` span each.
+        tls_connections_unread,
     }
 }
 
@@ -264,6 +267,9 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// Acts on what the table reported for the last event it applied.
     fn after_table(&mut self, now: Instant, observer: &mut impl Observer) {
+        for connection in std::mem::take(&mut self.table.ended_opaque) {
+            self.opaque_tls(&connection);
+        }
         // Starts first: a request's span id must be known before anything refers to it.
         let mut actions = std::mem::take(&mut self.actions);
         for action in actions.drain(..) {
@@ -416,6 +422,23 @@ impl<M: RequestMetrics> Pipeline<M> {
             &mut self.output.released,
         );
         self.stitcher.finish(exchange.span_id, now);
+    }
+
+    /// A TLS connection whose requests were never read: one span of what the syscalls showed
+    /// (connection, timing, bytes), straight out (no request refers to it).
+    fn opaque_tls(&mut self, connection: &OpaqueTls) {
+        let Some(process) = self.processes.get(connection.pid) else {
+            return;
+        };
+        let kind = match connection.role {
+            Role::Client => SpanGroup::HttpClient,
+            Role::Server => SpanGroup::Server,
+        };
+        self.counters.tls_connections_unread += 1;
+        if self.groups.contains(kind) {
+            let span = opaque_tls_span(connection, &process.identity, self.clock);
+            self.output.released.push(span);
+        }
     }
 
     /// The agent's own route harvest arrives at the server like any client's request: its

@@ -16,7 +16,7 @@ use crate::model::exchange::RequestHead;
 use crate::model::exchange::ResponseHead;
 use crate::model::exchange::Role;
 use crate::model::exchange::{
-    AbortReason, HttpExchange, ModelCall, Outcome, RequestStart, SocketId,
+    AbortReason, HttpExchange, ModelCall, OpaqueTls, Outcome, RequestStart, SocketId,
 };
 use crate::model::genai::{BodyView, GenAiOperation, top_level_model, usage};
 use crate::model::ids::SpanId;
@@ -153,6 +153,10 @@ struct Connection {
     last_activity_ns: u64,
     /// Sum of [`RequestHead::heap_bytes`] over `in_flight`.
     in_flight_head_bytes: usize,
+    /// TLS records sent and received (ciphertext bytes), for a connection whose plaintext
+    /// never shows (see [`OpaqueTls`]).
+    tls_bytes: [u64; 2],
+    opened_ns: u64,
 }
 
 impl Connection {
@@ -223,6 +227,8 @@ pub struct ConnectionTable {
     pending_contexts: HashMap<SocketId, (u64, Option<ContextChain>)>,
     scratch_events: Vec<MessageEvent>,
     scratch_errors: Vec<ParseError>,
+    /// TLS connections that ended without a readable request, for the caller to take.
+    pub ended_opaque: Vec<OpaqueTls>,
 }
 
 /// What the table asks of the caller besides exchanges.
@@ -265,6 +271,7 @@ impl ConnectionTable {
             pending_contexts: HashMap::new(),
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
+            ended_opaque: Vec::new(),
             counters: ReassemblyCounters::default(),
         }
     }
@@ -303,7 +310,13 @@ impl ConnectionTable {
         if connection.decide_transport(data.captured) == Some(Transport::Tls) {
             tls_opened.push(data.pid);
         }
-        connection.transport == Transport::Tls
+        if connection.transport != Transport::Tls {
+            return false;
+        }
+        let direction = usize::from(data.direction == Direction::Write);
+        connection.tls_bytes[direction] += data.total_len;
+        connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
+        true
     }
 
     /// Applies a TLS plaintext transfer, already tied to its connection.
@@ -353,14 +366,14 @@ impl ConnectionTable {
                     .is_some_and(|c| c.conn_id == *conn_id)
                 {
                     let connection = self.remove(&id).expect("checked above");
-                    finish(
+                    self.ended_opaque.extend(finish(
                         id.pid,
                         connection,
                         *timestamp_ns,
                         AbortReason::ConnectionClosed,
                         counters,
                         exchanges,
-                    );
+                    ));
                 }
             }
             KernelEvent::Data(data) => self.data(data, false, counters, exchanges, actions),
@@ -433,14 +446,14 @@ impl ConnectionTable {
             .collect();
         for id in ids {
             if let Some(connection) = self.remove(&id) {
-                finish(
+                self.ended_opaque.extend(finish(
                     id.pid,
                     connection,
                     timestamp_ns,
                     reason,
                     counters,
                     exchanges,
-                );
+                ));
             }
         }
     }
@@ -458,14 +471,14 @@ impl ConnectionTable {
         };
         if let Some(stale) = self.remove(&id) {
             // The close of the previous connection on this fd was not seen.
-            finish(
+            self.ended_opaque.extend(finish(
                 id.pid,
                 stale,
                 open.timestamp_ns,
                 AbortReason::ConnectionClosed,
                 counters,
                 exchanges,
-            );
+            ));
         }
         if self.connections.len() >= self.max_connections
             && !self.evict_stalest(open.timestamp_ns, counters, exchanges, actions)
@@ -488,6 +501,8 @@ impl ConnectionTable {
                 },
                 responses: MessageStream::new(StreamKind::Responses),
                 in_flight: VecDeque::new(),
+                tls_bytes: [0; 2],
+                opened_ns: open.timestamp_ns,
                 requests_seen: 0,
                 current_response: None,
                 parse_errors: 0,
@@ -532,14 +547,14 @@ impl ConnectionTable {
                     conn_id: candidate.conn_id,
                     not_http: false,
                 });
-                finish(
+                self.ended_opaque.extend(finish(
                     candidate.id.pid,
                     connection,
                     timestamp_ns,
                     AbortReason::Evicted,
                     counters,
                     exchanges,
-                );
+                ));
                 return true;
             }
         }
@@ -866,7 +881,8 @@ fn exchange(
     }
 }
 
-/// A connection ended: a response that runs until close completes, the rest is aborted.
+/// A connection ended: a response that runs until close completes, the rest is aborted; a
+/// TLS connection that carried no readable request is what it gives back.
 fn finish(
     pid: u32,
     mut connection: Connection,
@@ -874,7 +890,7 @@ fn finish(
     reason: AbortReason,
     counters: &mut ReassemblyCounters,
     exchanges: &mut Vec<HttpExchange>,
-) {
+) -> Option<OpaqueTls> {
     let mut events = Vec::new();
     connection.responses.close(timestamp_ns, &mut events);
     for event in events {
@@ -915,6 +931,16 @@ fn finish(
             timestamp_ns,
         ));
     }
+    (connection.transport == Transport::Tls && connection.requests_seen == 0).then(|| OpaqueTls {
+        pid,
+        role: connection.role,
+        local: connection.local,
+        peer: connection.peer,
+        opened_ns: connection.opened_ns,
+        ended_ns: timestamp_ns.max(connection.opened_ns),
+        bytes_sent: connection.tls_bytes[1],
+        bytes_received: connection.tls_bytes[0],
+    })
 }
 
 #[cfg(test)]

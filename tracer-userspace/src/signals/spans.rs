@@ -8,7 +8,7 @@ use crate::model::attributes as attr;
 use crate::model::exchange::Outcome;
 use crate::model::exchange::RequestHead;
 use crate::model::exchange::Role;
-use crate::model::exchange::{HttpExchange, ModelCall};
+use crate::model::exchange::{HttpExchange, ModelCall, OpaqueTls};
 use crate::model::genai::provider_name;
 use crate::model::ids::{SpanId, TraceId, parse_traceparent};
 use crate::model::service::ServiceIdentity;
@@ -154,6 +154,62 @@ fn model_call_attributes(call: &ModelCall, request: &RequestHead, attributes: &m
     }
     if let Some(tokens) = call.usage.output_tokens {
         attributes.push((attr::GEN_AI_USAGE_OUTPUT_TOKENS, count(tokens)));
+    }
+}
+
+/// The span of a TLS connection whose requests could not be read (see [`OpaqueTls`]): named
+/// `TLS`, CLIENT or SERVER by the process's end, from connect (or accept) to close, with the
+/// addresses and the bytes of records each way. A root: nothing decides its parent.
+pub fn opaque_tls_span(
+    connection: &OpaqueTls,
+    service: &Arc<ServiceIdentity>,
+    clock: WallClock,
+) -> SpanRecord {
+    let mut attributes: Attributes = vec![
+        (attr::NETWORK_TRANSPORT, AttributeValue::Str("tcp".into())),
+        (attr::TLS_PROTOCOL_NAME, AttributeValue::Str("tls".into())),
+    ];
+    let (server, client) = match connection.role {
+        Role::Client => (connection.peer, None),
+        Role::Server => (connection.local, connection.peer),
+    };
+    if let Some(server) = server {
+        attributes.push((
+            attr::SERVER_ADDRESS,
+            AttributeValue::Str(server.ip().to_string()),
+        ));
+        attributes.push((
+            attr::SERVER_PORT,
+            AttributeValue::Int(i64::from(server.port())),
+        ));
+    }
+    if let Some(client) = client {
+        attributes.push((
+            attr::CLIENT_ADDRESS,
+            AttributeValue::Str(client.ip().to_string()),
+        ));
+    }
+    let bytes = |count: u64| AttributeValue::Int(i64::try_from(count).unwrap_or(i64::MAX));
+    attributes.push((attr::GYM_TRACER_BYTES_SENT, bytes(connection.bytes_sent)));
+    attributes.push((
+        attr::GYM_TRACER_BYTES_RECEIVED,
+        bytes(connection.bytes_received),
+    ));
+    SpanRecord {
+        service: service.clone(),
+        name: "TLS".into(),
+        kind: match connection.role {
+            Role::Client => SpanKind::Client,
+            Role::Server => SpanKind::Server,
+        },
+        trace_id: TraceId::random(),
+        span_id: SpanId::random(),
+        parent_span_id: None,
+        parent_is_remote: false,
+        start_unix_ns: clock.to_unix_ns(connection.opened_ns),
+        end_unix_ns: clock.to_unix_ns(connection.ended_ns),
+        attributes,
+        status: SpanStatus::Unset,
     }
 }
 
