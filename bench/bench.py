@@ -565,14 +565,16 @@ def context_reads(params, receiver):
 
 # Mode: None (no agent), or (whom the agent traces, its options). "idle" is a CPython that has
 # imported ssl and sleeps: an agent tracing it attaches the uprobes to the libssl file the
-# client maps too, so the client (not traced) pays what every other process on the host that
-# uses that libssl pays. "untraced, agent --no-tls" is that agent without the uprobes: its
-# difference to "untraced, uprobes attached" is the uprobes' part alone (the syscall
-# tracepoints' filtering, the `tax` section's subject, is in both).
+# client maps too. With `--tls-probe-scope library` the client (not traced) then pays what every
+# other process on the host that uses that libssl pays; with the default (`process`) the
+# breakpoints are in the idle process only. "untraced, agent --no-tls" is that agent without
+# the uprobes: its difference to the two is the uprobes' part alone (the syscall tracepoints'
+# filtering, the `tax` section's subject, is in all three).
 TLS_MODES = {
     "untraced": None,
     "untraced, agent --no-tls": ("idle", ["--no-tls"]),
-    "untraced, uprobes attached": ("idle", []),
+    "untraced, uprobes per library": ("idle", ["--tls-probe-scope", "library"]),
+    "untraced, uprobes per process": ("idle", []),
     "traced, --no-tls": ("client", ["--no-tls"]),
     "traced, uprobes": ("client", []),
 }
@@ -728,10 +730,12 @@ def tls_calls(params, receiver):
             "client_spans": client_spans, "client_spans_per_call": [spans / calls for spans in client_spans],
             # The uprobes on the traced client: traced with them against traced without.
             "uprobes_cost": per_run(cost("traced, uprobes", "traced, --no-tls")),
-            # The client not traced, the uprobes attached for another process: against no agent
-            # at all, and against an agent without uprobes (the uprobes' part alone).
-            "attached_cost": cost("untraced, uprobes attached", "untraced"),
-            "attached_uprobes_cost": per_run(cost("untraced, uprobes attached", "untraced, agent --no-tls")),
+            # The client not traced, the uprobes attached for another process (per library file):
+            # against no agent at all, and against an agent without uprobes (their part alone);
+            # attached per process (the default), against an agent without uprobes.
+            "attached_cost": cost("untraced, uprobes per library", "untraced"),
+            "attached_uprobes_cost": per_run(cost("untraced, uprobes per library", "untraced, agent --no-tls")),
+            "process_scope_cost": per_run(cost("untraced, uprobes per process", "untraced, agent --no-tls")),
             # Tracing the client at all, uprobes included, against no agent.
             "traced_cost": cost("traced, uprobes", "untraced")}
 
@@ -962,7 +966,7 @@ def render(report):
                      f"client CPU per call, median (least), and × untraced:")
         for mode, value in t["median_us_per_req"].items():
             kernel = t["kernel_ns_per_req"].get(mode)
-            lines.append(f"  {mode:27} {value:8.2f} ({t['least_us_per_req'][mode]:8.2f}) µs  "
+            lines.append(f"  {mode:31} {value:8.2f} ({t['least_us_per_req'][mode]:8.2f}) µs  "
                          f"×{t['median_vs_untraced'][mode]:.4f} (×{t['least_vs_untraced'][mode]:.4f})"
                          + (f"  eBPF {kernel:6.0f} ns, {t['program_runs_per_req'][mode]:.1f} program runs"
                             if kernel is not None else ""))
@@ -976,9 +980,11 @@ def render(report):
             return text
 
         lines.append(f"  the uprobes on the traced client (traced, uprobes − traced, --no-tls): {cost(t['uprobes_cost'])}")
-        lines.append(f"  the client untraced, an agent tracing an idle CPython that maps the same libssl (uprobes "
-                     f"attached − untraced): {cost(t['attached_cost'])}")
-        lines.append(f"    the uprobes' part (uprobes attached − agent --no-tls): {cost(t['attached_uprobes_cost'])}")
+        lines.append(f"  the client untraced, an agent tracing an idle CPython that maps the same libssl, uprobes "
+                     f"per library file (uprobes per library − untraced): {cost(t['attached_cost'])}")
+        lines.append(f"    the uprobes' part (uprobes per library − agent --no-tls): {cost(t['attached_uprobes_cost'])}")
+        lines.append(f"    with the default per-process uprobes (uprobes per process − agent --no-tls): "
+                     f"{cost(t['process_scope_cost'])}")
         lines.append(f"  tracing the client, uprobes included (traced, uprobes − untraced): {cost(t['traced_cost'])}")
         records, spans = t["tls_records_per_call"], t["client_spans_per_call"]
         sink = ("the sink maps its own copy of libssl, so its calls hit no uprobe" if t["sink_own_libssl"]

@@ -66,8 +66,8 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     report = json.loads((tmp_path / "latest.json").read_text())
     assert "HTTPS client calls" in report["text"]
     tls = report["tls_calls"]
-    modes = {"untraced", "untraced, agent --no-tls", "untraced, uprobes attached", "traced, --no-tls",
-             "traced, uprobes"}
+    modes = {"untraced", "untraced, agent --no-tls", "untraced, uprobes per library", "untraced, uprobes per process",
+             "traced, --no-tls", "traced, uprobes"}
     assert tls["requests"] == requests and tls["calls"] > requests, tls
     for figure in ("median_us_per_req", "least_us_per_req", "median_vs_untraced", "least_vs_untraced"):
         assert set(tls[figure]) == modes, (figure, tls[figure])
@@ -81,9 +81,12 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     # than the same agent without them.
     runs = tls["program_runs_per_req"]
     assert runs["traced, uprobes"] > runs["traced, --no-tls"], runs
-    assert runs["untraced, uprobes attached"] > runs["untraced, agent --no-tls"], runs
+    assert runs["untraced, uprobes per library"] > runs["untraced, agent --no-tls"], runs
+    # Per process (the default), an untraced client never reaches them: what it runs of the
+    # agent's programs is what an agent without uprobes runs (the syscall tracepoints).
+    assert abs(runs["untraced, uprobes per process"] - runs["untraced, agent --no-tls"]) < 0.5, runs
     # Costs are differences of noisy figures: present and finite, not necessarily positive.
-    for cost in ("uprobes_cost", "attached_cost", "attached_uprobes_cost", "traced_cost"):
+    for cost in ("uprobes_cost", "attached_cost", "attached_uprobes_cost", "process_scope_cost", "traced_cost"):
         for key in ("us", "least_us", "ratio", "least_ratio", "kernel_ns", "program_runs"):
             value = tls[cost][key]
             assert isinstance(value, float) and abs(value) < float("inf"), (cost, key, tls[cost])
@@ -94,8 +97,9 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     assert traced["tls_records"] >= 2 * requests and traced["tls_libraries_probed"] >= 1, traced
     assert all(records >= 2 for records in tls["tls_records_per_call"]), tls["tls_records_per_call"]
     assert requests <= tls["client_spans"][0] <= tls["calls"], tls["client_spans"]
-    [attached] = counters["untraced, uprobes attached"]
-    assert attached["tls_libraries_probed"] >= 1 and attached["tls_records"] == 0, attached
+    for mode in ("untraced, uprobes per library", "untraced, uprobes per process"):
+        [attached] = counters[mode]
+        assert attached["tls_libraries_probed"] >= 1 and attached["tls_records"] == 0, (mode, attached)
     for mode in ("traced, --no-tls", "untraced, agent --no-tls"):
         [off] = counters[mode]
         assert off["tls_libraries_probed"] == 0 and off["tls_records"] == 0, (mode, off)

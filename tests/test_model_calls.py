@@ -268,6 +268,16 @@ def test_https_upstream_rollouts_keep_their_tree(https_gym, tracer, receiver, ex
         assert agent.stdout_text() == "", "with an OTLP endpoint nothing goes to stdout"
     spans = ours()
 
+    # Every TLS record found its connection, tied by the length of the records its writes made
+    # (Gym's aiohttp on uvloop encrypts into a memory BIO: no socket call inside SSL_write).
+    tls = {name: value for name, value in agent.summary().items() if name.startswith("tls_")}
+    print(f"TLS counters: {tls}")
+    assert tls["tls_records_unmatched"] == 0 and tls["tls_sessions_by_syscall"] == 0, tls
+    # The uprobes are attached per traced process (the default --tls-probe-scope): each of the
+    # three servers maps the same libssl.so.3.
+    assert tls["tls_sessions_by_record_length"] >= 1 and tls["tls_libraries_probed"] == len(pids), tls
+    assert tls["tls_records"] >= 2 * len(calls), tls  # at least a write and a read per call
+
     # The upstream calls: https, the URL without a query, the GenAI attributes, the log's usage.
     upstream = upstream_spans(spans)
     assert len(upstream) == len(calls), [(s["name"], s["attributes"]) for s in upstream]

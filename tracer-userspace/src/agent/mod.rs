@@ -139,7 +139,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         tls_probes: if args.no_tls {
             TlsProbes::disabled()
         } else {
-            TlsProbes::default()
+            TlsProbes::new(args.tls_probe_scope)
         },
     };
     for &pid in &args.pids {
@@ -317,7 +317,7 @@ impl Agent {
                     // A new program: its runtime and TLS library, if any, are looked at afresh
                     // on the rescan (or when it opens a TLS connection).
                     self.context_reads.forget(pid, probes);
-                    self.tls_probes.forget(pid);
+                    self.tls_probes.forget(pid, probes);
                     log_exec(pid, &self.pipeline);
                 }
             }
@@ -418,7 +418,7 @@ impl Agent {
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         probes.untrace_pid(pid);
         self.context_reads.forget(pid, probes);
-        self.tls_probes.forget(pid);
+        self.tls_probes.forget(pid, probes);
         self.kernel_entries_swept += probes.forget_process(pid);
         if self.pipeline.forget(pid) {
             self.counters.processes_exited += 1;

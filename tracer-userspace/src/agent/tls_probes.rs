@@ -1,15 +1,17 @@
-//! Which TLS libraries carry the SSL uprobes: each OpenSSL file a traced process maps,
-//! attached once (every process that maps the file then hits the probes, and the programs
-//! act for traced processes only). Looked for when a process is attached, on every rescan
-//! while it has none (CPython maps `_ssl` and libssl on `import ssl`), and at once when it
-//! opens a TLS connection. A process whose TLS the probes cannot see is said once.
+//! Which TLS libraries carry the SSL uprobes: each OpenSSL file a traced process maps, attached
+//! per traced process (`--tls-probe-scope process`: only traced processes get the breakpoint)
+//! or once per file (`library`: every process that maps the file then hits the probes, and the
+//! programs act for traced processes only). Looked for when a process is attached, on every
+//! rescan while it has none (CPython maps `_ssl` and libssl on `import ssl`), and at once when
+//! it opens a TLS connection. A process whose TLS the probes cannot see is said once.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use crate::kernel::loader::LoadedProbes;
+use crate::config::cli::TlsProbeScope;
+use crate::kernel::loader::{LoadedProbes, TlsAttachment};
 use crate::processes::tls_library::{
     FileId, MappedLibrary, TlsProbeCounters, TlsSupport, defined_ssl_functions,
     mapped_tls_libraries, path_in_process, tls_support,
@@ -17,11 +19,14 @@ use crate::processes::tls_library::{
 
 /// Attaching uprobes (a trait so the bookkeeping can be tested without a kernel).
 pub trait UprobeAttacher {
+    /// For process `pid` only, or (`None`) for every process that maps `library`.
     fn attach_tls_library(
         &mut self,
         library: &Path,
         functions: &[&'static str],
-    ) -> Result<Vec<&'static str>>;
+        pid: Option<u32>,
+    ) -> Result<TlsAttachment>;
+    fn detach_tls(&mut self, attachment: TlsAttachment);
 }
 
 impl UprobeAttacher for LoadedProbes {
@@ -29,9 +34,21 @@ impl UprobeAttacher for LoadedProbes {
         &mut self,
         library: &Path,
         functions: &[&'static str],
-    ) -> Result<Vec<&'static str>> {
-        LoadedProbes::attach_tls_library(self, library, functions)
+        pid: Option<u32>,
+    ) -> Result<TlsAttachment> {
+        LoadedProbes::attach_tls_library(self, library, functions, pid)
     }
+
+    fn detach_tls(&mut self, attachment: TlsAttachment) {
+        LoadedProbes::detach_tls(self, attachment);
+    }
+}
+
+/// One attach: a library file, for one process (`Process` scope) or for all.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct AttachKey {
+    file: FileId,
+    pid: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,10 +61,12 @@ enum ProcessTls {
     Unprobed,
 }
 
-#[derive(Default)]
 pub struct TlsProbes {
-    /// Files attached (or that failed to attach: not tried again).
-    libraries: HashMap<FileId, bool>,
+    scope: TlsProbeScope,
+    /// Attaches made (or that failed: not tried again).
+    attached: HashMap<AttachKey, bool>,
+    /// What to take back when a process is gone (`Process` scope).
+    attachments: HashMap<u32, Vec<TlsAttachment>>,
     processes: HashMap<u32, ProcessTls>,
     /// `--no-tls`: nothing is attached.
     disabled: bool,
@@ -55,10 +74,21 @@ pub struct TlsProbes {
 }
 
 impl TlsProbes {
+    pub fn new(scope: TlsProbeScope) -> Self {
+        Self {
+            scope,
+            attached: HashMap::new(),
+            attachments: HashMap::new(),
+            processes: HashMap::new(),
+            disabled: false,
+            counters: TlsProbeCounters::default(),
+        }
+    }
+
     pub fn disabled() -> Self {
         Self {
             disabled: true,
-            ..Self::default()
+            ..Self::new(TlsProbeScope::Process)
         }
     }
 
@@ -119,9 +149,13 @@ impl TlsProbes {
         }
     }
 
-    /// A process is gone.
-    pub fn forget(&mut self, pid: u32) {
+    /// A process is gone (or exec'd): its own uprobes are taken back.
+    pub fn forget(&mut self, pid: u32, attacher: &mut impl UprobeAttacher) {
         self.processes.remove(&pid);
+        self.attached.retain(|key, _| key.pid != Some(pid));
+        for attachment in self.attachments.remove(&pid).unwrap_or_default() {
+            attacher.detach_tls(attachment);
+        }
     }
 
     /// The library probed for `pid`.
@@ -161,22 +195,37 @@ impl TlsProbes {
         library: &MappedLibrary,
         attacher: &mut impl UprobeAttacher,
     ) -> bool {
-        if let Some(probed) = self.libraries.get(&library.file) {
+        let only = match self.scope {
+            TlsProbeScope::Process => Some(pid),
+            TlsProbeScope::Library => None,
+        };
+        let key = AttachKey {
+            file: library.file.clone(),
+            pid: only,
+        };
+        if let Some(probed) = self.attached.get(&key) {
             return *probed;
         }
         let path = path_in_process(pid, &library.path);
         let functions = std::fs::read(&path)
             .map(|elf| defined_ssl_functions(&elf))
             .unwrap_or_default();
-        let probed = match attacher.attach_tls_library(&path, &functions) {
-            Ok(attached) => {
+        let probed = match attacher.attach_tls_library(&path, &functions, only) {
+            Ok(attachment) => {
                 self.counters.tls_libraries_probed += 1;
                 tracing::info!(
                     pid,
-                    "TLS plaintext from {} (uprobes on {}), for every traced process that maps it",
+                    "TLS plaintext from {} (uprobes on {}), {}",
                     library.path.display(),
-                    attached.join(", ")
+                    attachment.functions.join(", "),
+                    match only {
+                        Some(_) => format!("for pid {pid}"),
+                        None => "for every traced process that maps it".to_string(),
+                    }
                 );
+                if only.is_some() {
+                    self.attachments.entry(pid).or_default().push(attachment);
+                }
                 true
             }
             Err(error) => {
@@ -185,7 +234,7 @@ impl TlsProbes {
                 false
             }
         };
-        self.libraries.insert(library.file.clone(), probed);
+        self.attached.insert(key, probed);
         probed
     }
 }
@@ -216,6 +265,7 @@ mod tests {
     #[derive(Default)]
     struct Recorder {
         attached: Vec<PathBuf>,
+        detached: usize,
     }
 
     impl UprobeAttacher for Recorder {
@@ -223,9 +273,16 @@ mod tests {
             &mut self,
             library: &Path,
             functions: &[&'static str],
-        ) -> Result<Vec<&'static str>> {
+            _: Option<u32>,
+        ) -> Result<TlsAttachment> {
             self.attached.push(library.to_path_buf());
-            Ok(functions.to_vec())
+            let mut attachment = TlsAttachment::default();
+            attachment.functions = functions.to_vec();
+            Ok(attachment)
+        }
+
+        fn detach_tls(&mut self, _: TlsAttachment) {
+            self.detached += 1;
         }
     }
 
@@ -234,7 +291,7 @@ mod tests {
         // This test process maps whatever OpenSSL its binary links (none for a pure Rust
         // build): the bookkeeping must attach each file at most once however often asked.
         let me = std::process::id();
-        let mut probes = TlsProbes::default();
+        let mut probes = TlsProbes::new(TlsProbeScope::Library);
         let mut recorder = Recorder::default();
         probes.attach(me, &mut recorder);
         probes.rescan([me, me], &mut recorder);
@@ -248,7 +305,7 @@ mod tests {
     #[test]
     fn a_process_without_openssl_is_said_once() {
         let me = std::process::id();
-        let mut probes = TlsProbes::default();
+        let mut probes = TlsProbes::new(TlsProbeScope::Library);
         let mut recorder = Recorder::default();
         probes.attach(me, &mut recorder);
         if probes.probed_library(me).is_some() {

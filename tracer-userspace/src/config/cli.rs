@@ -133,6 +133,17 @@ pub enum Output {
     Tree,
 }
 
+/// Which processes hit the SSL uprobes (`--tls-probe-scope`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TlsProbeScope {
+    /// Attached per traced process (and library): the breakpoint is placed in traced
+    /// processes only, so no other process pays for it.
+    Process,
+    /// Attached once per library file: every process that maps the file hits the uprobes
+    /// and returns at the PID filter (a uprobe trap each: see `cargo xtask bench --only tls`).
+    Library,
+}
+
 /// What `--discover` looks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Discover {
@@ -221,6 +232,19 @@ pub struct RunArgs {
     /// followed by their timing and bytes only.
     #[arg(long, env = "GYM_TRACER_NO_TLS")]
     pub no_tls: bool,
+
+    /// Which processes hit the SSL uprobes: `process` attaches them per traced process, so
+    /// processes the agent does not trace never trap into them (a uprobe hit cost ~7 µs on
+    /// the benchmark's VM, three per HTTPS call); `library` attaches them once per libssl
+    /// file, so every process on the host that maps it traps and returns at the PID filter.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "SCOPE",
+        default_value = "process",
+        env = "GYM_TRACER_TLS_PROBE_SCOPE"
+    )]
+    pub tls_probe_scope: TlsProbeScope,
 
     /// Create this file once every probe is attached and the PIDs are in the filter
     /// (scripts and tests wait for it). Removed on exit.

@@ -12,7 +12,10 @@ use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
-    programs::{TracePoint, UProbe, uprobe::UProbeScope},
+    programs::{
+        TracePoint, UProbe,
+        uprobe::{UProbeLinkId, UProbeScope},
+    },
 };
 use tracer_abi::{
     CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES,
@@ -121,6 +124,14 @@ pub struct MapFootprint {
 pub struct LoadedProbes {
     ebpf: Ebpf,
     pub features: FeatureReport,
+}
+
+/// The SSL uprobes attached to one library (for one process, or for all): the functions, and
+/// the links to take back.
+#[derive(Debug, Default)]
+pub struct TlsAttachment {
+    pub functions: Vec<&'static str>,
+    links: Vec<(&'static str, UProbeLinkId)>,
 }
 
 /// One tracepoint and the program attached to it.
@@ -760,32 +771,50 @@ impl LoadedProbes {
     }
 
     /// Attaches the SSL uprobes (entry and return) to the functions of `functions` that
-    /// `library` defines, for every process that maps it (each program checks the PID filter
-    /// first). `library` is a path the agent can open (`/proc/PID/root/...`). Returns the
-    /// functions attached; an error when not even `SSL_write` and `SSL_read` could be.
+    /// `library` defines: for process `pid` only, or (`None`) for every process that maps it
+    /// (each program checks the PID filter first). `library` is a path the agent can open
+    /// (`/proc/PID/root/...`). An error when not even `SSL_write` and `SSL_read` could be.
     pub fn attach_tls_library(
         &mut self,
         library: &std::path::Path,
         functions: &[&'static str],
-    ) -> Result<Vec<&'static str>> {
-        let mut attached = Vec::new();
+        pid: Option<u32>,
+    ) -> Result<TlsAttachment> {
+        let scope = match pid.and_then(std::num::NonZeroU32::new) {
+            Some(pid) => UProbeScope::OneProcess(pid),
+            None => UProbeScope::AllProcesses,
+        };
+        let mut attachment = TlsAttachment::default();
         let mut failures = Vec::new();
         for (function, program) in SSL_FUNCTIONS {
             if !functions.contains(&function) {
                 continue;
             }
-            let result = uprobe(&mut self.ebpf, program)?
-                .attach(function, library, UProbeScope::AllProcesses)
-                .and_then(|_| {
-                    uprobe(&mut self.ebpf, SSL_RETURN_PROGRAM)
-                        .map_err(|e| aya::programs::ProgramError::IOError(io::Error::other(e)))?
-                        .attach(function, library, UProbeScope::AllProcesses)
-                });
-            match result {
-                Ok(_) => attached.push(function),
-                Err(error) => failures.push(format!("{function}: {error}")),
+            let entry = uprobe(&mut self.ebpf, program)?.attach(function, library, scope);
+            let exit = entry.as_ref().ok().map(|_| {
+                uprobe(&mut self.ebpf, SSL_RETURN_PROGRAM)
+                    .map(|exit| exit.attach(function, library, scope))
+            });
+            match (entry, exit) {
+                (Ok(entry), Some(Ok(Ok(exit)))) => {
+                    attachment.functions.push(function);
+                    attachment.links.push((program, entry));
+                    attachment.links.push((SSL_RETURN_PROGRAM, exit));
+                }
+                (Ok(entry), exit) => {
+                    // An entry without its return would leave calls pending: take it back.
+                    let _ = uprobe(&mut self.ebpf, program).map(|p| p.detach(entry));
+                    let why = match exit {
+                        Some(Ok(Err(error))) => error.to_string(),
+                        Some(Err(error)) => format!("{error:#}"),
+                        _ => "no return probe".to_string(),
+                    };
+                    failures.push(format!("{function} (return): {why}"));
+                }
+                (Err(error), _) => failures.push(format!("{function}: {error}")),
             }
         }
+        let attached = &attachment.functions;
         if !(attached.contains(&"SSL_write") || attached.contains(&"SSL_write_ex"))
             || !(attached.contains(&"SSL_read") || attached.contains(&"SSL_read_ex"))
         {
@@ -799,7 +828,16 @@ impl LoadedProbes {
                 }
             );
         }
-        Ok(attached)
+        Ok(attachment)
+    }
+
+    /// Takes back the uprobes of one attachment (a traced process is gone).
+    pub fn detach_tls(&mut self, attachment: TlsAttachment) {
+        for (program, link) in attachment.links {
+            if let Ok(probe) = uprobe(&mut self.ebpf, program) {
+                let _ = probe.detach(link);
+            }
+        }
     }
 
     pub fn take_ring_buffer(&mut self) -> Result<RingBuf<MapData>> {

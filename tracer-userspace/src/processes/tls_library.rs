@@ -10,9 +10,10 @@ use crate::model::counters::counters;
 counters! {
     /// What the agent did about TLS libraries.
     pub struct TlsProbeCounters {
-        /// Library files the SSL uprobes were attached to.
+        /// Attaches of the SSL uprobes to a library file: one per traced process that maps one
+        /// (`--tls-probe-scope process`, the default), or one per file (`library`).
         tls_libraries_probed,
-        /// Library files the uprobes could not be attached to (logged with the reason).
+        /// Attaches that failed (logged with the reason).
         tls_libraries_failed,
         /// Processes that opened a TLS connection the uprobes cannot see into (a statically
         /// linked or another TLS library; logged once each).
