@@ -42,12 +42,17 @@ async def with_aiohttp(port, context, n):
                     raise RuntimeError(f"the sink answered {response.status}")
                 await response.read()
 
-        for _ in range(WARMUP):
-            await call()
-        start = time.process_time()
-        for _ in range(n):
-            await call()
-        return time.process_time() - start
+        return await timed(call, n)
+
+
+async def timed(call, n):
+    """CPU seconds of `n` calls, after WARMUP untimed ones."""
+    for _ in range(WARMUP):
+        await call()
+    start = time.process_time()
+    for _ in range(n):
+        await call()
+    return time.process_time() - start
 
 
 async def with_streams(port, context, n):
@@ -67,12 +72,7 @@ async def with_streams(port, context, n):
         await reader.readexactly(length)
 
     try:
-        for _ in range(WARMUP):
-            await call()
-        start = time.process_time()
-        for _ in range(n):
-            await call()
-        return time.process_time() - start
+        return await timed(call, n)
     finally:
         writer.close()
 
