@@ -172,6 +172,7 @@ impl<M: RequestMetrics> Pipeline<M> {
             }
             KernelEvent::ProcessExec { pid, .. } if self.processes.contains(pid) => {
                 self.counters.processes_execd += 1;
+                self.tls.process_gone(pid);
                 self.output.lifecycle.push(Lifecycle::Execd(pid));
             }
             // Adopted at once: the child's own records may follow in this same batch.
@@ -297,6 +298,8 @@ impl<M: RequestMetrics> Pipeline<M> {
                     not_http,
                 } => {
                     observer.untracked(id);
+                    // Its close will not be reported: its TLS sessions are untied now.
+                    self.tls.closed(id, conn_id);
                     self.output.untrack.push((id, conn_id, not_http));
                 }
             }

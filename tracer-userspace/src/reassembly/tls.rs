@@ -276,7 +276,8 @@ impl TlsSessions {
         }
     }
 
-    /// A process is gone: everything of it is dropped (held records counted).
+    /// A process is gone or replaced its program (its `SSL*`s mean nothing now): everything of
+    /// it is dropped (held records counted).
     pub fn process_gone(&mut self, pid: u32) {
         self.tied.retain(|key, _| key.pid != pid);
         self.by_connection.retain(|id, _| id.pid != pid);
