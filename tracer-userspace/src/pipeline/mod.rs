@@ -371,6 +371,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     rollout_id,
                     emits_own: self.groups.contains(SpanGroup::Server),
                     emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
+                    inbound_hidden: false,
                 };
                 if let (Some(local), Some(name)) = (start.local, server_name) {
                     self.name_peer(local, &name);
@@ -381,6 +382,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                 rollout_id,
                 emits_own: self.groups.contains(SpanGroup::HttpClient),
                 emits_semantic: false,
+                inbound_hidden: self.tls.hides_inbound(start.pid),
             },
         };
         self.stitcher.start(start, facts, now);

@@ -144,6 +144,8 @@ struct Held {
     first_ns: u64,
     records: Vec<TlsRecord>,
     bytes: usize,
+    /// It began with a read: maybe a request to a server of this process, not yet seen.
+    begins_with_read: bool,
 }
 
 /// An `SSL_write` not yet matched with the ciphertext that carried it.
@@ -180,9 +182,31 @@ pub struct TlsSessions {
     /// Sessions with held records, oldest first (entries of sessions tied since are skipped).
     held_order: VecDeque<(u64, SessionKey)>,
     threads: HashMap<u32, ThreadTraffic>,
+    /// Per process, the held sessions that began with a read.
+    held_reads: HashMap<u32, usize>,
 }
 
 impl TlsSessions {
+    /// Whether `pid` may have an inbound request the table has not seen: a session holds
+    /// what it read, waiting for its connection (a TLS server's request, until its response).
+    pub fn hides_inbound(&self, pid: u32) -> bool {
+        self.held_reads.get(&pid).is_some_and(|count| *count > 0)
+    }
+
+    /// Takes `session`'s held records out, keeping [`Self::held_reads`] right.
+    fn take_held(&mut self, session: SessionKey) -> Option<Held> {
+        let held = self.held.remove(&session)?;
+        if held.begins_with_read
+            && let Some(count) = self.held_reads.get_mut(&session.pid)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.held_reads.remove(&session.pid);
+            }
+        }
+        Some(held)
+    }
+
     /// The connection of a TLS plaintext record, if known; otherwise the record is held (and
     /// may tie its session at once: then what it released is in `released`).
     pub fn plaintext(
@@ -289,6 +313,7 @@ impl TlsSessions {
             }
             keep
         });
+        self.held_reads.remove(&pid);
         for thread in self.threads.values_mut() {
             thread.writes.retain(|write| write.session.pid != pid);
             thread.recent.retain(|cipher| cipher.pid != pid);
@@ -302,6 +327,7 @@ impl TlsSessions {
         let held: usize = self.held.drain().map(|(_, held)| held.records.len()).sum();
         self.counters.tls_records_unmatched += held as u64;
         self.held_order.clear();
+        self.held_reads.clear();
     }
 
     /// The one connection of the thread's ciphertext transfers in `transfer`'s direction
@@ -388,10 +414,16 @@ impl TlsSessions {
             }
             self.held_order.push_back((first_ns, session));
         }
+        let begins_with_read =
+            matches!(&record, TlsRecord::Data(data) if data.direction == Direction::Read);
+        if !self.held.contains_key(&session) && begins_with_read {
+            *self.held_reads.entry(session.pid).or_default() += 1;
+        }
         let held = self.held.entry(session).or_insert(Held {
             first_ns,
             records: Vec::new(),
             bytes: 0,
+            begins_with_read,
         });
         if held.records.len() >= MAX_HELD_RECORDS || held.bytes + size > MAX_HELD_BYTES {
             self.counters.tls_records_unmatched += 1;
@@ -408,10 +440,12 @@ impl TlsSessions {
                 break;
             }
             self.held_order.pop_front();
-            if let Some(held) = self.held.get(&session)
-                && held.first_ns == first_ns
+            if self
+                .held
+                .get(&session)
+                .is_some_and(|held| held.first_ns == first_ns)
+                && let Some(held) = self.take_held(session)
             {
-                let held = self.held.remove(&session).expect("checked above");
                 self.counters.tls_records_unmatched += held.records.len() as u64;
             }
         }
@@ -434,7 +468,7 @@ impl TlsSessions {
         if !entry.1.contains(&session.ssl) {
             entry.1.push(session.ssl);
         }
-        if let Some(held) = self.held.remove(&session) {
+        if let Some(held) = self.take_held(session) {
             released.push(Released {
                 pid: session.pid,
                 connection,
@@ -660,6 +694,46 @@ mod tests {
         assert_eq!(sessions.counters.tls_records_unmatched, 2);
         sessions.give_up_held();
         assert_eq!(sessions.counters.tls_records_unmatched, 3);
+    }
+
+    #[test]
+    fn a_server_sessions_held_request_hides_an_inbound_request_until_tied() {
+        let mut sessions = TlsSessions::default();
+        let mut released = Vec::new();
+        // A TLS server reads a request it cannot tie yet.
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Read, REQUEST, (10, 11)),
+            &mut released,
+        );
+        assert!(sessions.hides_inbound(PID));
+        // A client's write held for an instant hides nothing.
+        sessions.plaintext(
+            &plain(SSL_B, Direction::Write, REQUEST, (12, 13)),
+            &mut released,
+        );
+        // The response ties the server's session: nothing is hidden any more.
+        let response: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        sessions.plaintext(
+            &plain(SSL_A, Direction::Write, response, (14, 15)),
+            &mut released,
+        );
+        sessions.ciphertext(
+            &cipher(5, Direction::Write, response.len() as u64 + 22, 16),
+            &mut released,
+        );
+        assert_eq!(
+            released_summary(&released),
+            [(5, vec![REQUEST.len() as u64, response.len() as u64])]
+        );
+        assert!(!sessions.hides_inbound(PID));
+        // One that is given up stops hiding too.
+        sessions.plaintext(
+            &plain(0xc000, Direction::Read, REQUEST, (20, 21)),
+            &mut released,
+        );
+        assert!(sessions.hides_inbound(PID));
+        sessions.give_up_held();
+        assert!(!sessions.hides_inbound(PID));
     }
 
     #[test]

@@ -117,8 +117,8 @@ impl Stitcher {
         let verdict = if node.context.is_some() {
             self.own_evidence(call, key)
         } else {
-            let (pid, rollout) = (node.pid, node.rollout.clone());
-            match self.choose_caller_without_context(pid, rollout.as_ref()) {
+            let (pid, rollout, hidden) = (node.pid, node.rollout.clone(), node.inbound_hidden);
+            match self.choose_caller_without_context(pid, rollout.as_ref(), hidden) {
                 Ok((parent, how)) => Verdict::One(parent, how),
                 Err(why) => Verdict::Undecided(why),
             }
@@ -235,6 +235,9 @@ impl Stitcher {
                 let mut candidates = in_flight.iter().filter(|x| candidate(x));
                 match (candidates.next(), candidates.next()) {
                     (None, _) => Verdict::Undecided(Undecided::NoInbound),
+                    (Some(_), None) if node.inbound_hidden => {
+                        Verdict::Undecided(Undecided::NoEvidence)
+                    }
                     (Some(only), None) => Verdict::One(*only, Evidence::OnlyInbound),
                     _ => Verdict::Undecided(Undecided::NoEvidence),
                 }
@@ -449,6 +452,7 @@ mod tests {
                 rollout_id: None,
                 emits_own: true,
                 emits_semantic: false,
+                inbound_hidden: false,
             };
             self.stitcher.start(&start, facts, self.now);
             start
@@ -473,6 +477,28 @@ mod tests {
         fn finish(&mut self, request: &RequestStart) {
             self.stitcher.finish(request.span_id, self.now);
         }
+    }
+
+    /// The only inbound request the tracer sees decides a call, unless its process may have
+    /// one it cannot see yet (an HTTPS request held until its TLS session is tied).
+    #[test]
+    fn the_only_request_in_flight_is_no_evidence_while_one_may_be_hidden() {
+        let mut s = Scene::new();
+        let visible = s.inbound(AGENT, "/run", &[]);
+        let port = s.port();
+        let mut start = testing::start(AGENT, Role::Client, (port, 9000), 0, "POST", "/x");
+        start.context = Some(chain(&[0x1, 0x10]));
+        let facts = StartFacts {
+            rollout_id: None,
+            emits_own: true,
+            emits_semantic: false,
+            inbound_hidden: true,
+        };
+        s.stitcher.start(&start, facts, s.now);
+        assert_eq!(s.parent(&start), None);
+        assert_eq!(s.undecided(&start), Some(Undecided::NoEvidence));
+        let seen = s.call(AGENT, &[0x2, 0x20], &[]);
+        assert_eq!(s.parent(&seen), Some(visible.span_id));
     }
 
     /// Two rollouts of Gym's agent at once, as CAUSALITY.md measured them: /run's handler

@@ -180,6 +180,8 @@ struct Node {
     /// The `gym.*` span's id, when one will be emitted: the calls the request makes hang
     /// under it, as under Gym's `gym.rollout`.
     semantic_span_id: Option<SpanId>,
+    /// Outbound: see [`StartFacts::inbound_hidden`].
+    inbound_hidden: bool,
     /// Set when a span of the request (or of a descendant) is released: fixed from then on.
     trace: Option<TraceId>,
     /// Used if the request turns out to be a root without a rollout id.
@@ -254,6 +256,10 @@ pub struct StartFacts {
     pub emits_own: bool,
     /// Whether a `gym.*` span will be emitted for it (inbound only).
     pub emits_semantic: bool,
+    /// A call started while its process may have an inbound request the tracer cannot see
+    /// yet (an HTTPS request whose TLS session is not tied to its connection): the only
+    /// request in flight that the tracer sees is then no evidence.
+    pub inbound_hidden: bool,
 }
 
 impl Stitcher {
@@ -318,6 +324,7 @@ impl Stitcher {
             emits_own: facts.emits_own,
             semantic_span_id: (start.role == Role::Server && facts.emits_semantic)
                 .then(SpanId::random),
+            inbound_hidden: facts.inbound_hidden,
             trace: None,
             random_trace: TraceId::random(),
             finished: false,
@@ -392,6 +399,7 @@ impl Stitcher {
         &mut self,
         pid: u32,
         rollout: Option<&RolloutId>,
+        inbound_hidden: bool,
     ) -> Result<(SpanId, Evidence), Undecided> {
         let candidates = self.inbound.get(&pid).map(Vec::as_slice).unwrap_or(&[]);
         if let Some(rollout) = rollout {
@@ -413,6 +421,7 @@ impl Stitcher {
         }
         match candidates {
             [] => Err(Undecided::NoInbound),
+            [_] if inbound_hidden => Err(Undecided::NoEvidence),
             [only] => {
                 let only = *only;
                 match (rollout, self.effective_rollout(only)) {
@@ -771,6 +780,7 @@ mod tests {
             rollout_id: rollout.and_then(RolloutId::parse),
             emits_own: true,
             emits_semantic: semantic,
+            inbound_hidden: false,
         }
     }
 
@@ -1114,6 +1124,7 @@ mod tests {
                 rollout_id: None,
                 emits_own: true,
                 emits_semantic: false,
+                inbound_hidden: false,
             };
             stitcher.start(&start, facts, now);
             stitcher.finish(start.span_id, now);
