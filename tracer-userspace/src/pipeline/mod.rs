@@ -204,12 +204,15 @@ impl<M: RequestMetrics> Pipeline<M> {
                     self.apply_context(context, connection);
                 }
             }
-            KernelEvent::Data(data)
-                if self.table.is_ciphertext(data, &mut self.output.tls_opened) =>
-            {
-                let mut released = Vec::new();
-                self.tls.ciphertext(data, &mut released);
-                self.apply_released(released, now, observer);
+            KernelEvent::Data(data) => {
+                self.table
+                    .apply(&event, &mut self.exchanges, &mut self.actions);
+                self.output.tls_opened.append(&mut self.table.tls_opened);
+                if self.table.take_ciphertext() {
+                    let mut released = Vec::new();
+                    self.tls.ciphertext(data, &mut released);
+                    self.apply_released(released, now, observer);
+                }
             }
             KernelEvent::Close {
                 pid, fd, conn_id, ..

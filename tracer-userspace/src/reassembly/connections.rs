@@ -229,6 +229,11 @@ pub struct ConnectionTable {
     scratch_errors: Vec<ParseError>,
     /// TLS connections that ended without a readable request, for the caller to take.
     pub ended_opaque: Vec<OpaqueTls>,
+    /// Processes whose connection was just found to be TLS (one entry per connection), for
+    /// the caller to take.
+    pub tls_opened: Vec<u32>,
+    /// See [`ConnectionTable::take_ciphertext`].
+    last_was_ciphertext: bool,
 }
 
 /// What the table asks of the caller besides exchanges.
@@ -272,6 +277,8 @@ impl ConnectionTable {
             scratch_events: Vec::new(),
             scratch_errors: Vec::new(),
             ended_opaque: Vec::new(),
+            tls_opened: Vec::new(),
+            last_was_ciphertext: false,
             counters: ReassemblyCounters::default(),
         }
     }
@@ -292,31 +299,10 @@ impl ConnectionTable {
         self.connections.len()
     }
 
-    /// Whether `data` is TLS ciphertext, which the table does not parse (the first captured
-    /// bytes of a connection decide; a connection found to be TLS now has its process pushed
-    /// on `tls_opened`).
-    pub fn is_ciphertext(&mut self, data: &DataTransfer<'_>, tls_opened: &mut Vec<u32>) -> bool {
-        let id = SocketId {
-            pid: data.pid,
-            fd: data.fd,
-        };
-        let Some(connection) = self
-            .connections
-            .get_mut(&id)
-            .filter(|c| c.conn_id == data.conn_id)
-        else {
-            return false;
-        };
-        if connection.decide_transport(data.captured) == Some(Transport::Tls) {
-            tls_opened.push(data.pid);
-        }
-        if connection.transport != Transport::Tls {
-            return false;
-        }
-        let direction = usize::from(data.direction == Direction::Write);
-        connection.tls_bytes[direction] += data.total_len;
-        connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
-        true
+    /// Whether the last transfer applied was TLS ciphertext (the table does not parse it: it
+    /// is the TLS sessions' evidence). Reset by the call.
+    pub fn take_ciphertext(&mut self) -> bool {
+        std::mem::take(&mut self.last_was_ciphertext)
     }
 
     /// Applies a TLS plaintext transfer, already tied to its connection.
@@ -605,9 +591,16 @@ impl ConnectionTable {
         if plaintext {
             connection.transport = Transport::Tls;
         } else {
-            connection.decide_transport(data.captured);
+            if connection.decide_transport(data.captured) == Some(Transport::Tls) {
+                self.tls_opened.push(data.pid);
+            }
             if connection.transport == Transport::Tls {
-                return; // ciphertext: the TLS sessions' evidence, not HTTP
+                // Ciphertext: the TLS sessions' evidence, not HTTP.
+                let direction = usize::from(data.direction == Direction::Write);
+                connection.tls_bytes[direction] += data.total_len;
+                connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
+                self.last_was_ciphertext = true;
+                return;
             }
         }
         connection.last_activity_ns = connection.last_activity_ns.max(data.timestamp_ns);
@@ -1397,15 +1390,19 @@ mod evidence_tests {
     #[test]
     fn a_tls_connection_is_parsed_from_its_plaintext_only() {
         let mut table = ConnectionTable::new(16);
-        let (mut exchanges, mut actions, mut opened) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
         table.apply(&open(Role::Client), &mut exchanges, &mut actions);
         let client_hello = transfer(Direction::Write, b"\x16\x03\x01\x02\x00\x01", 517, b"");
         let KernelEvent::Data(hello) = &client_hello else {
             unreachable!()
         };
-        assert!(table.is_ciphertext(hello, &mut opened));
-        assert_eq!(opened, [7]);
-        table.apply(&client_hello, &mut exchanges, &mut actions);
+        table.apply(
+            &KernelEvent::Data(hello.clone()),
+            &mut exchanges,
+            &mut actions,
+        );
+        assert!(table.take_ciphertext());
+        assert_eq!(table.tls_opened, [7]);
         let body = br#"{"input":"hi","model":"m-1"}"#;
         let request = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: {}\r\n\r\n{}",
@@ -1432,12 +1429,12 @@ mod evidence_tests {
         let KernelEvent::Data(records) = &records else {
             unreachable!()
         };
-        assert!(table.is_ciphertext(records, &mut opened));
         table.apply(
             &KernelEvent::Data(records.clone()),
             &mut exchanges,
             &mut actions,
         );
+        assert!(table.take_ciphertext());
         let KernelEvent::Data(response) = transfer(
             Direction::Read,
             response.as_bytes(),
