@@ -64,6 +64,11 @@ impl Ctx {
         self.root.join("target/gym-venv")
     }
 
+    /// The venv Arize Phoenix runs from (tests/support/phoenix).
+    pub(crate) fn phoenix_venv(&self) -> PathBuf {
+        self.root.join("target/phoenix-venv")
+    }
+
     pub(crate) fn agent_bin(&self, release: bool) -> PathBuf {
         let profile = if release { "release" } else { "debug" };
         self.root.join("target").join(profile).join("gym-tracer")

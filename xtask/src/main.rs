@@ -46,8 +46,9 @@ enum Cmd {
     Run(run::RunArgs),
     /// Run setup, the unit tests and (as root) the Python integration tests.
     Test(test::TestArgs),
-    /// Run setup, build the agent and run tests/support/demo.py against it (root needed).
-    Demo,
+    /// Run setup, build the agent and run tests/support/demo.py against it (root needed):
+    /// trace trees in the terminal; with --ui, also each rollout's trace in Arize Phoenix.
+    Demo(demo::DemoArgs),
     /// Measure what tracing costs: untraced vs gym-tracer vs in-process OpenTelemetry on the
     /// Gym-shaped servers, plus saturation, connection scale and the host-wide syscall tax.
     /// Prints one table and writes target/bench/latest.json (root needed; installs wrk).
@@ -74,7 +75,7 @@ fn main() -> ExitCode {
         // The agent's own exit status becomes ours.
         Cmd::Run(args) => return run::run(&ctx, &args).unwrap_or_else(report),
         Cmd::Test(args) => test::run(&ctx, &args),
-        Cmd::Demo => demo::run(&ctx),
+        Cmd::Demo(args) => demo::run(&ctx, &args),
         Cmd::Bench(args) => bench::run(&ctx, &args),
         Cmd::Lint => lint::run(&ctx),
         Cmd::Docs => docs::run(&ctx),

@@ -17,6 +17,10 @@ pub(crate) struct SetupArgs {
     /// integration test is then skipped.
     #[arg(long)]
     no_gym_venv: bool,
+    /// Do not create the Arize Phoenix venv (target/phoenix-venv, about 820 MB) nor install
+    /// Chromium; the trace-UI test is then skipped.
+    #[arg(long)]
+    no_phoenix: bool,
     /// Only the toolchain the build needs (nightly + rust-src, bpf-linker): no venvs,
     /// no tracefs. For image builds (deploy/Dockerfile).
     #[arg(long)]
@@ -25,10 +29,27 @@ pub(crate) struct SetupArgs {
 
 pub(crate) fn run(ctx: &Ctx, args: &SetupArgs) -> Result<()> {
     if args.toolchain_only {
-        toolchain(ctx)
-    } else {
-        machine(ctx, !args.no_gym_venv)
+        return toolchain(ctx);
     }
+    machine(ctx, !args.no_gym_venv)?;
+    if !args.no_phoenix {
+        trace_ui(ctx, true)?;
+    }
+    Ok(())
+}
+
+/// Arize Phoenix (`cargo xtask demo --ui`, tests/test_backend.py) and, with `browser`, the
+/// headless Chromium the test looks at its pages with (apt, as root).
+pub(crate) fn trace_ui(ctx: &Ctx, browser: bool) -> Result<()> {
+    venv::ensure_phoenix_venv(ctx)?;
+    if browser {
+        if is_root() {
+            ensure_system_tool(ctx, "chromium", "chromium")?;
+        } else {
+            println!("xtask: not root: chromium is not installed (the trace-UI test needs it)");
+        }
+    }
+    Ok(())
 }
 
 /// All of setup, which test, demo and bench run first; `gym_venv`: also create the

@@ -17,6 +17,9 @@ pub(crate) struct TestArgs {
     /// Do not create the real-Gym venv; the real-Gym integration test is skipped.
     #[arg(long)]
     no_gym_venv: bool,
+    /// Do not install Arize Phoenix and Chromium; the trace-UI test is skipped.
+    #[arg(long)]
+    no_phoenix: bool,
     /// Extra arguments for pytest (after `--`).
     #[arg(last = true)]
     pytest_args: Vec<OsString>,
@@ -25,6 +28,9 @@ pub(crate) struct TestArgs {
 pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
     let gym_venv = !args.no_gym_venv;
     setup::machine(ctx, gym_venv)?;
+    if !args.no_phoenix {
+        setup::trace_ui(ctx, true)?;
+    }
 
     println!("xtask: running the unit tests");
     run_checked(
@@ -59,6 +65,13 @@ pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
             .env_remove("GYM_REAL_VENV_SKIPPED");
     } else {
         cmd.env("GYM_REAL_VENV_SKIPPED", "cargo xtask test --no-gym-venv");
+    }
+    // tests/test_backend.py exports to Phoenix from this venv, on the same terms.
+    if args.no_phoenix {
+        cmd.env("GYM_PHOENIX_SKIPPED", "cargo xtask test --no-phoenix");
+    } else {
+        cmd.env("GYM_PHOENIX_VENV", ctx.phoenix_venv())
+            .env_remove("GYM_PHOENIX_SKIPPED");
     }
     run_checked(
         &mut cmd,

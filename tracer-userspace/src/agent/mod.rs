@@ -19,8 +19,9 @@ use tokio::runtime::Handle;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use crate::config::cli::{Discover, Output, RunArgs};
-use crate::export::{ExportLimits, ExportTarget, SpanPipeline};
+use crate::config::cli::{Discover, RunArgs};
+use crate::config::export_plan::ExportPlan;
+use crate::export::{ExportLimits, SpanPipeline};
 use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
 use crate::model::service::{AgentResource, GymLabels};
 use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
@@ -90,7 +91,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     // happens only when the AsyncFd is.
     let mut ring = unsafe { AsyncFd::register(probes.take_ring_buffer()?) }
         .map_err(|error| anyhow::anyhow!("polling the ring buffer: {error}"))?;
-    let target = export_target(&args);
+    let plan = crate::config::export_plan::export_plan(&args)?;
     let agent_resource = AgentResource::new(
         args.service_name.clone(),
         args.resource_attributes
@@ -100,7 +101,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     );
     let self_telemetry = crate::ops::telemetry::start(
         &exporters,
-        &target,
+        &plan.metrics,
         &agent_resource,
         Duration::from_secs(args.metric_interval),
         health.clone(),
@@ -110,7 +111,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         pipeline: Pipeline::new(
             pipeline_config(&args, agent_resource),
             Metrics::new(
-                target.clone(),
+                plan.metrics.clone(),
                 Duration::from_secs(args.metric_interval),
                 exporters.clone(),
                 health.export.clone(),
@@ -118,7 +119,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         ),
         spans: SpanPipeline::start(
             &exporters,
-            &target,
+            &plan.spans,
             export_limits(&args),
             health.export.clone(),
         )?,
@@ -151,7 +152,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         std::fs::write(path, format!("{}\n", std::process::id()))
             .with_context(|| format!("writing the ready file {}", path.display()))?;
     }
-    log_start(&args, &target);
+    log_start(&args, &plan);
     agent.health.set_probes_attached(true);
     agent
         .run_until_stopped(&mut probes, &mut ring, &mut harvest_results)
@@ -173,16 +174,6 @@ async fn serve_health(args: &RunArgs, exporters: &Handle, health: &Arc<Health>) 
         tracing::info!("serving /healthz and /metrics on http://{bound}");
     }
     Ok(())
-}
-
-fn export_target(args: &RunArgs) -> ExportTarget {
-    match crate::config::otlp_options(args) {
-        Some(options) => ExportTarget::Otlp(options),
-        None => match args.output {
-            Output::Json => ExportTarget::JsonLines,
-            Output::Tree => ExportTarget::Tree,
-        },
-    }
 }
 
 fn export_limits(args: &RunArgs) -> ExportLimits {
@@ -208,7 +199,7 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
     }
 }
 
-fn log_start(args: &RunArgs, target: &ExportTarget) {
+fn log_start(args: &RunArgs, plan: &ExportPlan) {
     tracing::info!(
         "{} → {}",
         match (&args.discover, args.pids.len()) {
@@ -217,14 +208,14 @@ fn log_start(args: &RunArgs, target: &ExportTarget) {
                 format!("tracing {n} named process(es) and watching for Gym servers"),
             (None, n) => format!("tracing {n} named process(es)"),
         },
-        match target {
-            ExportTarget::JsonLines => "JSON lines on stdout".to_string(),
-            ExportTarget::Tree => "a tree per trace on stdout".to_string(),
-            ExportTarget::Otlp(otlp) => format!(
-                "OTLP {:?} {}",
-                otlp.protocol,
-                crate::export::otlp::options::printable_endpoint(&otlp.endpoint)
-            ),
+        if plan.spans.describe() == plan.metrics.describe() {
+            plan.spans.describe()
+        } else {
+            format!(
+                "spans: {}; metrics: {}",
+                plan.spans.describe(),
+                plan.metrics.describe()
+            )
         }
     );
 }

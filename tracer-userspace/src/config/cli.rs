@@ -65,8 +65,10 @@ const LONG_ABOUT: &str = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n
 
 const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as a flag, as an \
     environment variable (shown as [env: ...]; the OpenTelemetry variables \
-    OTEL_EXPORTER_OTLP_*, OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are honoured), or \
-    as a key of the --config TOML file. Precedence: flag > environment > file > default. \
+    OTEL_EXPORTER_OTLP_*, OTEL_EXPORTER_OTLP_{TRACES,METRICS}_*, OTEL_TRACES_EXPORTER, \
+    OTEL_METRICS_EXPORTER, OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are honoured), or \
+    as a key of the --config TOML file. Precedence: flag > environment > file > default; \
+    then, as OpenTelemetry specifies, a per-signal setting wins over the generic one. \
     `gym-tracer check-config` prints the effective configuration and where each value came \
     from, with secrets masked.";
 
@@ -131,6 +133,19 @@ pub enum Output {
     Json,
     /// Each finished trace as an indented tree, as it completes (for people; no metrics).
     Tree,
+}
+
+/// Where one signal goes (`--traces-exporter`, `--metrics-exporter`), as OpenTelemetry's
+/// `OTEL_TRACES_EXPORTER` / `OTEL_METRICS_EXPORTER` name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SignalExporter {
+    /// To the OTLP endpoint (the signal's own, else --otlp-endpoint, else OpenTelemetry's
+    /// default http://localhost:4318, or :4317 for gRPC).
+    Otlp,
+    /// To stdout, in the --output format.
+    Console,
+    /// Nowhere: the signal is not exported.
+    None,
 }
 
 /// Which processes hit the SSL uprobes (`--tls-probe-scope`).
@@ -271,8 +286,9 @@ pub struct RunArgs {
     pub ring_buffer_bytes: u32,
 
     /// OTLP endpoint, e.g. http://collector:4317 (gRPC) or http://collector:4318
-    /// (HTTP; /v1/traces and /v1/metrics are appended). Without one, spans and metrics
-    /// are written to stdout as JSON lines. An https:// endpoint is reached over TLS.
+    /// (HTTP; /v1/traces and /v1/metrics are appended). Without one (or a per-signal
+    /// --otlp-traces-endpoint / --otlp-metrics-endpoint), spans and metrics are written to
+    /// stdout as JSON lines. An https:// endpoint is reached over TLS.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
 
@@ -414,4 +430,146 @@ pub struct RunArgs {
     /// by default.
     #[arg(long, env = "GYM_TRACER_HEALTH_LISTEN", value_name = "ADDR")]
     pub health_listen: Option<HealthListen>,
+
+    #[command(flatten)]
+    pub traces: TracesExportArgs,
+
+    #[command(flatten)]
+    pub metrics: MetricsExportArgs,
+}
+
+/// Where spans go, and how to reach their collector when that differs from the --otlp-*
+/// options: each option here wins over its --otlp-* form for spans, as OpenTelemetry's
+/// per-signal variables win over the generic ones.
+#[derive(Clone, Debug, Args)]
+#[command(next_help_heading = "Traces (per-signal export)")]
+pub struct TracesExportArgs {
+    /// Where spans go: `otlp`, `console` (stdout, in the --output format), both
+    /// (`otlp,console`: the same spans in both places) or `none`. Unset: OTLP when an
+    /// endpoint is configured for traces, else stdout.
+    #[arg(
+        long,
+        env = "OTEL_TRACES_EXPORTER",
+        value_enum,
+        value_name = "EXPORTER",
+        value_delimiter = ','
+    )]
+    pub traces_exporter: Vec<SignalExporter>,
+
+    /// The full URL spans are sent to, used as it is (OTLP/HTTP appends no /v1/traces),
+    /// e.g. http://phoenix:6006/v1/traces.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value_name = "URL")]
+    pub otlp_traces_endpoint: Option<String>,
+
+    /// OTLP transport for spans.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", value_enum)]
+    pub otlp_traces_protocol: Option<OtlpProtocol>,
+
+    /// Headers sent with span exports, as `key=value,...`, instead of --otlp-headers.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+        hide_env_values = true,
+        value_name = "LIST"
+    )]
+    pub otlp_traces_headers: Option<HeaderList>,
+
+    /// Milliseconds a span export may take.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub otlp_traces_timeout: Option<u64>,
+
+    /// Compression of span export requests.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", value_enum)]
+    pub otlp_traces_compression: Option<OtlpCompression>,
+
+    /// PEM file of the CAs that sign the traces collector's certificate.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub otlp_traces_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate for mutual TLS with the traces collector.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub otlp_traces_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --otlp-traces-client-cert.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", value_name = "PEM")]
+    pub otlp_traces_client_key: Option<PathBuf>,
+}
+
+/// Where metrics go (the servers' and the agent's own), and how to reach their collector
+/// when that differs from the --otlp-* options: each option here wins over its --otlp-*
+/// form for metrics. A trace-only backend (Arize Phoenix, Jaeger) takes no metrics: point
+/// metrics elsewhere, or set `--metrics-exporter none`.
+#[derive(Clone, Debug, Args)]
+#[command(next_help_heading = "Metrics (per-signal export)")]
+pub struct MetricsExportArgs {
+    /// Where metrics go: `otlp`, `console` (stdout, in the --output format), both
+    /// (`otlp,console`) or `none`. Unset: OTLP when an endpoint is configured for metrics,
+    /// else stdout.
+    #[arg(
+        long,
+        env = "OTEL_METRICS_EXPORTER",
+        value_enum,
+        value_name = "EXPORTER",
+        value_delimiter = ','
+    )]
+    pub metrics_exporter: Vec<SignalExporter>,
+
+    /// The full URL metrics are sent to, used as it is (OTLP/HTTP appends no /v1/metrics).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", value_name = "URL")]
+    pub otlp_metrics_endpoint: Option<String>,
+
+    /// OTLP transport for metrics.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", value_enum)]
+    pub otlp_metrics_protocol: Option<OtlpProtocol>,
+
+    /// Headers sent with metric exports, as `key=value,...`, instead of --otlp-headers.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+        hide_env_values = true,
+        value_name = "LIST"
+    )]
+    pub otlp_metrics_headers: Option<HeaderList>,
+
+    /// Milliseconds a metric export may take.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub otlp_metrics_timeout: Option<u64>,
+
+    /// Compression of metric export requests.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", value_enum)]
+    pub otlp_metrics_compression: Option<OtlpCompression>,
+
+    /// PEM file of the CAs that sign the metrics collector's certificate.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub otlp_metrics_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate for mutual TLS with the metrics collector.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE",
+        value_name = "PEM"
+    )]
+    pub otlp_metrics_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --otlp-metrics-client-cert.
+    #[arg(
+        long,
+        env = "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY",
+        value_name = "PEM"
+    )]
+    pub otlp_metrics_client_key: Option<PathBuf>,
 }

@@ -7,6 +7,7 @@
 //! effective value came from.
 
 pub mod cli;
+pub mod export_plan;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -20,7 +21,7 @@ use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, CommandFactory, FromArgMatches};
 
 use crate::config::cli::{Cli, Command, RunArgs};
-use crate::export::otlp::options::{HeaderList, OtlpOptions, printable_endpoint};
+use crate::export::otlp::options::{HeaderList, printable_endpoint};
 
 /// Where the health endpoint listens: loopback unless an address says otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,7 +318,7 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
     let path =
         |path: &Option<PathBuf>| path.as_ref().map(|p| toml_string(&p.display().to_string()));
     let shown = |value: &Option<String>| value.as_deref().map(toml_string);
-    vec![
+    let mut values = vec![
         ("pids", toml_list(&args.pids).or_else(|| Some("[]".into()))),
         ("discover", args.discover.as_ref().map(value_name)),
         ("server_name", shown(&args.server_name)),
@@ -395,6 +396,82 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
             args.health_listen.map(|h| toml_string(&h.to_string())),
         ),
         ("log_format", Some(value_name(&cli.log_format))),
+    ];
+    values.extend(signal_values(args));
+    values
+}
+
+fn exporter_list(exporters: &[cli::SignalExporter]) -> Option<String> {
+    let names: Vec<String> = exporters.iter().map(value_name).collect();
+    (!names.is_empty()).then(|| format!("[{}]", names.join(", ")))
+}
+
+/// The per-signal export options, traces then metrics.
+fn signal_values(args: &RunArgs) -> Vec<(&'static str, Option<String>)> {
+    let path =
+        |path: &Option<PathBuf>| path.as_ref().map(|p| toml_string(&p.display().to_string()));
+    let endpoint =
+        |url: &Option<String>| url.as_deref().map(|e| toml_string(&printable_endpoint(e)));
+    let headers = |list: &Option<HeaderList>| list.as_ref().map(|h| toml_string(&h.to_string()));
+    let (traces, metrics) = (&args.traces, &args.metrics);
+    vec![
+        ("traces_exporter", exporter_list(&traces.traces_exporter)),
+        (
+            "otlp_traces_endpoint",
+            endpoint(&traces.otlp_traces_endpoint),
+        ),
+        (
+            "otlp_traces_protocol",
+            traces.otlp_traces_protocol.as_ref().map(value_name),
+        ),
+        ("otlp_traces_headers", headers(&traces.otlp_traces_headers)),
+        (
+            "otlp_traces_timeout",
+            traces.otlp_traces_timeout.map(|ms| ms.to_string()),
+        ),
+        (
+            "otlp_traces_compression",
+            traces.otlp_traces_compression.as_ref().map(value_name),
+        ),
+        ("otlp_traces_ca_file", path(&traces.otlp_traces_ca_file)),
+        (
+            "otlp_traces_client_cert",
+            path(&traces.otlp_traces_client_cert),
+        ),
+        (
+            "otlp_traces_client_key",
+            path(&traces.otlp_traces_client_key),
+        ),
+        ("metrics_exporter", exporter_list(&metrics.metrics_exporter)),
+        (
+            "otlp_metrics_endpoint",
+            endpoint(&metrics.otlp_metrics_endpoint),
+        ),
+        (
+            "otlp_metrics_protocol",
+            metrics.otlp_metrics_protocol.as_ref().map(value_name),
+        ),
+        (
+            "otlp_metrics_headers",
+            headers(&metrics.otlp_metrics_headers),
+        ),
+        (
+            "otlp_metrics_timeout",
+            metrics.otlp_metrics_timeout.map(|ms| ms.to_string()),
+        ),
+        (
+            "otlp_metrics_compression",
+            metrics.otlp_metrics_compression.as_ref().map(value_name),
+        ),
+        ("otlp_metrics_ca_file", path(&metrics.otlp_metrics_ca_file)),
+        (
+            "otlp_metrics_client_cert",
+            path(&metrics.otlp_metrics_client_cert),
+        ),
+        (
+            "otlp_metrics_client_key",
+            path(&metrics.otlp_metrics_client_key),
+        ),
     ]
 }
 
@@ -410,53 +487,12 @@ pub fn validate(args: &RunArgs) -> Result<()> {
     if args.pids.is_empty() && (args.server_name.is_some() || args.server_type.is_some()) {
         bail!("--server-name and --server-type label --pid processes; give --pid too");
     }
-    if let Some(endpoint) = &args.otlp_endpoint {
-        let scheme = endpoint.split_once("://").map(|(scheme, _)| scheme);
-        match scheme {
-            Some("http") | Some("https") => {}
-            _ => bail!(
-                "--otlp-endpoint `{}` must start with http:// or https:// \
-                 (e.g. http://collector:4317 for gRPC, http://collector:4318 for HTTP)",
-                printable_endpoint(endpoint)
-            ),
-        }
-        let tls_files = args.otlp_ca_file.is_some() || args.otlp_client_cert.is_some();
-        if tls_files && scheme == Some("http") {
-            bail!(
-                "TLS files are set (--otlp-ca-file / --otlp-client-cert) but the endpoint \
-                 `{}` is plain http://; use https:// to reach the collector over TLS",
-                printable_endpoint(endpoint)
-            );
-        }
-    }
     match (&args.otlp_client_cert, &args.otlp_client_key) {
         (Some(_), None) => bail!("--otlp-client-cert needs --otlp-client-key"),
         (None, Some(_)) => bail!("--otlp-client-key needs --otlp-client-cert"),
         _ => {}
     }
-    if let Some(options) = otlp_options(args) {
-        // The certificate files' contents and the SDK's own environment variables, as the
-        // exporters will read them.
-        crate::export::otlp::check_otlp_options(&options)?;
-    }
-    Ok(())
-}
-
-/// How to reach the collector, when an endpoint is configured.
-pub fn otlp_options(args: &RunArgs) -> Option<OtlpOptions> {
-    let endpoint = args.otlp_endpoint.as_ref().filter(|e| !e.is_empty())?;
-    Some(OtlpOptions {
-        endpoint: endpoint.clone(),
-        protocol: args.otlp_protocol,
-        headers: args.otlp_headers.clone().unwrap_or(HeaderList(Vec::new())),
-        timeout: std::time::Duration::from_millis(args.otlp_timeout),
-        compression: args.otlp_compression,
-        ca_file: args.otlp_ca_file.clone(),
-        client_identity: args
-            .otlp_client_cert
-            .clone()
-            .zip(args.otlp_client_key.clone()),
-    })
+    export_plan::export_plan(args).map(drop)
 }
 
 /// `gym-tracer check-config`.
@@ -466,6 +502,9 @@ pub fn check_config(loaded: &Loaded) -> Result<()> {
     };
     print!("{}", loaded.effective_config(args));
     validate(args)?;
+    let plan = export_plan::export_plan(args)?;
+    println!("# spans go to {}", plan.spans.describe());
+    println!("# metrics go to {}", plan.metrics.describe());
     println!("# configuration is valid");
     Ok(())
 }
@@ -720,6 +759,170 @@ mod tests {
         std::fs::remove_file(&not_pem).unwrap();
         assert!(
             error.contains("--otlp-ca-file") && error.contains("no PEM"),
+            "{error}"
+        );
+    }
+
+    /// The export plan of `run --discover gym` with these flags and variables.
+    fn plan_of(args: &[&str], env: &[(&str, &str)]) -> Result<export_plan::ExportPlan> {
+        let argv: Vec<&str> = ["run", "--discover", "gym"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let loaded = load_with(&argv, env, None).unwrap();
+        export_plan::export_plan(run_args(&loaded))
+    }
+
+    fn otlp(target: &crate::export::ExportTarget) -> &crate::export::otlp::options::OtlpOptions {
+        target.otlp.as_ref().expect("exported over OTLP")
+    }
+
+    #[test]
+    fn per_signal_settings_win_over_the_generic_ones_for_their_signal_only() {
+        use crate::export::otlp::Signal;
+        use crate::export::{ExportTarget, StdoutFormat};
+        let json = ExportTarget::stdout(StdoutFormat::JsonLines);
+        use crate::export::otlp::options::{OtlpCompression, OtlpProtocol};
+        // Nothing set: both on stdout, as before.
+        let plan = plan_of(&[], &[]).unwrap();
+        assert_eq!((plan.spans, plan.metrics), (json.clone(), json.clone()));
+        // The generic endpoint: both over OTLP, OTLP/HTTP appending each signal's path.
+        let plan = plan_of(&["--otlp-endpoint", "http://c:4318/"], &[]).unwrap();
+        assert_eq!(
+            otlp(&plan.spans).endpoint.http_url(Signal::Traces),
+            "http://c:4318/v1/traces"
+        );
+        assert_eq!(
+            otlp(&plan.metrics).endpoint.http_url(Signal::Metrics),
+            "http://c:4318/v1/metrics"
+        );
+        // Phoenix: traces to their own URL (used as it is), metrics nowhere.
+        let plan = plan_of(
+            &[],
+            &[
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "http://p:6006/v1/traces",
+                ),
+                ("OTEL_METRICS_EXPORTER", "none"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            otlp(&plan.spans).endpoint.http_url(Signal::Traces),
+            "http://p:6006/v1/traces"
+        );
+        assert_eq!(plan.metrics, ExportTarget::NOWHERE);
+        // Protocol, timeout, compression and headers per signal; the rest from the generic.
+        let plan = plan_of(
+            &[
+                "--otlp-endpoint",
+                "http://c:4318",
+                "--otlp-timeout",
+                "700",
+                "--otlp-headers",
+                "authorization=a",
+            ],
+            &[
+                ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://m:4317"),
+                ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc"),
+                ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "900"),
+                ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip"),
+                ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "authorization=m"),
+            ],
+        )
+        .unwrap();
+        let (spans, metrics) = (otlp(&plan.spans), otlp(&plan.metrics));
+        assert_eq!(
+            (spans.protocol, metrics.protocol),
+            (OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc)
+        );
+        assert_eq!(
+            (spans.timeout.as_millis(), metrics.timeout.as_millis()),
+            (700, 900)
+        );
+        assert_eq!(
+            (spans.compression, metrics.compression),
+            (OtlpCompression::Gzip, OtlpCompression::None)
+        );
+        assert_eq!(
+            (
+                spans.headers.0[0].1.as_str(),
+                metrics.headers.0[0].1.as_str()
+            ),
+            ("a", "m")
+        );
+        assert_eq!(plan.metrics.describe(), "OTLP/gRPC http://m:4317");
+        // console keeps a signal on stdout whatever the endpoint; an explicit otlp with no
+        // endpoint goes to OpenTelemetry's default one.
+        let plan = plan_of(
+            &["--otlp-endpoint", "http://c:4318", "--output", "tree"],
+            &[("OTEL_TRACES_EXPORTER", "console")],
+        )
+        .unwrap();
+        assert_eq!(plan.spans, ExportTarget::stdout(StdoutFormat::Tree));
+        assert_eq!(
+            plan.metrics.describe(),
+            "OTLP/HTTP http://c:4318/v1/metrics"
+        );
+        let plan = plan_of(
+            &["--traces-exporter", "otlp", "--otlp-protocol", "grpc"],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plan.spans.describe(), "OTLP/gRPC http://localhost:4317");
+        assert_eq!(plan.metrics, json);
+        // Both: the same spans to the collector and to stdout.
+        let plan = plan_of(
+            &["--otlp-endpoint", "http://c:4318"],
+            &[("OTEL_TRACES_EXPORTER", "otlp,console")],
+        )
+        .unwrap();
+        assert_eq!(
+            plan.spans.describe(),
+            "OTLP/HTTP http://c:4318/v1/traces and JSON lines on stdout"
+        );
+        let error = plan_of(&["--traces-exporter", "none,console"], &[]).unwrap_err();
+        assert!(
+            error.to_string().contains("`none` cannot be combined"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn per_signal_errors_name_the_per_signal_option() {
+        let error = validation_error(&["--otlp-metrics-endpoint", "m:4317"]);
+        assert!(
+            error.starts_with("--otlp-metrics-endpoint `m:4317` must start with http://"),
+            "{error}"
+        );
+        let error = validation_error(&[
+            "--otlp-endpoint",
+            "https://c",
+            "--otlp-traces-client-cert",
+            "/etc/hostname",
+        ]);
+        assert_eq!(
+            error,
+            "--otlp-traces-client-cert needs --otlp-traces-client-key"
+        );
+        let error = validation_error(&[
+            "--otlp-traces-endpoint",
+            "http://c",
+            "--otlp-traces-ca-file",
+            "/etc/hostname",
+        ]);
+        assert!(error.contains("TLS files are set for traces"), "{error}");
+        let error = <Cli as clap::Parser>::try_parse_from([
+            "gym-tracer",
+            "run",
+            "--metrics-exporter",
+            "prometheus",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.contains("[possible values: otlp, console, none]"),
             "{error}"
         );
     }

@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::Result;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
-use super::ExportTarget;
 use super::json::StdoutMetricExporter;
 use super::otlp::metrics::CountedMetricExporter;
+use super::{ExportTarget, StdoutFormat};
 use crate::export::status::ExportStatus;
 
 /// Builds a meter provider with `resource` that exports to `target` every `interval` and
@@ -23,31 +23,27 @@ pub fn meter_provider(
 ) -> Result<SdkMeterProvider> {
     use opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader;
     use opentelemetry_sdk::runtime::Tokio;
-    let builder = SdkMeterProvider::builder().with_resource(resource.clone());
-    let provider = match target {
-        ExportTarget::Tree | ExportTarget::JsonLines => builder
-            .with_reader(
-                PeriodicReader::builder(
-                    StdoutMetricExporter {
-                        human: matches!(target, ExportTarget::Tree),
-                    },
-                    Tokio,
-                )
+    let mut builder = SdkMeterProvider::builder().with_resource(resource.clone());
+    if let Some(format) = target.stdout {
+        let exporter = StdoutMetricExporter {
+            human: format == StdoutFormat::Tree,
+        };
+        builder = builder.with_reader(
+            PeriodicReader::builder(exporter, Tokio)
                 .with_interval(interval)
                 .build(),
-            )
-            .build(),
-        ExportTarget::Otlp(options) => {
-            let exporter = CountedMetricExporter::new(options, status.clone())?;
-            builder
-                .with_reader(
-                    PeriodicReader::builder(exporter, Tokio)
-                        .with_interval(interval)
-                        .build(),
-                )
-                .build()
-        }
-    };
+        );
+    }
+    if let Some(options) = &target.otlp {
+        let exporter = CountedMetricExporter::new(options, status.clone())?;
+        builder = builder.with_reader(
+            PeriodicReader::builder(exporter, Tokio)
+                .with_interval(interval)
+                .build(),
+        );
+    }
+    // With neither, instruments record into a provider that nothing reads.
+    let provider = builder.build();
     Ok(provider)
 }
 

@@ -31,13 +31,60 @@ use otlp::options::OtlpOptions;
 use otlp::sink::OtlpSpanSink;
 use tree::{TreeCounters, TreeOptions, TreePrinter};
 
+/// Where one signal goes: to a collector over OTLP, to stdout, both (`otlp,console`: the
+/// same spans, with the same ids, in both places), or nowhere (`none`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ExportTarget {
+pub struct ExportTarget {
+    pub otlp: Option<OtlpOptions>,
+    pub stdout: Option<StdoutFormat>,
+}
+
+/// How a signal is written to stdout (`--output`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StdoutFormat {
     JsonLines,
-    /// Each finished trace as an indented tree on stdout, for a human; metrics are not
-    /// exported (stdout is the tree's).
+    /// Each finished trace as an indented tree, for a human; the servers' metrics as lines
+    /// for people, the agent's own not at all (the `stopped.` line says it all).
     Tree,
-    Otlp(OtlpOptions),
+}
+
+impl ExportTarget {
+    pub const NOWHERE: ExportTarget = ExportTarget {
+        otlp: None,
+        stdout: None,
+    };
+
+    pub fn stdout(format: StdoutFormat) -> Self {
+        Self {
+            otlp: None,
+            stdout: Some(format),
+        }
+    }
+
+    /// Where the signal goes, for the start line and `check-config`.
+    pub fn describe(&self) -> String {
+        let otlp = self.otlp.as_ref().map(|otlp| {
+            let (protocol, url) = match otlp.protocol {
+                otlp::options::OtlpProtocol::Grpc => ("gRPC", otlp.endpoint.url().to_owned()),
+                otlp::options::OtlpProtocol::HttpProtobuf => {
+                    ("HTTP", otlp.endpoint.http_url(otlp.signal))
+                }
+            };
+            format!(
+                "OTLP/{protocol} {}",
+                otlp::options::printable_endpoint(&url)
+            )
+        });
+        let stdout = self.stdout.map(|format| match format {
+            StdoutFormat::JsonLines => "JSON lines on stdout".to_owned(),
+            StdoutFormat::Tree => "trees on stdout".to_owned(),
+        });
+        match (otlp, stdout) {
+            (Some(otlp), Some(stdout)) => format!("{otlp} and {stdout}"),
+            (Some(one), None) | (None, Some(one)) => one,
+            (None, None) => "nowhere (exporter `none`)".into(),
+        }
+    }
 }
 
 /// How spans are queued, batched and kept on their way out, whatever the sink.
@@ -119,15 +166,27 @@ impl SpanPipeline {
             queued: queued.clone(),
         };
         let batch_size = limits.batch_size;
-        let task = match target {
-            ExportTarget::JsonLines => spawn_export(JsonLinesSink, queue, batch_size, status),
-            ExportTarget::Tree => {
-                let printer = TreePrinter::new(TreeOptions::default(), std::io::stdout());
-                spawn_export(printer, queue, batch_size, status)
+        let tree = || TreePrinter::new(TreeOptions::default(), std::io::stdout());
+        let otlp = target
+            .otlp
+            .as_ref()
+            .map(|options| OtlpSpanSink::new(options, limits.buffer_spans, shutdown_receiver))
+            .transpose()?;
+        let task = match (otlp, target.stdout) {
+            (None, None) => spawn_export(DiscardSink, queue, batch_size, status),
+            (None, Some(StdoutFormat::JsonLines)) => {
+                spawn_export(JsonLinesSink, queue, batch_size, status)
             }
-            ExportTarget::Otlp(options) => {
-                let sink = OtlpSpanSink::new(options, limits.buffer_spans, shutdown_receiver)?;
-                spawn_export(sink, queue, batch_size, status)
+            (None, Some(StdoutFormat::Tree)) => spawn_export(tree(), queue, batch_size, status),
+            (Some(otlp), None) => spawn_export(otlp, queue, batch_size, status),
+            (Some(otlp), Some(StdoutFormat::JsonLines)) => spawn_export(
+                Mirrored::new(otlp, JsonLinesSink),
+                queue,
+                batch_size,
+                status,
+            ),
+            (Some(otlp), Some(StdoutFormat::Tree)) => {
+                spawn_export(Mirrored::new(otlp, tree()), queue, batch_size, status)
             }
         };
         Ok(Self {
@@ -167,6 +226,66 @@ impl SpanPipeline {
             .send_replace(Some(Instant::now() + self.shutdown_timeout));
         drop(self.sender);
         self.task.await.unwrap_or_default()
+    }
+}
+
+/// `--traces-exporter none`: spans are counted and let go.
+struct DiscardSink;
+
+impl SpanSink for DiscardSink {
+    fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        status.record_discarded(batch.len() as u64);
+    }
+
+    async fn flush(&mut self, _status: &ExportStatus) {}
+
+    async fn shutdown(self, _status: &ExportStatus) -> ExportTotals {
+        ExportTotals::default()
+    }
+}
+
+/// The same spans to two sinks (`--traces-exporter otlp,console`). The primary's outcome is
+/// what the counters report (spans the collector accepted or lost); the mirror (stdout)
+/// counts into a status of its own, and only its failures are logged.
+struct Mirrored<P, M> {
+    primary: P,
+    mirror: M,
+    mirror_status: ExportStatus,
+}
+
+impl<P: SpanSink, M: SpanSink> Mirrored<P, M> {
+    fn new(primary: P, mirror: M) -> Self {
+        Self {
+            primary,
+            mirror,
+            mirror_status: ExportStatus::default(),
+        }
+    }
+}
+
+impl<P: SpanSink, M: SpanSink> SpanSink for Mirrored<P, M> {
+    fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        self.mirror.export(batch.clone(), &self.mirror_status);
+        self.primary.export(batch, status);
+    }
+
+    async fn flush(&mut self, status: &ExportStatus) {
+        self.mirror.flush(&self.mirror_status).await;
+        self.primary.flush(status).await;
+    }
+
+    async fn shutdown(self, status: &ExportStatus) -> ExportTotals {
+        let mirrored = self.mirror.shutdown(&self.mirror_status).await;
+        if mirrored.spans_failed > 0 {
+            tracing::warn!(
+                "{} spans could not be written to stdout (they went to the collector)",
+                mirrored.spans_failed
+            );
+        }
+        ExportTotals {
+            tree: mirrored.tree,
+            ..self.primary.shutdown(status).await
+        }
     }
 }
 

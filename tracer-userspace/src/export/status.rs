@@ -49,6 +49,8 @@ pub struct ExportStatus {
     /// Metric export requests that failed (the next export carries the cumulative values).
     metric_exports_failed: AtomicU64,
     spans_dropped: [AtomicU64; 3],
+    /// Spans let go because the traces exporter is `none`.
+    spans_discarded: AtomicU64,
     /// Spans in the retry buffer now.
     spans_buffered: AtomicU64,
     /// Failed exports since the last one that succeeded; 0 means the collector is reachable
@@ -80,6 +82,14 @@ impl ExportStatus {
 
     pub fn record_dropped(&self, reason: SpanDrop, spans: u64) {
         self.spans_dropped[reason.index()].fetch_add(spans, Ordering::Relaxed);
+    }
+
+    pub fn record_discarded(&self, spans: u64) {
+        self.spans_discarded.fetch_add(spans, Ordering::Relaxed);
+    }
+
+    pub fn spans_discarded(&self) -> u64 {
+        self.spans_discarded.load(Ordering::Relaxed)
     }
 
     pub fn record_metric_export_failure(&self) {
@@ -123,7 +133,7 @@ impl ExportStatus {
     }
 
     /// The exporter's counters by name, as the closing line and `/metrics` print them.
-    pub fn counters(&self) -> [(&'static str, u64); 7] {
+    pub fn counters(&self) -> [(&'static str, u64); 8] {
         [
             ("spans_exported", self.spans_exported()),
             ("spans_export_failed", self.spans_failed()),
@@ -141,6 +151,7 @@ impl ExportStatus {
             ),
             ("spans_delivered_late", self.spans_delivered_late()),
             ("exports_failed", self.exports_failed()),
+            ("spans_discarded_exporter_none", self.spans_discarded()),
         ]
     }
 

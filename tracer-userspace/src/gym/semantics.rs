@@ -45,6 +45,23 @@ pub fn semantic_span(
     }
 }
 
+/// The POST routes every resources server has (`nemo_gym/base_resources_server.py:250-259`);
+/// its other POST routes are its tools, which an agent calls by name.
+const RESOURCES_SERVER_ROUTES: [&str; 4] = [
+    "/seed_session",
+    "/close_session",
+    "/verify",
+    "/aggregate_metrics",
+];
+
+/// Whether `method route` (a route template the server itself declares) is a tool of a
+/// resources server.
+pub fn is_tool_route(server_type: Option<ServerType>, method: &str, route: &str) -> bool {
+    server_type == Some(ServerType::Resources)
+        && method == "POST"
+        && !RESOURCES_SERVER_ROUTES.contains(&route)
+}
+
 /// The server type a harvested route table shows: only an agent serves `/run`, only a
 /// resources server `/verify`, and a model server `/v1/chat/completions` (an agent may
 /// proxy that too, hence checked after `/run`).
@@ -68,6 +85,16 @@ mod tests {
 
     fn name(server_type: Option<ServerType>, method: &str, route: &str) -> Option<&'static str> {
         semantic_span(server_type, method, route).map(|s| s.name)
+    }
+
+    #[test]
+    fn a_resources_servers_other_post_routes_are_its_tools() {
+        assert!(is_tool_route(Some(Resources), "POST", "/get_weather"));
+        assert!(!is_tool_route(Some(Resources), "POST", "/verify"));
+        assert!(!is_tool_route(Some(Resources), "POST", "/seed_session"));
+        assert!(!is_tool_route(Some(Resources), "GET", "/get_weather"));
+        assert!(!is_tool_route(Some(Agent), "POST", "/get_weather"));
+        assert!(!is_tool_route(None, "POST", "/get_weather"));
     }
 
     #[test]

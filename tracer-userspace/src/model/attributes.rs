@@ -44,6 +44,14 @@ pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
 pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
 pub const GEN_AI_TOKEN_TYPE: &str = "gen_ai.token.type";
 
+// OpenInference (Arize Phoenix and other LLM-trace UIs read these).
+pub const OPENINFERENCE_SPAN_KIND: &str = "openinference.span.kind";
+pub const LLM_MODEL_NAME: &str = "llm.model_name";
+pub const LLM_TOKEN_COUNT_PROMPT: &str = "llm.token_count.prompt";
+pub const LLM_TOKEN_COUNT_COMPLETION: &str = "llm.token_count.completion";
+pub const LLM_TOKEN_COUNT_TOTAL: &str = "llm.token_count.total";
+pub const TOOL_NAME: &str = "tool.name";
+
 // Gym (`nemo_gym` / nemo-lens).
 pub const GYM_ROLLOUT_ID: &str = "nemo.gym.rollout.id";
 pub const GYM_SERVER_NAME: &str = "nemo.gym.server.name";

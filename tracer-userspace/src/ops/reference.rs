@@ -50,6 +50,17 @@ pub fn markdown() -> String {
          span is the child of its request's SERVER span, with the same timing.\n\n",
     );
     out.push_str(&spans_reference());
+    out.push_str(
+        "\nFor LLM-trace UIs (Arize Phoenix and others that read OpenInference), spans whose \
+         meaning is exact also carry `openinference.span.kind`: `gym.rollout` and \
+         `gym.agent.*` are AGENT, `gym.model.*` LLM, `gym.verify` EVALUATOR; the SERVER span \
+         of a resources server's tool (a POST route its own route table declares, other than \
+         `/seed_session`, `/close_session`, `/verify`, `/aggregate_metrics`) is TOOL with \
+         `tool.name`; a CLIENT span of a model API call (`gen_ai.operation.name` set) is LLM \
+         with `llm.model_name` and `llm.token_count.prompt` / `.completion` / `.total` (the \
+         total only when both counts are known). Other spans have no kind (the UI shows \
+         UNKNOWN): HTTP says no more.\n",
+    );
     out.push_str("\n### Metrics\n\n");
     out.push_str("| metric | instrument | unit | description |\n|---|---|---|---|\n");
     for instrument in INSTRUMENTS {

@@ -15,7 +15,7 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use rand::Rng;
 
 use crate::export::status::SpanDrop;
-use crate::export::{ExportTarget, meter_provider};
+use crate::export::{ExportTarget, StdoutFormat, meter_provider};
 use crate::model::attributes as attr;
 use crate::model::service::AgentResource;
 use crate::ops::counters::CounterSnapshot;
@@ -317,11 +317,17 @@ pub fn start(
     interval: Duration,
     health: Arc<Health>,
 ) -> Result<Option<SdkMeterProvider>> {
-    if *target == ExportTarget::Tree {
+    let target = ExportTarget {
+        otlp: target.otlp.clone(),
+        stdout: target
+            .stdout
+            .filter(|format| *format == StdoutFormat::JsonLines),
+    };
+    if target == ExportTarget::NOWHERE {
         return Ok(None);
     }
     let _runtime = runtime.enter();
-    let provider = meter_provider(target, &resource(agent), interval, &health.export)?;
+    let provider = meter_provider(&target, &resource(agent), interval, &health.export)?;
     let meter = provider.meter("gym-tracer");
     for instrument in &SELF_INSTRUMENTS {
         register(&meter, instrument, health.clone());

@@ -5,7 +5,7 @@ use crate::model::exchange::HttpExchange;
 
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::routes::{RouteName, strip_rollout_prefix};
-use crate::gym::semantics::{SemanticSpan, semantic_span};
+use crate::gym::semantics::{SemanticSpan, is_tool_route, semantic_span};
 use crate::model::exchange::Outcome;
 use crate::model::exchange::RequestHead;
 use crate::model::exchange::Role;
@@ -17,6 +17,9 @@ pub struct RequestMeaning {
     pub rollout_id: Option<RolloutId>,
     /// `None` when no handler ran (404/405) or the route is not one Gym wraps.
     pub semantic: Option<SemanticSpan>,
+    /// A call of a resources server's tool: a route its own table declares, not one every
+    /// resources server has.
+    pub tool_call: bool,
 }
 
 /// The requests whose bodies are read: an agent's `/run` names its rollout only there.
@@ -33,6 +36,7 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
             route: RouteName::Unnamed,
             rollout_id: stripped.rollout_id,
             semantic: None,
+            tool_call: false,
         };
     }
     let route = process.namer.name(stripped.route_path);
@@ -47,10 +51,16 @@ pub fn classify(process: &mut TracedProcess, exchange: &HttpExchange) -> Request
     } else {
         None
     };
+    let tool_call = handled
+        && is_gym_server(process)
+        && route
+            .http_route()
+            .is_some_and(|route| is_tool_route(process.server_type, &request.method, route));
     RequestMeaning {
         route,
         rollout_id,
         semantic,
+        tool_call,
     }
 }
 
@@ -62,17 +72,21 @@ pub fn semantic_at_start(
     method: &str,
     route_path: &str,
 ) -> Option<SemanticSpan> {
-    // Only a Gym server (named by its environment or --server-name) gets gym.* spans.
-    let is_gym_server = process.identity.labels.server_name.is_some() && !process.is_other_kind();
-    if !is_gym_server {
+    if !is_gym_server(process) {
         return None;
     }
     semantic_span(process.server_type, method, route_path)
 }
 
+/// Only a Gym server (named by its environment or --server-name) gets Gym's meanings.
+fn is_gym_server(process: &TracedProcess) -> bool {
+    process.identity.labels.server_name.is_some() && !process.is_other_kind()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gym::routes::RouteTemplate;
     use crate::gym::span_groups::SpanGroup;
     use crate::gym::{ServerKind, ServerType};
     use crate::model::exchange::AbortReason;
@@ -134,6 +148,25 @@ mod tests {
         // A dropped connection still ran the handler: a failed gym.verify.
         let dropped = meaning(&mut resources, &exchange("/verify", None, None));
         assert_eq!(dropped.semantic.unwrap().name, "gym.verify");
+    }
+
+    #[test]
+    fn a_tool_is_a_declared_post_route_of_a_resources_server() {
+        let mut resources = table(Some("weather"), Some(ServerType::Resources), None);
+        let process = resources.get_mut(PID).unwrap();
+        process
+            .namer
+            .table_mut()
+            .set_harvested(vec![RouteTemplate::parse("/get_weather").unwrap()]);
+        let tool = |table: &mut ProcessTable, path: &str, status| {
+            meaning(table, &exchange(path, Some(status), None)).tool_call
+        };
+        assert!(tool(&mut resources, "/get_weather", 200));
+        assert!(!tool(&mut resources, "/get_weather", 404), "no handler ran");
+        assert!(!tool(&mut resources, "/verify", 200));
+        assert!(!tool(&mut resources, "/undeclared", 200), "a guessed route");
+        let mut agent = table(Some("agent"), Some(ServerType::Agent), None);
+        assert!(!tool(&mut agent, "/get_weather", 200));
     }
 
     #[test]

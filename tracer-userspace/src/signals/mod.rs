@@ -4,5 +4,6 @@
 pub mod clock;
 pub mod meaning;
 pub mod metrics;
+pub mod openinference;
 pub mod outcome;
 pub mod spans;

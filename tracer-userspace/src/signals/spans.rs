@@ -15,6 +15,7 @@ use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::RequestMeaning;
+use crate::signals::openinference::{self, OpenInferenceKind};
 use crate::signals::outcome::http_outcome;
 
 /// What the spans of one finished request are built from.
@@ -71,7 +72,13 @@ pub fn request_spans(
             parent_is_remote: !groups.contains(SpanGroup::Server) && server.parent_is_remote,
             start_unix_ns: server.start_unix_ns,
             end_unix_ns: server.end_unix_ns,
-            attributes: gym_attributes(service, meaning),
+            attributes: {
+                let mut attributes = gym_attributes(service, meaning);
+                attributes.extend(
+                    OpenInferenceKind::of_group(semantic.group).map(OpenInferenceKind::attribute),
+                );
+                attributes
+            },
             status: server.status,
         });
     if groups.contains(SpanGroup::Server) {
@@ -109,6 +116,7 @@ fn client_span(
     }
     if let Some(call) = &exchange.model_call {
         model_call_attributes(call, request, &mut attributes);
+        openinference::llm_attributes(call, &mut attributes);
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     if let Some(id) = &meaning.rollout_id {
@@ -324,6 +332,11 @@ fn server_span(
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     attributes.extend(gym_attributes(service, meaning));
+    if meaning.tool_call
+        && let Some(route) = meaning.route.http_route()
+    {
+        openinference::tool_attributes(route, &mut attributes);
+    }
     let parent = request.traceparent.as_deref().and_then(parse_traceparent);
     SpanRecord {
         service: service.clone(),
@@ -389,7 +402,35 @@ mod tests {
                 name: "gym.verify",
                 group: SpanGroup::Verify,
             }),
+            tool_call: false,
         }
+    }
+
+    #[test]
+    fn openinference_kinds_mark_the_evaluator_and_the_tool_and_nothing_else() {
+        let all = spans(&exchange(ok(), None), &verify_meaning(), "server,verify");
+        let kinds: Vec<_> = all
+            .iter()
+            .map(|span| {
+                (
+                    span.name.as_str(),
+                    str_attr(span, "openinference.span.kind"),
+                )
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [("POST /verify", None), ("gym.verify", Some("EVALUATOR"))]
+        );
+        let tool = RequestMeaning {
+            route: RouteName::Template("/get_weather".into()),
+            semantic: None,
+            tool_call: true,
+            ..verify_meaning()
+        };
+        let all = spans(&exchange(ok(), None), &tool, "server");
+        assert_eq!(str_attr(&all[0], "openinference.span.kind"), Some("TOOL"));
+        assert_eq!(str_attr(&all[0], "tool.name"), Some("get_weather"));
     }
 
     fn gym_service() -> Arc<ServiceIdentity> {
@@ -483,7 +524,14 @@ mod tests {
             (server.start_unix_ns, server.end_unix_ns)
         );
         let keys: Vec<&str> = verify.attributes.iter().map(|(k, _)| *k).collect();
-        assert_eq!(keys, ["nemo.gym.server.name", "nemo.gym.rollout.id"]);
+        assert_eq!(
+            keys,
+            [
+                "nemo.gym.server.name",
+                "nemo.gym.rollout.id",
+                "openinference.span.kind"
+            ]
+        );
     }
 
     #[test]
@@ -510,6 +558,7 @@ mod tests {
             route: RouteName::Heuristic("/items/{id}".into()),
             rollout_id: None,
             semantic: None,
+            tool_call: false,
         };
         let all = spans(&exchange(ok(), None), &meaning, "all");
         assert_eq!(all[0].name, "POST /items/{id}");

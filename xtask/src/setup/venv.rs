@@ -174,3 +174,50 @@ pub(super) fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
     fs::write(&stamp, &stamp_text).with_context(|| format!("cannot write {}", stamp.display()))?;
     Ok(())
 }
+
+/// Arize Phoenix (tests/support/phoenix/requirements.txt) in its own venv, target/phoenix-venv:
+/// the trace UI of `cargo xtask demo --ui` and the backend tests/test_backend.py exports to.
+/// Stamped on the requirements' content, like the test venv.
+pub(crate) fn ensure_phoenix_venv(ctx: &Ctx) -> Result<()> {
+    let requirements_path = ctx.root.join("tests/support/phoenix/requirements.txt");
+    let requirements = fs::read_to_string(&requirements_path).with_context(|| {
+        format!(
+            "cannot read {}: restore tests/support/phoenix from git",
+            requirements_path.display()
+        )
+    })?;
+    let venv = ctx.phoenix_venv();
+    let python = venv.join("bin/python");
+    let stamp = venv.join(".requirements-stamp");
+    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(requirements.as_str())
+    {
+        println!("xtask: Phoenix venv is up to date");
+        return Ok(());
+    }
+    if !python.exists() {
+        create_venv(
+            ctx,
+            &choose_python(ctx),
+            &venv,
+            "Phoenix",
+            "could not create the Phoenix venv: install Python 3 with the venv module \
+             (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
+        )?;
+    }
+    println!(
+        "xtask: installing Arize Phoenix into {}; about a minute and 820 MB the first time",
+        venv.display()
+    );
+    pip_install(
+        ctx,
+        &python,
+        &[],
+        &requirements_path,
+        "pip could not install Arize Phoenix: check the output above (network access to \
+         PyPI); delete target/phoenix-venv to start over, then rerun `cargo xtask setup` (or \
+         skip the backend test with `cargo xtask test --no-phoenix`)",
+    )?;
+    fs::write(&stamp, &requirements)
+        .with_context(|| format!("cannot write {}", stamp.display()))?;
+    Ok(())
+}

@@ -9,54 +9,58 @@ use super::options::{KeyValueList, OtlpCompression};
 
 /// The SDK's builders also read `OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]HEADERS` and
 /// `..._COMPRESSION` themselves, and let them win over what they are given: headers key by
-/// key, compression when none is given. Where that would send something the options do not
-/// say, refuse. (Endpoint, protocol and timeout are given explicitly, which the SDK lets win;
+/// key, compression when none is given. Where that would send something `signal`'s options
+/// do not say, refuse. (Endpoint, protocol and timeout are given explicitly, which the SDK lets win;
 /// `..._INSECURE` only applies to an endpoint without a scheme, which `config::validate`
 /// refuses.)
 pub fn check_sdk_environment(
+    signal: Signal,
     headers: &http::HeaderMap,
     compression: OtlpCompression,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<()> {
-    for signal in Signal::ALL {
-        // As the SDK: the signal's variable if set (even empty), else the generic one.
-        let variable = [
-            signal.headers_var(),
-            opentelemetry_otlp::OTEL_EXPORTER_OTLP_HEADERS,
-        ]
-        .into_iter()
-        .find_map(|name| env(name).map(|value| (name, value)));
-        if let Some((name, value)) = variable {
-            for (key, value) in sdk_header_pairs(&value) {
-                if headers.get(key.as_str()).and_then(|v| v.to_str().ok()) != Some(value.as_str()) {
-                    anyhow::bail!(
-                        "{name} is set and the OTLP exporter would send its `{key}` header, which \
-                         --otlp-headers does not say; unset {name}, or give the same headers \
-                         with --otlp-headers"
-                    );
-                }
+    // As the SDK: the signal's variable if set (even empty), else the generic one.
+    let variable = [
+        signal.headers_var(),
+        opentelemetry_otlp::OTEL_EXPORTER_OTLP_HEADERS,
+    ]
+    .into_iter()
+    .find_map(|name| env(name).map(|value| (name, value)));
+    if let Some((name, value)) = variable {
+        for (key, value) in sdk_header_pairs(&value) {
+            if headers.get(key.as_str()).and_then(|v| v.to_str().ok()) != Some(value.as_str()) {
+                anyhow::bail!(
+                    "{name} is set and the OTLP {} exporter would send its `{key}` header, \
+                     which the {} headers option does not say; unset {name}, or give the same \
+                     headers with --otlp-headers / --otlp-{}-headers",
+                    signal.name(),
+                    signal.name(),
+                    signal.name()
+                );
             }
         }
-        if compression == OtlpCompression::None {
-            for name in [
-                signal.compression_var(),
-                opentelemetry_otlp::OTEL_EXPORTER_OTLP_COMPRESSION,
-            ] {
-                let Some(value) = env(name).filter(|value| !value.is_empty()) else {
-                    continue;
-                };
-                if value.eq_ignore_ascii_case("none") {
-                    break;
-                }
-                if value.eq_ignore_ascii_case("gzip") {
-                    anyhow::bail!(
-                        "{name}={value} would make the OTLP exporter compress {} although \
-                         --otlp-compression is none; unset {name}, or pass --otlp-compression gzip",
-                        signal.name()
-                    );
-                }
-                // The SDK ignores what it cannot use (zstd is not built in) and reads on.
+    }
+    if compression == OtlpCompression::None {
+        for name in [
+            signal.compression_var(),
+            opentelemetry_otlp::OTEL_EXPORTER_OTLP_COMPRESSION,
+        ] {
+            let Some(value) = env(name).filter(|value| !value.is_empty()) else {
+                continue;
+            };
+            if value.eq_ignore_ascii_case("none") {
+                break;
             }
+            if value.eq_ignore_ascii_case("gzip") {
+                anyhow::bail!(
+                    "{name}={value} would make the OTLP exporter compress {} although the \
+                     compression option for them is none; unset {name}, or pass \
+                     --otlp-compression gzip (or --otlp-{}-compression gzip)",
+                    signal.name(),
+                    signal.name()
+                );
+            }
+            // The SDK ignores what it cannot use (zstd is not built in) and reads on.
         }
     }
     Ok(())
@@ -105,6 +109,28 @@ mod tests {
         move |name| vars.get(name).cloned()
     }
 
+    /// Both signals, traces first, as the exporters are built.
+    fn check_both(
+        ours: &http::HeaderMap,
+        compression: OtlpCompression,
+        env: &impl Fn(&str) -> Option<String>,
+    ) -> Result<()> {
+        for signal in Signal::ALL {
+            check_sdk_environment(signal, ours, compression, env)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_signal_variable_is_checked_against_that_signal_only() {
+        let ours = headers("authorization=a");
+        let env = env_of(&[("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "authorization=b")]);
+        assert!(check_sdk_environment(Signal::Traces, &ours, OtlpCompression::None, &env).is_ok());
+        assert!(
+            check_sdk_environment(Signal::Metrics, &ours, OtlpCompression::None, &env).is_err()
+        );
+    }
+
     #[test]
     fn sdk_header_variables_are_read_as_the_sdk_reads_them() {
         assert_eq!(
@@ -124,24 +150,24 @@ mod tests {
             ("OTEL_EXPORTER_OTLP_COMPRESSION", "none"),
             ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "zstd"),
         ]);
-        assert!(check_sdk_environment(&ours, OtlpCompression::None, &env).is_ok());
+        assert!(check_both(&ours, OtlpCompression::None, &env).is_ok());
         // Given compression wins in the SDK.
         let gzip_env = env_of(&[("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")]);
-        assert!(check_sdk_environment(&ours, OtlpCompression::Gzip, gzip_env).is_ok());
+        assert!(check_both(&ours, OtlpCompression::Gzip, &gzip_env).is_ok());
         // A signal variable set empty hides the generic one, in the SDK too.
         let masked = env_of(&[
             ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", ""),
             ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", ""),
             ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=old"),
         ]);
-        assert!(check_sdk_environment(&ours, OtlpCompression::None, masked).is_ok());
+        assert!(check_both(&ours, OtlpCompression::None, &masked).is_ok());
     }
 
     #[test]
     fn sdk_environment_that_would_override_the_options_is_refused() {
         let ours = headers("authorization=Bearer%20new");
         let refusal = |vars: &[(&str, &str)]| {
-            check_sdk_environment(&ours, OtlpCompression::None, env_of(vars))
+            check_both(&ours, OtlpCompression::None, &env_of(vars))
                 .unwrap_err()
                 .to_string()
         };

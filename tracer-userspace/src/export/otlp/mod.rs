@@ -16,15 +16,16 @@ pub use transport::check_otlp_options;
 /// What is exported; the OTLP/HTTP path and the SDK's per-signal environment variables
 /// follow from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Signal {
+pub enum Signal {
     Traces,
     Metrics,
 }
 
 impl Signal {
-    pub(crate) const ALL: [Signal; 2] = [Signal::Traces, Signal::Metrics];
+    pub const ALL: [Signal; 2] = [Signal::Traces, Signal::Metrics];
 
-    pub(crate) fn name(self) -> &'static str {
+    /// `traces` or `metrics`, as the OTLP/HTTP path and the variables' names spell it.
+    pub fn name(self) -> &'static str {
         match self {
             Signal::Traces => "traces",
             Signal::Metrics => "metrics",

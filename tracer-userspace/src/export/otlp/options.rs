@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use super::Signal;
+
 /// OTLP transport, as `OTEL_EXPORTER_OTLP_PROTOCOL` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OtlpProtocol {
@@ -23,10 +25,40 @@ pub enum OtlpCompression {
     Gzip,
 }
 
-/// Everything about reaching the collector, from the `--otlp-*` options.
+/// Where one signal's exports go. OpenTelemetry's configuration treats the two variables
+/// differently: `OTEL_EXPORTER_OTLP_ENDPOINT` is a base to which OTLP/HTTP appends
+/// `/v1/traces` or `/v1/metrics`, while `OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT` is
+/// the full URL, used as it is. gRPC uses either as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OtlpEndpoint {
+    Base(String),
+    Signal(String),
+}
+
+impl OtlpEndpoint {
+    /// The URL as configured.
+    pub fn url(&self) -> &str {
+        match self {
+            Self::Base(url) | Self::Signal(url) => url,
+        }
+    }
+
+    /// The URL an OTLP/HTTP export of `signal` is posted to.
+    pub fn http_url(&self, signal: Signal) -> String {
+        match self {
+            Self::Base(url) => format!("{}/v1/{}", url.trim_end_matches('/'), signal.name()),
+            Self::Signal(url) => url.clone(),
+        }
+    }
+}
+
+/// Everything about reaching the collector with one signal, from the `--otlp-*` options and
+/// their per-signal forms.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OtlpOptions {
-    pub endpoint: String,
+    /// The signal these options are for: they may differ per signal.
+    pub signal: Signal,
+    pub endpoint: OtlpEndpoint,
     pub protocol: OtlpProtocol,
     /// Sent with every export; printing this type masks the values.
     pub headers: HeaderList,

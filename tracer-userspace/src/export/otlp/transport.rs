@@ -14,17 +14,15 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicCo
 use super::Signal;
 use super::environment::check_sdk_environment;
 use super::failure::{error_chain, failure_hint};
-use super::options::{HeaderList, OtlpCompression, OtlpOptions, OtlpProtocol, printable_endpoint};
-
-fn http_signal_endpoint(endpoint: &str, signal: Signal) -> String {
-    format!("{}/v1/{}", endpoint.trim_end_matches('/'), signal.name())
-}
+use super::options::{
+    HeaderList, OtlpCompression, OtlpEndpoint, OtlpOptions, OtlpProtocol, printable_endpoint,
+};
 
 /// The `--otlp-*` options made ready for the SDK's exporter builders: headers validated, the
 /// certificate files read and checked. The span and the metric exporter are both configured
 /// by [`OtlpTransport::grpc`] or [`OtlpTransport::http`], so the two cannot drift.
 struct OtlpTransport {
-    endpoint: String,
+    endpoint: OtlpEndpoint,
     timeout: Duration,
     compression: Option<opentelemetry_otlp::Compression>,
     headers: http::HeaderMap,
@@ -44,7 +42,7 @@ impl OtlpTransport {
     fn load(options: &OtlpOptions) -> Result<Self> {
         install_crypto_provider();
         let headers = header_map(&options.headers)?;
-        check_sdk_environment(&headers, options.compression, |name| {
+        check_sdk_environment(options.signal, &headers, options.compression, |name| {
             std::env::var(name).ok()
         })?;
         let ca_pem = options
@@ -76,14 +74,14 @@ impl OtlpTransport {
     }
 
     fn is_https(&self) -> bool {
-        self.endpoint.starts_with("https://")
+        self.endpoint.url().starts_with("https://")
     }
 
     fn grpc<B: WithExportConfig + WithTonicConfig>(&self, builder: B) -> B {
         use opentelemetry_otlp::tonic_types::metadata::MetadataMap;
         use opentelemetry_otlp::tonic_types::transport::{Certificate, ClientTlsConfig, Identity};
         let mut builder = builder
-            .with_endpoint(&self.endpoint)
+            .with_endpoint(self.endpoint.url())
             .with_protocol(Protocol::Grpc)
             .with_timeout(self.timeout)
             .with_metadata(MetadataMap::from_headers(self.headers.clone()));
@@ -118,7 +116,7 @@ impl OtlpTransport {
         }
         let client = client.build().context("building the HTTP client")?;
         let mut builder = builder
-            .with_endpoint(http_signal_endpoint(&self.endpoint, signal))
+            .with_endpoint(self.endpoint.http_url(signal))
             .with_protocol(Protocol::HttpBinary)
             .with_timeout(self.timeout)
             .with_headers(http_builder_headers(&self.headers))
@@ -270,10 +268,10 @@ macro_rules! build_otlp_exporter {
                     $exporter::builder().with_http().with_retry_policy($retry),
                     $signal,
                 )
-                .map_err(|error| build_error(&error, $signal, &options.endpoint))?
+                .map_err(|error| build_error(&error, $signal, options.endpoint.url()))?
                 .build(),
         };
-        exporter.map_err(|error| build_error(&error.into(), $signal, &options.endpoint))
+        exporter.map_err(|error| build_error(&error.into(), $signal, options.endpoint.url()))
     }};
 }
 
@@ -315,15 +313,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn http_endpoints_get_signal_paths() {
+    fn http_endpoints_get_signal_paths_unless_given_per_signal() {
+        let base = |url: &str| OtlpEndpoint::Base(url.into());
         assert_eq!(
-            http_signal_endpoint("http://c:4318/", Signal::Traces),
+            base("http://c:4318/").http_url(Signal::Traces),
             "http://c:4318/v1/traces"
         );
         assert_eq!(
-            http_signal_endpoint("http://c:4318", Signal::Metrics),
+            base("http://c:4318").http_url(Signal::Metrics),
             "http://c:4318/v1/metrics"
         );
+        let exact = OtlpEndpoint::Signal("http://p:6006/v1/traces".into());
+        assert_eq!(exact.http_url(Signal::Traces), "http://p:6006/v1/traces");
+        assert_eq!(exact.url(), "http://p:6006/v1/traces");
     }
     const CERT_PEM: &str = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
     const KEY_PEM: &str = "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n";
@@ -334,7 +336,8 @@ mod tests {
 
     fn otlp_options(endpoint: &str, protocol: OtlpProtocol) -> OtlpOptions {
         OtlpOptions {
-            endpoint: endpoint.into(),
+            signal: Signal::Traces,
+            endpoint: OtlpEndpoint::Base(endpoint.into()),
             protocol,
             headers: "authorization=Bearer%20x".parse().unwrap(),
             timeout: Duration::from_secs(2),
