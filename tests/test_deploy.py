@@ -488,11 +488,18 @@ def test_collector_pipelines_use_only_defined_components():
             authenticator = ((settings or {}).get("auth") or {}).get("authenticator")
             assert authenticator in extensions, f"{name}/{protocol} authenticates with {authenticator!r}"
 
-    # OTLP in over both transports; traces to Jaeger and Tempo, metrics to Prometheus.
+    # OTLP in over both transports; traces to Jaeger, Tempo and Phoenix, metrics to Prometheus.
     assert set(config["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
     signals = {name.split("/")[0]: pipeline for name, pipeline in pipelines.items()}
     trace_exporters = signals["traces"]["exporters"]
-    assert {"jaeger", "tempo"} <= {name.split("/")[-1] for name in trace_exporters}
+    assert {"jaeger", "tempo", "phoenix"} <= {name.split("/")[-1] for name in trace_exporters}
+    # Phoenix answers metric exports with 405: only the traces pipeline may send it anything.
+    for name, pipeline in pipelines.items():
+        if not name.startswith("traces"):
+            assert not [e for e in pipeline["exporters"] if e.endswith("/phoenix")], f"{name} exports to Phoenix"
+    # Its OTLP/HTTP endpoint is the UI port, /v1/traces appended (the path test_backend.py sends to).
+    phoenix = config["exporters"]["otlp_http/phoenix"]
+    assert phoenix["endpoint"].endswith(":6006") and "traces_endpoint" not in phoenix, phoenix
     assert {component_type(name) for name in trace_exporters} <= {"otlp_grpc", "otlp_http", "otlp", "otlphttp"}
     assert {component_type(name) for name in signals["metrics"]["exporters"]} & {
         "prometheus", "prometheus_remote_write", "prometheusremotewrite"}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_expect import semantic_attributes
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
@@ -230,8 +231,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
             assert (child["start_time_unix_nano"], child["end_time_unix_nano"]) == \
                    (parent["start_time_unix_nano"], parent["end_time_unix_nano"])
             rollout_id = parent["attributes"].get("nemo.gym.rollout.id")
-            assert child["attributes"] == {"nemo.gym.server.name": name,
-                                           **({"nemo.gym.rollout.id": rollout_id} if rollout_id else {})}
+            assert child["attributes"] == semantic_attributes(child["name"], name, rollout_id)
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 
     def only(server, span_name):
@@ -242,7 +242,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
     [run_span] = only(AGENT, "POST /run")
     [rollout] = [s for s in spans if s["kind"] == "INTERNAL" and s["parent_span_id"] == run_span["span_id"]]
     assert rollout["name"] == "gym.rollout"
-    assert rollout["attributes"] == {"nemo.gym.server.name": AGENT, "nemo.gym.rollout.id": RUN_ID}
+    assert rollout["attributes"] == semantic_attributes("gym.rollout", AGENT, RUN_ID)
     model_calls = only(MODEL, "POST /v1/responses")
     assert len(model_calls) == 2
     [verify_span] = only(RESOURCES, "POST /verify")

@@ -8,6 +8,19 @@ import sys
 from gym_launch import ROLLOUT_ID
 
 
+# The OpenInference kind each gym.* span carries (README, "A trace UI"): what LLM-trace UIs
+# such as Arize Phoenix show it as.
+OPENINFERENCE_KINDS = {"gym.rollout": "AGENT", "gym.agent.responses": "AGENT", "gym.model.responses": "LLM",
+                       "gym.model.chat_completions": "LLM", "gym.model.messages": "LLM", "gym.verify": "EVALUATOR"}
+
+
+def semantic_attributes(name, server_name, rollout_id):
+    """Every attribute of the gym.* span `name`: the server's name, the rollout id where known,
+    and its OpenInference kind."""
+    return {"nemo.gym.server.name": server_name, "openinference.span.kind": OPENINFERENCE_KINDS[name],
+            **({"nemo.gym.rollout.id": rollout_id} if rollout_id else {})}
+
+
 def gym_rollout_id(body):
     """Gym's maybe_rollout_id_from_run_body, written anew; ValueError for a malformed id."""
     explicit = body.get("_ng_rollout_id")

@@ -55,6 +55,21 @@ def server_env(env=None):
     return dict(os.environ, PYTHONPATH=str(SUPPORT_DIR), **(env or {}))
 
 
+def interrupt(process, timeout):
+    """SIGINT, as Ctrl-C, then up to `timeout` s for `process` to exit; killed if it does not.
+    Returns whether it exited by itself."""
+    if process.poll() is not None:
+        return True
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return False
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,14 +187,8 @@ class Agent:
 
     def stop(self, timeout=30):
         """SIGINT, like Ctrl-C: the agent flushes and exits 0."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                raise RuntimeError(f"gym-tracer did not exit within {timeout} s of SIGINT")
+        if not interrupt(self.process, timeout):
+            raise RuntimeError(f"gym-tracer did not exit within {timeout} s of SIGINT")
         self.returncode = self.process.returncode
         return self
 

@@ -14,14 +14,13 @@ them, strace showed no outbound connection).
 
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from harness import ROOT, free_port, wait_until
+from harness import ROOT, free_port, interrupt, wait_until
 
 OFFLINE = {
     "PHOENIX_TELEMETRY_ENABLED": "false",
@@ -114,11 +113,5 @@ class Phoenix:
 
     def stop(self, timeout=30):
         """SIGINT: Phoenix shuts down cleanly (SIGTERM works too, exiting with 143)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            interrupt(self.process, timeout)

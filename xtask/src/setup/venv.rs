@@ -66,48 +66,69 @@ fn pip_install(
     run_checked(&mut cmd, hint)
 }
 
+/// A venv under target/ made from one requirements file, stamped on its content so that it is
+/// reinstalled only when the file changes.
+struct RequirementsVenv<'a> {
+    /// Named in the log lines: "the {what} venv".
+    what: &'a str,
+    venv: PathBuf,
+    requirements: PathBuf,
+    /// What to do when pip fails (after "pip could not install ...: ").
+    pip_hint: &'a str,
+}
+
+impl RequirementsVenv<'_> {
+    fn ensure(&self, ctx: &Ctx) -> Result<()> {
+        let requirements = fs::read_to_string(&self.requirements).with_context(|| {
+            format!(
+                "cannot read {}: restore it from git (it lists the Python packages of the {} \
+                 venv) and rerun `cargo xtask setup`",
+                self.requirements.display(),
+                self.what
+            )
+        })?;
+        let python = self.venv.join("bin/python");
+        if !python.exists() {
+            create_venv(
+                ctx,
+                &choose_python(ctx),
+                &self.venv,
+                self.what,
+                "could not create the Python venv: install Python 3 with the venv module \
+                 (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
+            )?;
+        }
+        let stamp = self.venv.join(".requirements-stamp");
+        if fs::read_to_string(&stamp).ok().as_deref() == Some(requirements.as_str()) {
+            println!("xtask: the {} venv is up to date", self.what);
+            return Ok(());
+        }
+        println!(
+            "xtask: installing {} into {}",
+            self.requirements.display(),
+            self.venv.display()
+        );
+        let hint = format!(
+            "pip could not install {}: check the output above (network access to PyPI); {}",
+            self.requirements.display(),
+            self.pip_hint
+        );
+        pip_install(ctx, &python, &[], &self.requirements, &hint)?;
+        fs::write(&stamp, &requirements)
+            .with_context(|| format!("cannot write {}", stamp.display()))?;
+        Ok(())
+    }
+}
+
 /// The integration tests are pytest; keep their deps in a venv under target/.
 pub(super) fn ensure_venv(ctx: &Ctx) -> Result<()> {
-    let requirements_path = ctx.root.join("tests/requirements.txt");
-    let requirements = fs::read_to_string(&requirements_path).with_context(|| {
-        format!(
-            "cannot read {}: the test requirements file is missing; restore it (it lists \
-             the Python packages the integration tests need) and rerun `cargo xtask setup`",
-            requirements_path.display()
-        )
-    })?;
-    let venv = ctx.root.join("target/venv");
-    let python = ctx.venv_python();
-    if !python.exists() {
-        create_venv(
-            ctx,
-            &choose_python(ctx),
-            &venv,
-            "test",
-            "could not create the Python venv: install Python 3 with the venv module \
-             (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
-        )?;
+    RequirementsVenv {
+        what: "test",
+        venv: ctx.root.join("target/venv"),
+        requirements: ctx.root.join("tests/requirements.txt"),
+        pip_hint: "delete target/venv to start over, then rerun `cargo xtask setup`",
     }
-    let stamp = venv.join(".requirements-stamp");
-    if fs::read_to_string(&stamp).ok().as_deref() == Some(requirements.as_str()) {
-        println!("xtask: test venv is up to date");
-        return Ok(());
-    }
-    println!(
-        "xtask: installing the test requirements into {}",
-        venv.display()
-    );
-    pip_install(
-        ctx,
-        &python,
-        &[],
-        &requirements_path,
-        "pip could not install the test requirements: check the output above (network \
-         access to PyPI); delete target/venv to start over, then rerun `cargo xtask setup`",
-    )?;
-    fs::write(&stamp, &requirements)
-        .with_context(|| format!("cannot write {}", stamp.display()))?;
-    Ok(())
+    .ensure(ctx)
 }
 
 /// The real nemo-gym 0.7.0 servers run from their own venv, target/gym-venv, made with
@@ -176,48 +197,15 @@ pub(super) fn ensure_gym_venv(ctx: &Ctx) -> Result<()> {
 }
 
 /// Arize Phoenix (tests/support/phoenix/requirements.txt) in its own venv, target/phoenix-venv:
-/// the trace UI of `cargo xtask demo --ui` and the backend tests/test_backend.py exports to.
-/// Stamped on the requirements' content, like the test venv.
+/// the trace UI of `cargo xtask demo --ui` and the backend tests/test_backend.py exports to
+/// (about 820 MB; a minute the first time).
 pub(crate) fn ensure_phoenix_venv(ctx: &Ctx) -> Result<()> {
-    let requirements_path = ctx.root.join("tests/support/phoenix/requirements.txt");
-    let requirements = fs::read_to_string(&requirements_path).with_context(|| {
-        format!(
-            "cannot read {}: restore tests/support/phoenix from git",
-            requirements_path.display()
-        )
-    })?;
-    let venv = ctx.phoenix_venv();
-    let python = venv.join("bin/python");
-    let stamp = venv.join(".requirements-stamp");
-    if python.exists() && fs::read_to_string(&stamp).ok().as_deref() == Some(requirements.as_str())
-    {
-        println!("xtask: Phoenix venv is up to date");
-        return Ok(());
+    RequirementsVenv {
+        what: "Phoenix",
+        venv: ctx.phoenix_venv(),
+        requirements: ctx.root.join("tests/support/phoenix/requirements.txt"),
+        pip_hint: "delete target/phoenix-venv to start over, then rerun `cargo xtask setup` \
+                   (or skip the trace-UI test with `cargo xtask test --no-phoenix`)",
     }
-    if !python.exists() {
-        create_venv(
-            ctx,
-            &choose_python(ctx),
-            &venv,
-            "Phoenix",
-            "could not create the Phoenix venv: install Python 3 with the venv module \
-             (e.g. `apt-get install python3-venv`), or `pyenv install 3.13.0`, and retry",
-        )?;
-    }
-    println!(
-        "xtask: installing Arize Phoenix into {}; about a minute and 820 MB the first time",
-        venv.display()
-    );
-    pip_install(
-        ctx,
-        &python,
-        &[],
-        &requirements_path,
-        "pip could not install Arize Phoenix: check the output above (network access to \
-         PyPI); delete target/phoenix-venv to start over, then rerun `cargo xtask setup` (or \
-         skip the backend test with `cargo xtask test --no-phoenix`)",
-    )?;
-    fs::write(&stamp, &requirements)
-        .with_context(|| format!("cannot write {}", stamp.display()))?;
-    Ok(())
+    .ensure(ctx)
 }
