@@ -12,8 +12,9 @@ One rollout alone, then 8 at once. Then:
   the same run have in it: the same span ids, parents, names, OpenInference kinds and rollout
   ids; the JSON-lines trace is the expected tree of test_real_gym.py, so Phoenix's is too;
 - the kinds are what the evidence decides: gym.rollout AGENT, gym.verify EVALUATOR, the tool
-  call's SERVER span TOOL (with tool.name), the model server's call upstream LLM with its
-  model and token counts; a plain SERVER span has none (UNKNOWN in Phoenix);
+  call's SERVER span TOOL (with tool.name), the model calls (the agent's to the model server,
+  the model server's upstream) LLM with their model and token counts, the agent's call to its
+  own /v1/responses AGENT; a plain SERVER span has none (UNKNOWN in Phoenix);
 - headless Chromium opens the rollout's trace page and shows its spans by name (rendered,
   not merely in the HTML); the screenshot is kept under target/phoenix/;
 - the agent counted no failed export and no dropped span, and every span it built reached
@@ -164,6 +165,10 @@ def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
     assert kinds[(RESOURCES, "INTERNAL", "gym.verify", "EVALUATOR")] == n, kinds
     assert kinds[(RESOURCES, "SERVER", "POST /get_weather", "TOOL")] == n, kinds
     assert kinds[(MODEL, "CLIENT", "HTTP POST", "LLM")] == 2 * n, kinds  # the upstream calls
+    # The agent's calls to the model server are model calls; its call to its own /v1/responses
+    # runs a turn of the agent (gym.agent.responses), so it is AGENT, not LLM.
+    assert kinds[(AGENT, "CLIENT", "HTTP POST", "LLM")] == 2 * n, kinds
+    assert kinds[(AGENT, "CLIENT", "HTTP POST", "AGENT")] == n, kinds
     for name in ("POST /run", "POST /verify", "POST /seed_session"):
         assert not [k for k in kinds if k[2] == name and k[3] != "UNKNOWN"], kinds
     upstream = [s for s in spans if by_pid[s["resource"]["process.pid"]] == MODEL and s["kind"] == "CLIENT"]

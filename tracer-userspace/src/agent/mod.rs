@@ -335,8 +335,9 @@ impl Agent {
         {
             let host = server.host.as_deref();
             if host.is_none_or(|h| h == "localhost" || h.parse::<std::net::IpAddr>().is_ok()) {
+                let server_type = server.server_type.as_deref().and_then(|t| t.parse().ok());
                 self.pipeline
-                    .name_peer(connect_address(host, port), &server.name);
+                    .name_peer(connect_address(host, port), &server.name, server_type);
             }
         }
         if self.harvest_routes {

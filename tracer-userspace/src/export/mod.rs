@@ -77,7 +77,7 @@ impl ExportTarget {
         });
         let stdout = self.stdout.map(|format| match format {
             StdoutFormat::JsonLines => "JSON lines on stdout".to_owned(),
-            StdoutFormat::Tree => "trees on stdout".to_owned(),
+            StdoutFormat::Tree => "stdout for people (--output tree)".to_owned(),
         });
         match (otlp, stdout) {
             (Some(otlp), Some(stdout)) => format!("{otlp} and {stdout}"),

@@ -28,7 +28,7 @@ use crate::processes::ProcessTable;
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::classify;
 use crate::signals::metrics::INSTRUMENTS;
-use crate::signals::spans::{RequestView, request_spans};
+use crate::signals::spans::{Peer, RequestView, request_spans};
 
 /// Markers around the generated part of README.md.
 pub const BEGIN_MARKER: &str =
@@ -58,7 +58,9 @@ pub fn markdown() -> String {
          `/seed_session`, `/close_session`, `/verify`, `/aggregate_metrics`) is TOOL with \
          `tool.name`; a CLIENT span of a model API call (`gen_ai.operation.name` set) is LLM \
          with `llm.model_name` and `llm.token_count.prompt` / `.completion` / `.total` (the \
-         total only when both counts are known). Other spans have no kind (the UI shows \
+         total only when both counts are known), except a call of a Gym agent server's \
+         `/v1/responses`, which runs a turn of the agent: AGENT (without a kind, LLM UIs \
+         would infer LLM from its `gen_ai.*` attributes). Other spans have no kind (the UI shows \
          UNKNOWN): HTTP says no more.\n",
     );
     out.push_str("\n### Metrics\n\n");
@@ -172,7 +174,10 @@ fn spans_reference() -> String {
             service: &service,
             meaning: &meaning,
             semantic_span_id: Some(SpanId::random()),
-            peer_service: Some("my_model"),
+            peer: Some(&Peer {
+                name: "my_model".into(),
+                server_type: Some(ServerType::Model),
+            }),
         };
         let mut spans = Vec::new();
         request_spans(

@@ -16,6 +16,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Instant;
 
+use crate::gym::ServerType;
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
@@ -31,7 +32,7 @@ use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::{classify, semantic_at_start, wants_run_body};
 use crate::signals::metrics::RequestMetrics;
-use crate::signals::spans::{RequestView, opaque_tls_span, request_spans};
+use crate::signals::spans::{Peer, RequestView, opaque_tls_span, request_spans};
 use crate::stitch::{StartFacts, StitchConfig, Stitcher};
 
 /// Server addresses remembered for `peer.service`. A server listening on a wildcard
@@ -128,8 +129,8 @@ pub struct Pipeline<M: RequestMetrics> {
     pub stitcher: Stitcher,
     /// Requests the agent itself made (route harvests), dropped when they end.
     own_requests: HashSet<SpanId>,
-    /// Listening addresses of traced Gym servers → server name, for `peer.service`.
-    peer_names: HashMap<SocketAddr, String>,
+    /// Listening addresses of traced Gym servers → server name (for `peer.service`) and type.
+    peer_names: HashMap<SocketAddr, Peer>,
     pub counters: PipelineCounters,
     pub output: PipelineOutput,
     exchanges: Vec<HttpExchange>,
@@ -327,14 +328,19 @@ impl<M: RequestMetrics> Pipeline<M> {
         self.stitcher.release_all(&mut self.output.released);
     }
 
-    /// Names `address` as server `name` for `peer.service`, within [`MAX_PEER_NAMES`]; a
-    /// server that took over an address renames it.
-    pub fn name_peer(&mut self, address: SocketAddr, name: &str) {
-        if self.peer_names.get(&address).map(String::as_str) == Some(name) {
+    /// Names `address` as server `name` (of `server_type`, when known) for `peer.service`,
+    /// within [`MAX_PEER_NAMES`]; a server that took over an address renames it.
+    pub fn name_peer(&mut self, address: SocketAddr, name: &str, server_type: Option<ServerType>) {
+        let known = self.peer_names.get(&address);
+        if known.is_some_and(|peer| peer.name == name && peer.server_type == server_type) {
             return;
         }
         if self.peer_names.len() < MAX_PEER_NAMES || self.peer_names.contains_key(&address) {
-            self.peer_names.insert(address, name.to_string());
+            let peer = Peer {
+                name: name.to_string(),
+                server_type,
+            };
+            self.peer_names.insert(address, peer);
         } else {
             self.counters.peer_names_dropped += 1;
         }
@@ -370,6 +376,7 @@ impl<M: RequestMetrics> Pipeline<M> {
             Role::Server => {
                 let semantic = semantic_at_start(process, &start.method, stripped.route_path);
                 let server_name = process.identity.server_name().map(str::to_owned);
+                let server_type = process.server_type;
                 let facts = StartFacts {
                     rollout_id,
                     emits_own: self.groups.contains(SpanGroup::Server),
@@ -377,7 +384,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     inbound_hidden: false,
                 };
                 if let (Some(local), Some(name)) = (start.local, server_name) {
-                    self.name_peer(local, &name);
+                    self.name_peer(local, &name, server_type);
                 }
                 facts
             }
@@ -407,19 +414,22 @@ impl<M: RequestMetrics> Pipeline<M> {
             self.counters.requests_unnamed += 1;
         }
         let identity = process.identity.clone();
-        let peer_service = exchange
+        let peer = exchange
             .peer
             .filter(|_| exchange.role == Role::Client)
-            .and_then(|peer| self.peer_names.get(&peer))
-            .map(String::as_str);
-        self.metrics
-            .record(&identity, exchange, &meaning, peer_service);
+            .and_then(|peer| self.peer_names.get(&peer));
+        self.metrics.record(
+            &identity,
+            exchange,
+            &meaning,
+            peer.map(|peer| peer.name.as_str()),
+        );
         let view = RequestView {
             exchange,
             service: &identity,
             meaning: &meaning,
             semantic_span_id: self.stitcher.semantic_span_id(exchange.span_id),
-            peer_service,
+            peer,
         };
         request_spans(&view, self.groups, self.clock, &mut self.span_batch);
         observer.built(&self.span_batch);

@@ -4,8 +4,8 @@
 //!
 //! | span | kind |
 //! | --- | --- |
-//! | `gym.rollout`, `gym.agent.*` | AGENT |
-//! | `gym.model.*`; a CLIENT span of a model API call (`gen_ai.operation.name` set) | LLM |
+//! | `gym.rollout`, `gym.agent.*`; a CLIENT span calling a Gym agent server's model API | AGENT |
+//! | `gym.model.*`; a CLIENT span of a model API call (`gen_ai.operation.name` set) to anything else | LLM |
 //! | `gym.verify` | EVALUATOR |
 //! | the SERVER span of a tool route of a resources server | TOOL |
 //!

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::gym::ServerType;
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::model::attributes as attr;
 use crate::model::exchange::Outcome;
@@ -26,8 +27,16 @@ pub struct RequestView<'a> {
     /// The id the `gym.*` span was given when the request started (its calls already hang
     /// under it).
     pub semantic_span_id: Option<SpanId>,
-    /// The Gym server name of the peer, for a CLIENT span.
-    pub peer_service: Option<&'a str>,
+    /// The Gym server a CLIENT span calls, when known.
+    pub peer: Option<&'a Peer>,
+}
+
+/// A traced Gym server, as its callers reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// `peer.service`.
+    pub name: String,
+    pub server_type: Option<ServerType>,
 }
 
 /// The spans of one request, as the span groups allow: for an inbound request its SERVER span
@@ -45,11 +54,11 @@ pub fn request_spans(
         service,
         meaning,
         semantic_span_id,
-        peer_service,
+        peer,
     } = *view;
     if exchange.role == Role::Client {
         if groups.contains(SpanGroup::HttpClient) {
-            out.push(client_span(exchange, service, meaning, peer_service, clock));
+            out.push(client_span(exchange, service, meaning, peer, clock));
         }
         return;
     }
@@ -92,7 +101,7 @@ fn client_span(
     exchange: &HttpExchange,
     service: &Arc<ServiceIdentity>,
     meaning: &RequestMeaning,
-    peer_service: Option<&str>,
+    peer: Option<&Peer>,
     clock: WallClock,
 ) -> SpanRecord {
     let request = &exchange.request;
@@ -111,12 +120,20 @@ fn client_span(
         ));
         attributes.push((attr::SERVER_PORT, AttributeValue::Int(peer.port() as i64)));
     }
-    if let Some(name) = peer_service {
-        attributes.push((attr::PEER_SERVICE, AttributeValue::Str(name.to_string())));
+    if let Some(peer) = peer {
+        attributes.push((attr::PEER_SERVICE, AttributeValue::Str(peer.name.clone())));
     }
     if let Some(call) = &exchange.model_call {
         model_call_attributes(call, request, &mut attributes);
-        openinference::llm_attributes(call, &mut attributes);
+        // An agent's /v1/responses speaks the model API but runs a turn of the agent (its
+        // gym.agent.* span is AGENT): calling it is calling the agent. (Without a kind, LLM
+        // UIs would infer LLM from the gen_ai.* attributes.)
+        let callee_is_agent = peer.is_some_and(|peer| peer.server_type == Some(ServerType::Agent));
+        if callee_is_agent {
+            attributes.push(OpenInferenceKind::Agent.attribute());
+        } else {
+            openinference::llm_attributes(call, &mut attributes);
+        }
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     if let Some(id) = &meaning.rollout_id {
@@ -452,7 +469,7 @@ mod tests {
             service: &gym_service(),
             meaning,
             semantic_span_id: None,
-            peer_service: None,
+            peer: None,
         };
         request_spans(
             &view,
@@ -549,6 +566,53 @@ mod tests {
         assert_eq!(
             alone[0].parent_span_id, None,
             "no server span to hang under"
+        );
+    }
+
+    #[test]
+    fn a_model_api_call_is_llm_and_a_call_of_an_agent_is_agent() {
+        use crate::model::exchange::ModelCall;
+        use crate::model::genai::GenAiOperation;
+        let mut call = testing::exchange(
+            1,
+            Role::Client,
+            testing::request("POST", "/v1/responses"),
+            ok(),
+        );
+        call.model_call = Some(Box::new(ModelCall::new(GenAiOperation::Responses)));
+        let kind_calling = |server_type| {
+            let peer = Peer {
+                name: "callee".into(),
+                server_type,
+            };
+            let view = RequestView {
+                exchange: &call,
+                service: &gym_service(),
+                meaning: &verify_meaning(),
+                semantic_span_id: None,
+                peer: Some(&peer),
+            };
+            let mut out = Vec::new();
+            request_spans(
+                &view,
+                "all".parse().unwrap(),
+                WallClock::measure(),
+                &mut out,
+            );
+            str_attr(&out[0], "openinference.span.kind").map(String::from)
+        };
+        assert_eq!(
+            kind_calling(Some(ServerType::Model)).as_deref(),
+            Some("LLM")
+        );
+        assert_eq!(
+            kind_calling(None).as_deref(),
+            Some("LLM"),
+            "a model API outside Gym"
+        );
+        assert_eq!(
+            kind_calling(Some(ServerType::Agent)).as_deref(),
+            Some("AGENT")
         );
     }
 
