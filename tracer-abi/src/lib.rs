@@ -128,7 +128,8 @@ pub struct DataEventHeader {
     pub header: EventHeader,
     /// [`DIRECTION_READ`] or [`DIRECTION_WRITE`].
     pub direction: u8,
-    pub _pad: u8,
+    /// [`DATA_SEQ_KNOWN`] when `seq` holds the transfer's TCP sequence number.
+    pub flags: u8,
     /// Bytes of the transfer's end that follow the captured head in the payload (at most
     /// [`TAIL_BYTES`]); 0 when the whole transfer was captured. They are the last bytes of
     /// the transfer's last buffer (a vectored call's last iovec), and may repeat bytes of the
@@ -138,7 +139,16 @@ pub struct DataEventHeader {
     pub captured_len: u32,
     /// Bytes the syscall actually moved (its return value).
     pub total_len: u64,
+    /// The TCP sequence number of the transfer's first byte, read at the syscall's entry:
+    /// `tcp_sock.write_seq` for a write, `copied_seq` for a read. Both ends of a connection
+    /// agree on it (the sender's write_seq of a byte is the receiver's copied_seq of it), so it
+    /// keys a message across hosts.
+    pub seq: u32,
+    pub _pad: u32,
 }
+
+/// [`DataEventHeader::flags`]: `seq` is known.
+pub const DATA_SEQ_KNOWN: u8 = 1;
 
 /// The per-CPU scratch value in which the eBPF side assembles a data record.
 ///
@@ -307,6 +317,9 @@ pub struct SocketState {
     /// counted as transfers on unknown sockets.
     pub ignored: u8,
     pub _pad: [u8; 6],
+    /// The socket's `struct sock` (a `tcp_sock`), when it is TCP proper (not MPTCP) and the
+    /// sequence-number offsets are known; 0 otherwise.
+    pub sk: u64,
 }
 
 /// Key of the per-socket map: one process's file descriptor.
@@ -328,6 +341,9 @@ pub struct PendingCall {
     pub buffer: u64,
     /// The buffer length or the iovec count.
     pub count: u64,
+    /// The TCP sequence number at entry (see [`DataEventHeader::seq`]), when `seq_known`.
+    pub seq: u32,
+    pub seq_known: u32,
 }
 
 /// Argument shapes the exit program understands.
@@ -381,6 +397,15 @@ pub struct KernelOffsets {
     /// `socket.file`: a socket's file points back at it, which tells a socket's fd from any
     /// other (whose `private_data` is something else).
     pub socket_file: u32,
+    /// Non-zero when the three offsets below were found: TCP sequence numbers are then read.
+    pub seq_valid: u32,
+    /// `sock.sk_protocol` (a u16): only IPPROTO_TCP sockets are `tcp_sock`s (an MPTCP
+    /// socket is a stream socket too, and its fields at these offsets are something else).
+    pub sock_protocol: u32,
+    /// `tcp_sock.write_seq`: the sequence number of the next byte the socket will send.
+    pub tcp_write_seq: u32,
+    /// `tcp_sock.copied_seq`: the sequence number of the next byte a read returns.
+    pub tcp_copied_seq: u32,
 }
 
 /// Offsets of the tracepoint fields the fork and exit programs read, from the tracepoints'
@@ -408,19 +433,22 @@ pub const CLONE_THREAD: u64 = 0x0001_0000;
 /// `SOCK_STREAM` as in `struct socket.type`.
 pub const SOCK_STREAM: u16 = 1;
 
+/// `IPPROTO_TCP` as in `struct sock.sk_protocol` (MPTCP's is 262).
+pub const IPPROTO_TCP: u16 = 6;
+
 const _: () = assert!(size_of::<EventHeader>() == 32);
 const _: () = assert!(size_of::<ConnOpenEvent>() == 72);
-const _: () = assert!(size_of::<DataEventHeader>() == 48);
+const _: () = assert!(size_of::<DataEventHeader>() == 56);
 const _: () = assert!(size_of::<ProcessForkEvent>() == 40);
-const _: () = assert!(size_of::<DataEvent>() == 48 + 2 * MAX_CAPTURE_BYTES);
+const _: () = assert!(size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
 const _: () = assert!(TAIL_BYTES.is_power_of_two() && TAIL_BYTES <= MAX_CAPTURE_BYTES);
-const _: () = assert!(size_of::<TlsDataHeader>() == 56);
+const _: () = assert!(size_of::<TlsDataHeader>() == 64);
 const _: () = assert!(size_of::<PendingTlsCall>() == 40);
 const _: () = assert!(size_of::<TlsKey>() == 16);
-const _: () = assert!(size_of::<SocketState>() == 24);
+const _: () = assert!(size_of::<SocketState>() == 32);
 const _: () = assert!(size_of::<SocketKey>() == 8);
-const _: () = assert!(size_of::<PendingCall>() == 24);
-const _: () = assert!(size_of::<KernelOffsets>() == 60);
+const _: () = assert!(size_of::<PendingCall>() == 32);
+const _: () = assert!(size_of::<KernelOffsets>() == 76);
 const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH);
 const _: () = assert!(size_of::<PythonThread>() == 32);
 const _: () = assert!(size_of::<TracepointLayout>() == 16);

@@ -51,14 +51,14 @@ use tracer_abi::{
     AF_INET, AF_INET6, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET, CALL_READ_BUFFER,
     CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR,
     CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT,
-    CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, ConnOpenEvent,
+    CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, ConnOpenEvent, DATA_SEQ_KNOWN,
     DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE, DataEvent, DataEventHeader,
-    EventHeader, EventKind, FIELD_ABSENT, KernelOffsets, MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH,
-    MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS,
-    PendingCall, PendingTlsCall, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT,
-    ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
-    TaskContextEvent, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout,
-    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
+    EventHeader, EventKind, FIELD_ABSENT, IPPROTO_TCP, KernelOffsets, MAX_CAPTURE_BYTES,
+    MAX_CONTEXT_DEPTH, MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TLS_SESSIONS,
+    MAX_TRACED_PIDS, PendingCall, PendingTlsCall, ProcessForkEvent, PythonThread,
+    RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES,
+    TRACED_AS_CHILD, TaskContextEvent, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey,
+    TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
     UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
@@ -84,6 +84,10 @@ static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
     sock_v6_daddr: 0,
     sock_v6_rcv_saddr: 0,
     socket_file: 0,
+    seq_valid: 0,
+    sock_protocol: 0,
+    tcp_write_seq: 0,
+    tcp_copied_seq: 0,
 };
 
 /// Tracepoint field offsets from the `format` files; set by user space at load time (it
@@ -268,11 +272,12 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
     };
     let is_transfer = call != CALL_ACCEPT && call != CALL_CONNECT;
     let mut call = call;
+    let mut seq = None;
     if is_transfer {
         // SAFETY: the value is copied out.
         match unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.copied() {
             Some(state) if state.ignored != 0 => return 0,
-            Some(_) => {}
+            Some(state) => seq = sequence_number(state.sk, is_write_call(call)),
             // Only the exit knows whether it moved bytes, so it is the exit that counts it.
             None if is_tcp_socket(fd) => call = CALL_ON_UNKNOWN_SOCKET,
             None => return 0,
@@ -283,6 +288,8 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         fd,
         buffer,
         count,
+        seq: seq.unwrap_or(0),
+        seq_known: u32::from(seq.is_some()),
     };
     if PENDING_CALLS
         .insert(&pid_tgid, &pending, BPF_ANY as u64)
@@ -291,6 +298,45 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
     }
     0
+}
+
+#[inline(always)]
+fn is_write_call(call: u32) -> bool {
+    matches!(
+        call,
+        CALL_WRITE_BUFFER | CALL_WRITE_IOVEC | CALL_WRITE_MSGHDR
+    )
+}
+
+/// The TCP sequence number of the next byte a write sends (`write_seq`) or a read returns
+/// (`copied_seq`), read at the syscall's entry: at its exit the kernel has moved it on by
+/// what was transferred (and, for a write, by anything inserted on the way).
+#[inline(always)]
+fn sequence_number(sk: u64, writing: bool) -> Option<u32> {
+    if sk == 0 {
+        return None;
+    }
+    let off = kernel_offsets();
+    let field = if writing {
+        off.tcp_write_seq
+    } else {
+        off.tcp_copied_seq
+    };
+    // SAFETY: read through the helper, which fails cleanly on a bad address.
+    unsafe { bpf_probe_read_kernel((sk + field as u64) as *const u32).ok() }
+}
+
+/// `sk` when it is a `tcp_sock` whose sequence numbers can be read: TCP proper (an MPTCP
+/// socket is a stream socket too, with other fields at these offsets), offsets known.
+#[inline(always)]
+fn tcp_sock_of(sk: u64) -> u64 {
+    let off = kernel_offsets();
+    if sk == 0 || off.seq_valid == 0 {
+        return 0;
+    }
+    // SAFETY: read through the helper, which fails cleanly on a bad address.
+    let protocol = unsafe { bpf_probe_read_kernel((sk + off.sock_protocol as u64) as *const u16) };
+    if protocol == Ok(IPPROTO_TCP) { sk } else { 0 }
 }
 
 #[tracepoint]
@@ -473,9 +519,9 @@ fn on_open(pid_tgid: u64, fd: i32, role: u8) {
         role,
         ..Default::default()
     };
-    if !read_socket_addresses(fd, &mut event) {
+    let Some(sk) = read_socket_addresses(fd, &mut event) else {
         return; // not a TCP socket over IPv4/IPv6
-    }
+    };
     let capture = capture_bytes();
     let state = SocketState {
         conn_id: now,
@@ -484,6 +530,7 @@ fn on_open(pid_tgid: u64, fd: i32, role: u8) {
         role,
         ignored: 0,
         _pad: [0; 6],
+        sk: tcp_sock_of(sk),
     };
     let key = SocketKey {
         tgid: (pid_tgid >> 32) as u32,
@@ -558,23 +605,24 @@ fn is_tcp_socket(fd: i32) -> bool {
     }
 }
 
-/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple. Returns false
-/// for sockets that are not TCP over IPv4/IPv6. When the offsets are unknown, or a read fails,
-/// the connection is still traced, just without addresses (family 0).
-fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
+/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple, and returns
+/// the `struct sock` (0 when it could not be read). None for sockets that are not TCP over
+/// IPv4/IPv6. When the offsets are unknown, or a read fails, the connection is still traced,
+/// just without addresses (family 0).
+fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> Option<u64> {
     let off = kernel_offsets();
     let Some((_, socket)) = file_of_fd(&off, fd) else {
-        return true;
+        return Some(0);
     };
     // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
     unsafe {
         let socket_type =
             bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
         if socket_type != SOCK_STREAM {
-            return false;
+            return None;
         }
         let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
-            return true;
+            return Some(0);
         };
         let family =
             bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
@@ -597,15 +645,15 @@ fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> bool {
                     bpf_probe_read_kernel((sk + off.sock_v6_rcv_saddr as u64) as *const [u8; 16])
                         .unwrap_or([0; 16]);
             }
-            _ => return false,
+            _ => return None,
         }
         event.family = family;
         let dport = bpf_probe_read_kernel((sk + off.sock_dport as u64) as *const u16).unwrap_or(0);
         event.peer_port = u16::from_be(dport);
         event.local_port =
             bpf_probe_read_kernel((sk + off.sock_num as u64) as *const u16).unwrap_or(0);
+        Some(sk)
     }
-    true
 }
 
 /// `struct iovec` in user memory.
@@ -756,10 +804,16 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             } else {
                 DIRECTION_WRITE
             },
-            _pad: 0,
+            flags: if call.seq_known != 0 {
+                DATA_SEQ_KNOWN
+            } else {
+                0
+            },
             tail_len: 0,
             captured_len: copied as u32,
             total_len: moved,
+            seq: call.seq,
+            _pad: 0,
         };
         // The tail follows the head in the payload: a masked offset below MAX_CAPTURE_BYTES
         // plus at most TAIL_BYTES stays inside the doubled scratch payload.
@@ -922,10 +976,13 @@ fn on_tls_transfer(pid_tgid: u64, call: &PendingTlsCall, moved: u64) {
                 } else {
                     DIRECTION_WRITE
                 },
-                _pad: 0,
+                // TLS plaintext has no place in the TCP byte stream.
+                flags: 0,
                 tail_len: 0,
                 captured_len: copied as u32,
                 total_len: moved,
+                seq: 0,
+                _pad: 0,
             },
             start_ns: call.start_ns,
         };

@@ -219,6 +219,19 @@ impl Btf {
             sock_v6_daddr: common("skc_v6_daddr")?,
             sock_v6_rcv_saddr: common("skc_v6_rcv_saddr")?,
             socket_file: self.member_offset("socket", "file")?,
+            ..self.sequence_offsets().unwrap_or_default()
+        })
+    }
+
+    /// The offsets of TCP sequence numbers, `seq_valid` set; an error names the field this
+    /// kernel lacks (the addresses do not need them, so they are looked up apart).
+    pub fn sequence_offsets(&self) -> Result<KernelOffsets> {
+        Ok(KernelOffsets {
+            seq_valid: 1,
+            sock_protocol: self.member_offset("sock", "sk_protocol")?,
+            tcp_write_seq: self.member_offset("tcp_sock", "write_seq")?,
+            tcp_copied_seq: self.member_offset("tcp_sock", "copied_seq")?,
+            ..KernelOffsets::default()
         })
     }
 }
@@ -290,5 +303,10 @@ mod tests {
         assert_eq!(offsets.sock_rcv_saddr, 4);
         assert_eq!(offsets.sock_dport, 12);
         assert_eq!(offsets.sock_num, 14);
+        // tcp_sock begins with inet_connection_sock, which begins with inet_sock, which
+        // begins with sock: one pointer reads all three, the sequence numbers well past sock.
+        assert_eq!(offsets.seq_valid, 1);
+        let sock_size = offsets.sock_protocol + 2;
+        assert!(offsets.tcp_write_seq > sock_size && offsets.tcp_copied_seq > sock_size);
     }
 }

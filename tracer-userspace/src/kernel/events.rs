@@ -7,9 +7,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use thiserror::Error;
 use tracer_abi::{
-    AF_INET, AF_INET6, ConnOpenEvent, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
-    EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES,
-    TaskContextEvent, TlsDataHeader,
+    AF_INET, AF_INET6, ConnOpenEvent, DATA_SEQ_KNOWN, DIRECTION_READ, DIRECTION_WRITE,
+    DataEventHeader, EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER,
+    TAIL_BYTES, TaskContextEvent, TlsDataHeader,
 };
 
 use crate::model::context::ContextChain;
@@ -44,6 +44,9 @@ pub struct DataTransfer<'a> {
     pub captured: &'a [u8],
     pub total_len: u64,
     pub tail: &'a [u8],
+    /// The TCP sequence number of the transfer's first byte (see
+    /// [`tracer_abi::DataEventHeader::seq`]), when the kernel could read it.
+    pub seq: Option<u32>,
 }
 
 /// Plaintext passed to or returned by OpenSSL in a traced process (see
@@ -200,6 +203,7 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
                 captured,
                 total_len: data.total_len,
                 tail,
+                seq: (data.flags & DATA_SEQ_KNOWN != 0).then_some(data.seq),
             })
         }
         EventKind::TlsData => {
@@ -290,6 +294,18 @@ mod tests {
         assert_eq!(data.captured, b"abc");
         assert_eq!(data.tail, b"0\r\n\r\n");
         assert_eq!(data.direction, Direction::Write);
+        assert_eq!(
+            data.seq, None,
+            "no sequence number unless the kernel says it read one"
+        );
+        header.seq = 0xffff_fff0;
+        header.flags = DATA_SEQ_KNOWN;
+        let mut bytes = as_bytes(&header);
+        bytes.extend_from_slice(b"abc0\r\n\r\n");
+        let KernelEvent::Data(data) = decode(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(data.seq, Some(0xffff_fff0));
     }
 
     #[test]

@@ -194,6 +194,8 @@ impl<M: RequestMetrics> Pipeline<M> {
                         captured: transfer.captured,
                         total_len: transfer.total_len,
                         tail: transfer.tail,
+                        // Plaintext has no place in the TCP byte stream.
+                        seq: None,
                     };
                     self.table
                         .apply_plaintext(&data, &mut self.exchanges, &mut self.actions);

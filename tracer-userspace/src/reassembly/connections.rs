@@ -970,6 +970,7 @@ mod tests {
             captured: bytes,
             total_len: bytes.len() as u64,
             tail: &[],
+            seq: None,
         })
     }
 
@@ -1362,6 +1363,7 @@ mod evidence_tests {
             captured,
             total_len,
             tail,
+            seq: None,
         })
     }
 

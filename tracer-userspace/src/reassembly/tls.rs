@@ -120,6 +120,8 @@ impl OwnedTransfer {
             captured: &self.bytes[..self.captured_len],
             total_len: self.total_len,
             tail: &self.bytes[self.captured_len..],
+            // Plaintext has no place in the TCP byte stream.
+            seq: None,
         }
     }
 }
@@ -570,6 +572,7 @@ mod tests {
             captured: &[],
             total_len,
             tail: &[],
+            seq: None,
         }
     }
 
