@@ -167,6 +167,9 @@ pub struct RequestStart {
     /// Which request of its connection this is (0 for the first): the client and the server
     /// of one connection count the same requests in the same order.
     pub sequence: u64,
+    /// The TCP sequence number of the request's first byte, when the kernel read it: the
+    /// client's and the server's are equal, on any host, whatever NAT did to the addresses.
+    pub tcp_seq: Option<u32>,
     pub span_id: SpanId,
     pub method: String,
     pub path: String,

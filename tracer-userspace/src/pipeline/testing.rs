@@ -78,6 +78,7 @@ pub fn start(
         local: Some(loopback(local)),
         peer: Some(loopback(peer)),
         sequence,
+        tcp_seq: None,
         span_id: SpanId::random(),
         method: method.into(),
         path: path.into(),

@@ -626,6 +626,7 @@ impl ConnectionTable {
             total_len: data.total_len,
             tail: data.tail,
             timestamp_ns: data.timestamp_ns,
+            seq: data.seq,
         };
         let events = &mut self.scratch_events;
         let errors = &mut self.scratch_errors;
@@ -723,6 +724,7 @@ fn on_message_event(
             MessageEvent::Head {
                 head: Head::Request(head),
                 first_byte_ns,
+                first_byte_seq,
             },
         ) => {
             let head_bytes = head.heap_bytes();
@@ -747,6 +749,7 @@ fn on_message_event(
                 local: connection.local,
                 peer: connection.peer,
                 sequence: connection.requests_seen,
+                tcp_seq: first_byte_seq,
                 span_id,
                 method: head.method.clone(),
                 path: head.path.clone(),

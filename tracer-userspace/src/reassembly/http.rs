@@ -34,8 +34,14 @@ pub enum Head {
 /// What the parser reports, in stream order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MessageEvent {
-    /// A head was parsed; `first_byte_ns` is when the message's first byte moved.
-    Head { head: Head, first_byte_ns: u64 },
+    /// A head was parsed; `first_byte_ns` is when the message's first byte moved, and
+    /// `first_byte_seq` its TCP sequence number when known (both ends of the connection see
+    /// the same one).
+    Head {
+        head: Head,
+        first_byte_ns: u64,
+        first_byte_seq: Option<u32>,
+    },
     /// What was kept of the body of the message last reported by `Head` (see
     /// [`BodySample`]). Sent just before its `End`, for bodies with a `Content-Length`.
     Body(BodySample),
@@ -239,12 +245,24 @@ impl Chunked {
 enum State {
     /// Between messages.
     Idle,
-    /// Collecting a head that started at `first_byte_ns`.
-    Head { buffer: Vec<u8>, first_byte_ns: u64 },
+    /// Collecting a head that started at `first_byte_ns`, at TCP sequence number
+    /// `first_byte_seq` when known.
+    Head {
+        buffer: Vec<u8>,
+        first_byte_ns: u64,
+        first_byte_seq: Option<u32>,
+    },
     /// Inside a body.
     Body { body: Body, bytes: u64 },
     /// Lost track of framing; waiting for a transfer that starts a new message.
     Desynced,
+}
+
+/// Where in a stream some bytes are: when they moved, and their TCP sequence number.
+#[derive(Clone, Copy, Debug)]
+struct Position {
+    timestamp_ns: u64,
+    seq: Option<u32>,
 }
 
 /// What the response parser needs to know about the request it answers.
@@ -265,6 +283,8 @@ pub struct Transfer<'a> {
     pub total_len: u64,
     pub tail: &'a [u8],
     pub timestamp_ns: u64,
+    /// The TCP sequence number of `captured`'s first byte, when the kernel read it.
+    pub seq: Option<u32>,
 }
 
 /// One direction of one connection.
@@ -332,6 +352,7 @@ impl MessageStream {
             total_len,
             tail,
             timestamp_ns,
+            seq,
         } = transfer;
         let captured = &captured[..captured.len().min(total_len as usize)];
         self.answered_in_feed = 0;
@@ -343,7 +364,13 @@ impl MessageStream {
         }
         let mut rest = captured;
         while !rest.is_empty() {
-            let used = self.consume(rest, timestamp_ns, &request, out, errors);
+            // A message may start anywhere in a transfer (pipelined requests share a read).
+            let at = (captured.len() - rest.len()) as u32;
+            let position = Position {
+                timestamp_ns,
+                seq: seq.map(|seq| seq.wrapping_add(at)),
+            };
+            let used = self.consume(rest, position, &request, out, errors);
             rest = &rest[used..];
             if matches!(self.state, State::Desynced) {
                 return;
@@ -381,15 +408,17 @@ impl MessageStream {
         });
     }
 
-    /// Consumes a prefix of `bytes`; returns how many bytes were used (at least one).
+    /// Consumes a prefix of `bytes`, which start at `position`; returns how many bytes were
+    /// used (at least one).
     fn consume(
         &mut self,
         bytes: &[u8],
-        timestamp_ns: u64,
+        position: Position,
         request: &impl Fn(usize) -> RequestContext,
         out: &mut Vec<MessageEvent>,
         errors: &mut Vec<ParseError>,
     ) -> usize {
+        let timestamp_ns = position.timestamp_ns;
         match &mut self.state {
             State::Idle => {
                 if !could_start_message(self.kind, bytes) {
@@ -400,14 +429,17 @@ impl MessageStream {
                 self.state = State::Head {
                     buffer: Vec::new(),
                     first_byte_ns: timestamp_ns,
+                    first_byte_seq: position.seq,
                 };
                 0
             }
             State::Head {
                 buffer,
                 first_byte_ns,
+                first_byte_seq,
             } => {
                 let first_byte_ns = *first_byte_ns;
+                let first_byte_seq = *first_byte_seq;
                 let before = buffer.len();
                 let take = bytes.len().min(MAX_HEAD_BYTES + 1 - before);
                 buffer.extend_from_slice(&bytes[..take]);
@@ -463,6 +495,7 @@ impl MessageStream {
                         out.push(MessageEvent::Head {
                             head,
                             first_byte_ns,
+                            first_byte_seq,
                         });
                         self.start_body(body, timestamp_ns, out);
                         used
@@ -551,6 +584,7 @@ impl MessageStream {
                 let State::Head {
                     buffer,
                     first_byte_ns,
+                    ..
                 } = std::mem::replace(&mut self.state, State::Desynced)
                 else {
                     unreachable!()
@@ -734,6 +768,7 @@ fn report_truncated_head(
         out.push(MessageEvent::Head {
             head,
             first_byte_ns,
+            first_byte_seq: None,
         });
         out.push(MessageEvent::End {
             last_byte_ns: timestamp_ns,
@@ -906,7 +941,44 @@ mod tests {
             total_len,
             tail,
             timestamp_ns,
+            seq: None,
         }
+    }
+
+    #[test]
+    fn each_message_gets_the_sequence_number_of_its_first_byte() {
+        let mut stream = MessageStream::new(StreamKind::Requests);
+        let (mut out, mut errors) = (Vec::new(), Vec::new());
+        let first = b"POST /a HTTP/1.1\r\nContent-Length: 2\r\n\r\nhiGET /b HTTP/1.1\r\nHo";
+        let second = b"st: x\r\n\r\n";
+        // Two pipelined requests in one read, the second's head cut by the read's end, at a
+        // sequence number about to wrap.
+        let start = u32::MAX - 10;
+        for (bytes, seq) in [
+            (&first[..], start),
+            (&second[..], start.wrapping_add(first.len() as u32)),
+        ] {
+            let transfer = Transfer {
+                seq: Some(seq),
+                ..t(bytes, bytes.len() as u64, &[], 1)
+            };
+            stream.feed(
+                transfer,
+                |_| RequestContext::default(),
+                &mut out,
+                &mut errors,
+            );
+        }
+        let seqs: Vec<Option<u32>> = out
+            .iter()
+            .filter_map(|event| match event {
+                MessageEvent::Head { first_byte_seq, .. } => Some(*first_byte_seq),
+                _ => None,
+            })
+            .collect();
+        let second_start = first.iter().position(|&b| b == b'G').unwrap() as u32;
+        assert_eq!(seqs, [Some(start), Some(start.wrapping_add(second_start))]);
+        assert!(errors.is_empty(), "{errors:?}");
     }
 
     /// A stream plus what it reported, for tests that feed transfers one at a time.

@@ -1113,6 +1113,7 @@ mod tests {
                 local: Some(SocketAddr::from(([127, 0, 0, 1], 20_000 + port))),
                 peer: Some(SocketAddr::from(([10, 0, 0, 1], 80))),
                 sequence: 0,
+                tcp_seq: None,
                 span_id: SpanId::random(),
                 method: "GET".into(),
                 path: "/".into(),
