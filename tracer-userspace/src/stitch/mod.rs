@@ -200,7 +200,27 @@ fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
 struct ConnectionKey {
     client: SocketAddr,
     server: SocketAddr,
-    sequence: u64,
+    position: RequestPosition,
+}
+
+/// Where a request is in its connection, as both ends see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum RequestPosition {
+    /// The TCP sequence number of its first byte: exact whatever either end missed (a
+    /// request one end never saw, a retry, pipelining).
+    Tcp(u32),
+    /// Its ordinal on the connection, when the kernel could not read sequence numbers
+    /// (TLS plaintext, a kernel without the offsets): right while both ends saw every request.
+    Ordinal(u64),
+}
+
+impl RequestPosition {
+    fn of(start: &RequestStart) -> Self {
+        match start.tcp_seq {
+            Some(seq) => Self::Tcp(seq),
+            None => Self::Ordinal(start.sequence),
+        }
+    }
 }
 
 struct Held {
@@ -301,12 +321,12 @@ impl Stitcher {
             (Role::Server, Some(local), Some(peer)) => Some(ConnectionKey {
                 client: peer,
                 server: local,
-                sequence: start.sequence,
+                position: RequestPosition::of(start),
             }),
             (Role::Client, Some(local), Some(peer)) => Some(ConnectionKey {
                 client: local,
                 server: peer,
-                sequence: start.sequence,
+                position: RequestPosition::of(start),
             }),
             _ => None,
         };
@@ -927,6 +947,34 @@ mod tests {
         stitcher.start(&call, facts(None, false), now + Duration::from_secs(1));
         assert_eq!(stitcher.counters.spans_flushed_unmatched, 1);
         assert_eq!(stitcher.counters.cross_process_links, 0);
+    }
+
+    #[test]
+    fn both_ends_meet_at_the_tcp_sequence_number_whatever_either_end_missed() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        // The server never saw the connection's first request (it attached late): by ordinal,
+        // its first request would be the client's first, and pair wrongly.
+        let first = RequestStart {
+            tcp_seq: Some(1000),
+            ..start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses")
+        };
+        let second = RequestStart {
+            tcp_seq: Some(1300),
+            ..start(AGENT, Role::Client, 40000, 9000, 1, "/v1/responses")
+        };
+        let served = RequestStart {
+            tcp_seq: Some(1300),
+            ..start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses")
+        };
+        for request in [&first, &second, &served] {
+            stitcher.start(request, facts(None, false), now);
+        }
+        assert_eq!(
+            stitcher.nodes[&served.span_id].parent,
+            Parent::Local(second.span_id)
+        );
+        assert_eq!(stitcher.counters.cross_process_links, 1);
     }
 
     #[test]
