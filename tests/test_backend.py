@@ -33,9 +33,9 @@ import pytest
 
 from browser import render
 from harness import ROOT, wait_until
-from test_real_gym import (EXPECTED_TREE, SPANS_PER_ROLLOUT, canonical, drive_at_once, gym_venv, harvest,
-                           render_shapes, rollout_trace_id, tree_shape)
-from real_gym.launch import AGENT, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
+from test_real_gym import (EXPECTED_TREE, SPANS_PER_ROLLOUT, attached_tracer, canonical, drive_at_once, gym_venv,
+                           harvest, render_shapes, rollout_trace_id, tree_shape)
+from real_gym.launch import AGENT, MODEL, RESOURCES, RealGymRun
 from trace_ui import Phoenix, phoenix_venv
 
 SOLO = (2, 0)
@@ -93,14 +93,11 @@ def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
     try:
         pids = run.pids
         by_pid = {pid: name for name, pid in pids.items()}
-        agent = tracer(env={
+        agent = attached_tracer(tracer, pids, env={
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": phoenix.traces_url,
             "OTEL_TRACES_EXPORTER": "otlp,console",
             "OTEL_METRICS_EXPORTER": "console",
         })
-        for name, pid in pids.items():
-            agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
-            agent.wait_for_routes(pid)
         start_line = next(m for m in agent.log_messages() if "→" in m)
         assert f"spans: OTLP/HTTP {phoenix.traces_url} and JSON lines on stdout; metrics: JSON lines on stdout" \
             in start_line, start_line

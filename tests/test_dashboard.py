@@ -14,8 +14,8 @@ import re
 import pytest
 
 from harness import ROOT
-from real_gym.launch import SERVER_TYPES, RealGymRun
-from test_real_gym import gym_venv
+from real_gym.launch import RealGymRun
+from test_real_gym import attached_tracer, gym_venv
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "gym-tracer-dashboard.json"
 GRID_COLUMNS = 24
@@ -106,10 +106,7 @@ def test_dashboard_is_well_formed():
 def test_dashboard_queries_what_the_agent_exports(tracer):
     run = RealGymRun(gym_venv()).start()
     try:
-        agent = tracer()
-        for name, pid in run.pids.items():
-            agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
-            agent.wait_for_routes(pid)
+        agent = attached_tracer(tracer, run.pids)
         for task in range(2):
             assert run.drive_rollout(task, 0)["reward"] == 1.0
     finally:

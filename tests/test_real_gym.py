@@ -12,7 +12,6 @@ Needs target/gym-venv (`cargo xtask setup`); skipped only when setup was told to
 
 import collections
 import difflib
-import hashlib
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_expect import semantic_attributes
+from gym_expect import rollout_trace_id, semantic_attributes
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
@@ -38,11 +37,6 @@ SEMANTIC = {  # (server name, SERVER span name) -> the gym.* child it must have
 }
 # Never in the tracer's output: the key in the YAML, the model's and the tool's text (and the prompt).
 NEVER_EXPORTED = [API_KEY, "It is cold in", "is cold."]
-
-
-def rollout_trace_id(rollout_id):
-    """The trace id the tracer derives from a rollout id (README, "Across hosts")."""
-    return hashlib.sha256(f"nemo.gym.rollout/{rollout_id}".encode()).hexdigest()[:32]
 
 
 def _model_call():
@@ -119,9 +113,10 @@ def wait_for_requests(run, before, count, timeout=15):
     return wait_until(enough, timeout, lambda: f"{count} requests in the access logs: {run.access_log_paths()}")
 
 
-def attached_tracer(tracer, pids):
-    """gym-tracer with --discover gym, once it has attached to every server and harvested its routes."""
-    agent = tracer()
+def attached_tracer(tracer, pids, env=None):
+    """gym-tracer with --discover gym (in `env`), once it has attached to every server and
+    harvested its routes."""
+    agent = tracer(env=env)
     for name, pid in pids.items():
         agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
         agent.wait_for_routes(pid)

@@ -10,12 +10,12 @@ takes no metrics; they stay in the terminal). Each rollout's trace URL is printe
 Phoenix has it, and Phoenix stays up until Enter or Ctrl-C."""
 
 import argparse
-import hashlib
 import json
 import os
 import socket
 import sys
 
+from gym_expect import gym_rollout_id, rollout_trace_id
 from gym_launch import GymRun, drive_rollouts, run_body
 from harness import Agent, wait_until
 
@@ -71,20 +71,10 @@ def main():
     if phoenix is None:
         return 0 if printed else 1
     try:
-        shown = show_in_phoenix(phoenix, [rollout_id(sent.body) for sent in sent_rollouts])
+        shown = show_in_phoenix(phoenix, [gym_rollout_id(sent.body) for sent in sent_rollouts])
     finally:
         phoenix.stop()
     return 0 if printed and shown else 1
-
-
-def rollout_id(body):
-    """The rollout id Gym gives a /run body (GYM_TELEMETRY.md)."""
-    if "_ng_rollout_id" in body:
-        base = body["_ng_rollout_id"]
-    else:
-        base = f"{body['_ng_task_index']}-{body['_ng_rollout_index']}"
-    attempt = body.get("_ng_attempt_index", 0)
-    return f"{base}-a{attempt}" if attempt else base
 
 
 def start_phoenix():
@@ -104,7 +94,7 @@ def show_in_phoenix(phoenix, rollout_ids):
     print(f"\ndemo: the rollouts in Arize Phoenix ({phoenix.base_url}, project `default`):")
     ok = True
     for rollout in rollout_ids:
-        trace_id = hashlib.sha256(f"nemo.gym.rollout/{rollout}".encode()).hexdigest()[:32]
+        trace_id = rollout_trace_id(rollout)
         try:
             spans = wait_until(lambda: phoenix.spans(trace_id), 15, f"rollout {rollout}'s trace in Phoenix")
         except AssertionError as error:

@@ -1,6 +1,7 @@
 """What the tracer must show of a Gym-shaped run (gym_launch.GymRun), shared by the test
 modules that check it: Gym's rollout id rule, each server's resource, and its attachment."""
 
+import hashlib
 import os
 import socket
 import sys
@@ -19,6 +20,11 @@ def semantic_attributes(name, server_name, rollout_id):
     and its OpenInference kind."""
     return {"nemo.gym.server.name": server_name, "openinference.span.kind": OPENINFERENCE_KINDS[name],
             **({"nemo.gym.rollout.id": rollout_id} if rollout_id else {})}
+
+
+def rollout_trace_id(rollout_id):
+    """The trace id the tracer derives from a rollout id (README, "Across hosts")."""
+    return hashlib.sha256(f"nemo.gym.rollout/{rollout_id}".encode()).hexdigest()[:32]
 
 
 def gym_rollout_id(body):

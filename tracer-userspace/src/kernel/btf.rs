@@ -219,13 +219,7 @@ impl Btf {
             sock_v6_daddr: common("skc_v6_daddr")?,
             sock_v6_rcv_saddr: common("skc_v6_rcv_saddr")?,
             socket_file: self.member_offset("socket", "file")?,
-            ..self.sequence_offsets().unwrap_or_else(|why| {
-                tracing::warn!(
-                    "TCP sequence numbers are off ({why:#}): the two ends of a connection are \
-                     matched by the order of its requests"
-                );
-                KernelOffsets::default()
-            })
+            ..self.sequence_offsets().unwrap_or_default()
         })
     }
 

@@ -672,6 +672,13 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
         Ok(offsets) => (offsets, Ok(())),
         Err(why) => (KernelOffsets::default(), Err(why)),
     };
+    if offsets.valid != 0 && offsets.seq_valid == 0 {
+        tracing::warn!(
+            "TCP sequence numbers are off (this kernel's BTF lacks sock.sk_protocol, \
+             tcp_sock.write_seq or tcp_sock.copied_seq): the two ends of a connection are \
+             matched by the order of its requests"
+        );
+    }
     let ring_bytes = options.ring_buffer_bytes.next_power_of_two().max(4096);
     let mut ebpf = EbpfLoader::new()
         .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
