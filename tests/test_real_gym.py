@@ -116,7 +116,7 @@ def wait_for_requests(run, before, count, timeout=15):
 def attached_tracer(tracer, pids, env=None):
     """gym-tracer with --discover gym (in `env`), once it has attached to every server and
     harvested its routes."""
-    agent = tracer(env=env)
+    agent = tracer(env=env) if env else tracer()
     for name, pid in pids.items():
         agent.wait_for_stderr(f"attached pid {pid} as {name} ({SERVER_TYPES[name]})")
         agent.wait_for_routes(pid)
