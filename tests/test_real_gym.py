@@ -330,6 +330,51 @@ def expected_requests(rollout_id, observability):
     ]
 
 
+def rollout_problems(spans, rollout_ids, by_pid):
+    """What is wrong with the rollouts' traces in `spans` (by_pid: pid -> server name), [] if
+    nothing: for every rollout id, every span that carries it or is in its derived trace is in
+    that one trace, that trace is exactly EXPECTED_TREE and holds no span of another rollout;
+    no span is in no rollout's trace, and there are SPANS_PER_ROLLOUT spans per rollout."""
+    by_trace = collections.defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    trace_owner = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
+    want = [canonical(EXPECTED_TREE)]
+    problems = []
+    for rollout_id in rollout_ids:
+        trace_id = rollout_trace_id(rollout_id)
+        carrying = [s for s in spans if s["attributes"].get("nemo.gym.rollout.id") == rollout_id
+                    or s["trace_id"] == trace_id]
+        traces = collections.Counter(s["trace_id"] for s in carrying)
+        if set(traces) != {trace_id}:
+            problems.append(f"rollout {rollout_id}: its spans are in {len(traces)} traces: " + ", ".join(
+                f"{t} ({trace_owner.get(t, 'no rollout')}'s): {n} spans" for t, n in traces.items()))
+            for t in traces:
+                if t != trace_id:
+                    problems += [f"    foreign trace {t}:"] + [
+                        f"      {line}" for line in render_shapes(tree_shape(by_trace[t], by_pid))]
+        members = by_trace.get(trace_id, [])
+        shapes = tree_shape(members, by_pid)
+        if shapes != want:
+            diff = difflib.unified_diff(render_shapes(want), render_shapes(shapes), "expected", f"rollout {rollout_id}",
+                                        lineterm="", n=2)
+            problems.append(f"rollout {rollout_id}: {len(members)} spans, {len(shapes)} roots, not the expected tree:\n"
+                            + "\n".join("    " + line for line in diff))
+        others = {k: v for k, v in collections.Counter(s["attributes"].get("nemo.gym.rollout.id")
+                                                       for s in members).items() if k not in (None, rollout_id)}
+        if others:
+            problems.append(f"rollout {rollout_id}: its trace holds spans of other rollouts: {others}")
+    strays = [s for t, members in by_trace.items() if t not in trace_owner for s in members]
+    if strays:
+        problems.append(f"{len(strays)} spans in no rollout's trace:\n" + "\n".join(
+            f"    trace {t}:\n" + "\n".join("      " + line for line in render_shapes(tree_shape(members, by_pid)))
+            for t, members in by_trace.items() if t not in trace_owner))
+    if len(spans) != SPANS_PER_ROLLOUT * len(rollout_ids):
+        problems.append(f"{len(spans)} spans, want {len(rollout_ids)} x {SPANS_PER_ROLLOUT}: "
+                        f"{collections.Counter((s['kind'], s['name']) for s in spans)}")
+    return problems
+
+
 def drive_at_once(run, rollouts, body_options):
     """The rollouts all at once (one thread each, released together by a barrier), each
     with `body_options(task)` for its body: their results by (task, rollout); any error
@@ -409,47 +454,11 @@ def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observabi
     for name, value in evidence.items():
         print(f"  {name} = {value}")
 
-    by_trace = collections.defaultdict(list)
-    for span in spans:
-        by_trace[span["trace_id"]].append(span)
-    trace_owner = {rollout_trace_id(rollout_id): rollout_id for rollout_id in ids}
-    want = [canonical(EXPECTED_TREE)]
-    problems = []
-    for rollout_id in ids:
-        trace_id = rollout_trace_id(rollout_id)
-        carrying = [s for s in spans if s["attributes"].get("nemo.gym.rollout.id") == rollout_id
-                    or s["trace_id"] == trace_id]
-        traces = collections.Counter(s["trace_id"] for s in carrying)
-        if set(traces) != {trace_id}:
-            problems.append(f"rollout {rollout_id}: its spans are in {len(traces)} traces: " + ", ".join(
-                f"{t} ({trace_owner.get(t, 'no rollout')}'s): {n} spans" for t, n in traces.items()))
-            for t in traces:
-                if t != trace_id:
-                    problems += [f"    foreign trace {t}:"] + [
-                        f"      {line}" for line in render_shapes(tree_shape(by_trace[t], by_pid))]
-        members = by_trace.get(trace_id, [])
-        shapes = tree_shape(members, by_pid)
-        if shapes != want:
-            diff = difflib.unified_diff(render_shapes(want), render_shapes(shapes), "expected", f"rollout {rollout_id}",
-                                        lineterm="", n=2)
-            problems.append(f"rollout {rollout_id}: {len(members)} spans, {len(shapes)} roots, not the expected tree:\n"
-                            + "\n".join("    " + line for line in diff))
-        others = {k: v for k, v in collections.Counter(s["attributes"].get("nemo.gym.rollout.id")
-                                                       for s in members).items() if k not in (None, rollout_id)}
-        if others:
-            problems.append(f"rollout {rollout_id}: its trace holds spans of other rollouts: {others}")
-    strays = [s for t, members in by_trace.items() if t not in trace_owner for s in members]
-    if strays:
-        problems.append(f"{len(strays)} spans in no rollout's trace:\n" + "\n".join(
-            f"    trace {t}:\n" + "\n".join("      " + line for line in render_shapes(tree_shape(members, by_pid)))
-            for t, members in by_trace.items() if t not in trace_owner))
-    if len(spans) != SPANS_PER_ROLLOUT * len(rollouts):
-        problems.append(f"{len(spans)} spans, want {len(rollouts)} x {SPANS_PER_ROLLOUT}: "
-                        f"{collections.Counter((s['kind'], s['name']) for s in spans)}")
+    problems = rollout_problems(spans, ids, by_pid)
     if problems:
         print("\n".join(problems))
     assert not problems, "\n".join(problems[:40]) + f"\n\nexpected tree:\n" + "\n".join(
-        render_shapes(want)) + f"\nevidence counters: {evidence}\nsummary: {summary}"
+        render_shapes([canonical(EXPECTED_TREE)])) + f"\nevidence counters: {evidence}\nsummary: {summary}"
 
     prompts = {run.example_row(row)["responses_create_params"]["input"][-1]["content"] for row in range(EXAMPLE_ROWS)}
     for text in [*NEVER_EXPORTED, *sorted(prompts), PADDING.strip()]:

@@ -72,10 +72,14 @@ pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
         ensure_system_tool(ctx, "cc", "gcc")?;
         ensure_system_tool(ctx, "openssl", "openssl")?;
         ensure_system_tool(ctx, "wget", "wget")?;
+        // The cross-host test makes a network namespace with a veth pair, and runs an agent
+        // in it.
+        ensure_system_tool(ctx, "ip", "iproute2")?;
+        ensure_system_tool(ctx, "nsenter", "util-linux")?;
     } else {
         println!(
-            "xtask: not root: wrk, cc, openssl and wget are not installed (the bench and the \
-             HTTPS tests need them)"
+            "xtask: not root: wrk, cc, openssl, wget and iproute2 are not installed (the \
+             bench, the HTTPS tests and the cross-host test need them)"
         );
     }
     if gym_venv {

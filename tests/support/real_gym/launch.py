@@ -25,7 +25,14 @@ nemo_gym/cli/setup_command.py `run_command`), and what this module does the same
 - ng_run 0.7.0 would also start a generated `legacy_agent` relay (environment_servers) in
   front of the agent; rollouts are driven at the agent's /run directly instead.
 
-Readiness is Gym's: any HTTP answer on `GET /` of every server.
+Readiness is Gym's: any HTTP answer on `GET /` of every server (at its configured host).
+
+Across hosts: `hosts` (server name -> address) sets each server's `host` in the config, so it
+binds that address and every peer calls it there (Gym's ServerClient builds a server's URL
+from the global config); `netns` (server name -> command prefix, e.g. `["ip", "netns",
+"exec", NAME]`, see tests/support/netns.py) runs that server's bash command under the prefix.
+`ip netns exec` and bash both exec, so the Popen pid is still the server's Python. The canned
+upstream stays on 127.0.0.1 in this process's namespace: the model server must be there too.
 
 With `upstream_tls=True` the canned upstream serves HTTPS with a self-signed certificate for
 127.0.0.1 and localhost (made here with the `openssl` command), `openai_base_url` is
@@ -131,12 +138,14 @@ def make_self_signed_cert(directory):
     return cert, key
 
 
-def run_config(ports, upstream_port, observability, capture_dir, access_log, upstream_scheme="http"):
-    """The run config before Gym's parser fills the global keys (what a user's YAML holds)."""
+def run_config(ports, upstream_port, observability, capture_dir, access_log, upstream_scheme="http", hosts=None):
+    """The run config before Gym's parser fills the global keys (what a user's YAML holds).
+    `hosts`: server name -> the address it binds and is called at (default 127.0.0.1)."""
+    hosts = {**{name: "127.0.0.1" for name in SERVER_TYPES}, **(hosts or {})}
     config = {
         MODEL: {"responses_api_models": {"openai_model": {
             "entrypoint": "app.py",
-            "host": "127.0.0.1",
+            "host": hosts[MODEL],
             "port": ports[MODEL],
             "openai_base_url": f"{upstream_scheme}://127.0.0.1:{upstream_port}/v1",
             "openai_api_key": API_KEY,
@@ -144,7 +153,7 @@ def run_config(ports, upstream_port, observability, capture_dir, access_log, ups
         }}},
         RESOURCES: {"resources_servers": {"example_single_tool_call": {
             "entrypoint": "app.py",
-            "host": "127.0.0.1",
+            "host": hosts[RESOURCES],
             "port": ports[RESOURCES],
             "domain": "agent",
             "verified": False,
@@ -152,7 +161,7 @@ def run_config(ports, upstream_port, observability, capture_dir, access_log, ups
         }}},
         AGENT: {"responses_api_agents": {"simple_agent": {
             "entrypoint": "app.py",
-            "host": "127.0.0.1",
+            "host": hosts[AGENT],
             "port": ports[AGENT],
             "resources_server": {"type": "resources_servers", "name": RESOURCES},
             "model_server": {"type": "responses_api_models", "name": MODEL},
@@ -242,9 +251,13 @@ class RealGymRun:
     `access_log_paths()`.
     upstream_tls: the canned upstream serves HTTPS with a self-signed certificate
     (`upstream_cert`), which the servers trust through SSL_CERT_FILE.
+    hosts: server name -> the address it binds and its peers call (default 127.0.0.1).
+    netns: server name -> a command prefix its launch command runs under (e.g. `ip netns
+    exec NAME`, which must exec the command so the pid stays the server's).
     """
 
-    def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False):
+    def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False,
+                 hosts=None, netns=None):
         self.venv = Path(venv or default_venv()).absolute()
         self.python = self.venv / "bin" / "python"
         if not self.python.exists():
@@ -256,6 +269,11 @@ class RealGymRun:
         self.upstream_port, *ports = free_ports(1 + len(SERVER_TYPES))
         self.ports = dict(zip(SERVER_TYPES, ports))
         self.upstream_tls = upstream_tls
+        unknown = sorted(set(hosts or {}).union(netns or {}) - set(SERVER_TYPES))
+        if unknown:
+            raise ValueError(f"hosts/netns name servers this run does not have: {unknown}")
+        self.hosts = dict(hosts or {})
+        self.netns = {name: list(prefix) for name, prefix in (netns or {}).items()}
         self.canned = CannedUpstream(self.workdir, self.upstream_port, tls=upstream_tls)
         self.upstream_cert = self.upstream_key = None
         self.upstream = None
@@ -284,7 +302,7 @@ class RealGymRun:
 
     def _resolve_config(self):
         initial = run_config(self.ports, self.upstream_port, self.observability,
-                             self.workdir / "model-calls", self.access_log, self.upstream_scheme)
+                             self.workdir / "model-calls", self.access_log, self.upstream_scheme, self.hosts)
         initial_path = self.workdir / "run_config.yaml"
         initial_path.write_text(json.dumps(initial, indent=2))  # JSON is YAML
         resolved_path = self.workdir / "resolved_config.yaml"
@@ -315,10 +333,12 @@ class RealGymRun:
         if self.upstream_cert:
             env["SSL_CERT_FILE"] = str(self.upstream_cert)  # how the servers trust the upstream
         log = open(self.workdir / f"{name}.log", "wb")
-        self.processes[name] = subprocess.Popen(
-            self.launch_command(server), shell=True, executable="/bin/bash",
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
+        prefix = self.netns.get(name)
+        if prefix:  # e.g. `ip netns exec NAME /bin/bash -c CMD`: ip execs bash, bash execs python
+            command = dict(args=[*prefix, "/bin/bash", "-c", self.launch_command(server)])
+        else:
+            command = dict(args=self.launch_command(server), shell=True, executable="/bin/bash")
+        self.processes[name] = subprocess.Popen(**command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def _wait_ready(self, timeout):
         pending = set(self.servers)
@@ -365,7 +385,7 @@ class RealGymRun:
 
     @property
     def pids(self):
-        """Server name -> pid (bash execs the server, so this is the Python process)."""
+        """Server name -> pid (bash, and a netns prefix, exec the server: the Python process)."""
         return {name: p.pid for name, p in self.processes.items()}
 
     @property

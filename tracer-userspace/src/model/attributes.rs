@@ -34,6 +34,8 @@ pub const TLS_PROTOCOL_NAME: &str = "tls.protocol.name";
 /// semantic conventions have no span attribute for them).
 pub const GYM_TRACER_BYTES_SENT: &str = "gym_tracer.connection.bytes_sent";
 pub const GYM_TRACER_BYTES_RECEIVED: &str = "gym_tracer.connection.bytes_received";
+/// On a SERVER span whose caller, a Gym server on another host, could not be joined to it.
+pub const GYM_TRACER_PARENT_UNJOINED: &str = "gym_tracer.parent.unjoined";
 
 // GenAI client spans and metrics (OpenTelemetry GenAI semantic conventions).
 pub const GEN_AI_OPERATION_NAME: &str = "gen_ai.operation.name";

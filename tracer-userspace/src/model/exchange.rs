@@ -54,6 +54,9 @@ impl RequestHead {
 pub struct ResponseHead {
     pub status: u16,
     pub version_minor: u8,
+    /// Session tokens of its `Set-Cookie` headers (hashes, see [`Token`]): a later request
+    /// that carries one belongs to the same session. Never exported.
+    pub sessions_set: Vec<Token>,
 }
 
 /// A connection in one traced process.

@@ -20,6 +20,25 @@ impl TraceId {
 }
 
 impl SpanId {
+    /// The id of the CLIENT span of the request whose first byte has TCP sequence number
+    /// `seq`: the caller's agent gives its span this id and the callee's agent, on any host
+    /// and sharing nothing, names it as the SERVER span's parent. Only the sequence number is
+    /// hashed, not the addresses, which NAT and Service addresses change between the ends.
+    /// Two requests of one trace share it with odds of about 2^-32 per pair.
+    pub fn of_tcp_request(seq: u32) -> Self {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::new()
+            .chain_update(b"gym-tracer/tcp-request/v1/")
+            .chain_update(seq.to_be_bytes())
+            .finalize();
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&digest[..8]);
+        if id == [0; 8] {
+            id[7] = 1; // the all-zero span id is invalid
+        }
+        Self(id)
+    }
+
     pub fn random() -> Self {
         loop {
             let id: [u8; 8] = rand::rng().random();
@@ -68,4 +87,36 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
         *byte = (high * 16 + low) as u8;
     }
     Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ids other tools (and other versions of this one) must compute the same way: the
+    /// first 8 bytes of SHA-256("gym-tracer/tcp-request/v1/" ‖ big-endian seq).
+    #[test]
+    fn a_requests_span_id_is_a_function_of_its_sequence_number_only() {
+        let expected = |seq: u32| {
+            let mut input = b"gym-tracer/tcp-request/v1/".to_vec();
+            input.extend_from_slice(&seq.to_be_bytes());
+            let out = std::process::Command::new("sha256sum")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .and_then(|mut child| {
+                    use std::io::Write;
+                    child.stdin.take().expect("piped").write_all(&input)?;
+                    child.wait_with_output()
+                })
+                .expect("sha256sum runs");
+            String::from_utf8(out.stdout).expect("hex")[..16].to_string()
+        };
+        for seq in [0, 1, 0x8000_0000, u32::MAX] {
+            let id = SpanId::of_tcp_request(seq);
+            let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(hex, expected(seq), "seq {seq}");
+        }
+        assert_ne!(SpanId::of_tcp_request(7), SpanId::of_tcp_request(8));
+    }
 }

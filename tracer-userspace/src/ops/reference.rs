@@ -237,6 +237,7 @@ fn example_exchange(pid: u32, method: &str, path: &str, status: u16, role: Role)
         outcome: Outcome::Response(ResponseHead {
             status,
             version_minor: 1,
+            sessions_set: Vec::new(),
         }),
         start_ns: 0,
         end_ns: 1_000_000,

@@ -21,7 +21,7 @@ use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
-use crate::model::exchange::{HttpExchange, OpaqueTls, RequestStart, Role, SocketId};
+use crate::model::exchange::{HttpExchange, OpaqueTls, Outcome, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
 use crate::model::service::AgentResource;
 use crate::model::span::SpanRecord;
@@ -30,7 +30,7 @@ use crate::processes::harvest::SelfPorts;
 use crate::reassembly::connections::{ConnectionTable, TableAction};
 use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
-use crate::signals::meaning::{classify, semantic_at_start, wants_run_body};
+use crate::signals::meaning::{caller_is_gym_server, classify, semantic_at_start, wants_run_body};
 use crate::signals::metrics::RequestMetrics;
 use crate::signals::spans::{Peer, RequestView, opaque_tls_span, request_spans};
 use crate::stitch::{StartFacts, StitchConfig, Stitcher};
@@ -384,6 +384,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     emits_own: self.groups.contains(SpanGroup::Server),
                     emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
                     inbound_hidden: false,
+                    caller_traced: caller_is_gym_server(process, stripped.route_path),
                 };
                 if let (Some(local), Some(name)) = (start.local, server_name) {
                     self.name_peer(local, &name, server_type);
@@ -395,6 +396,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                 emits_own: self.groups.contains(SpanGroup::HttpClient),
                 emits_semantic: false,
                 inbound_hidden: self.tls.hides_inbound(start.pid),
+                caller_traced: false,
             },
         };
         self.stitcher.start(start, facts, now);
@@ -414,6 +416,13 @@ impl<M: RequestMetrics> Pipeline<M> {
         let meaning = classify(process, exchange);
         if exchange.role == Role::Server && meaning.route == RouteName::Unnamed {
             self.counters.requests_unnamed += 1;
+        }
+        if exchange.role == Role::Server
+            && let Outcome::Response(response) = &exchange.outcome
+            && !response.sessions_set.is_empty()
+        {
+            self.stitcher
+                .sessions_set(exchange.span_id, &response.sessions_set, now);
         }
         let identity = process.identity.clone();
         let peer = exchange

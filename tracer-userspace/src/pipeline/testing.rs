@@ -37,6 +37,7 @@ pub fn response(status: u16) -> Outcome {
     Outcome::Response(ResponseHead {
         status,
         version_minor: 1,
+        sessions_set: Vec::new(),
     })
 }
 

@@ -8,7 +8,7 @@
 
 use thiserror::Error;
 
-use crate::model::evidence::{MAX_TOKENS_PER_REQUEST, cookie_tokens};
+use crate::model::evidence::{MAX_TOKENS_PER_REQUEST, Token, cookie_tokens};
 use crate::model::exchange::{RequestHead, ResponseHead};
 
 /// Longest message head the parser buffers per direction of a connection; a longer one is
@@ -740,6 +740,7 @@ fn parse_head(kind: StreamKind, buffer: &[u8]) -> HeadParse {
                     Head::Response(ResponseHead {
                         status: response.code.unwrap_or(0),
                         version_minor: response.version.unwrap_or(1),
+                        sessions_set: set_cookie_tokens(response.headers),
                     }),
                     len,
                     Framing::of(response.headers),
@@ -822,6 +823,18 @@ fn request_head(
             .collect(),
         truncated,
     }
+}
+
+/// The session token of each `Set-Cookie` header: its `name=value`, without the attributes
+/// after the first `;`, named as the same cookie is in a request ([`cookie_tokens`]).
+fn set_cookie_tokens(headers: &[httparse::Header<'_>]) -> Vec<Token> {
+    headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("set-cookie"))
+        .filter_map(|h| h.value.split(|&b| b == b';').next())
+        .flat_map(cookie_tokens)
+        .take(MAX_TOKENS_PER_REQUEST)
+        .collect()
 }
 
 /// Only `Content-Length` bodies are sampled: a chunked body's bytes hold framing, not the
@@ -929,6 +942,23 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Starlette sets its session cookie with a new signature and attributes on every
+    /// response; the request that sends it back names the same session.
+    #[test]
+    fn a_set_cookie_names_the_session_a_later_cookie_carries() {
+        let head = b"HTTP/1.1 200 OK\r\nset-cookie: session=eyJzZXNzaW9u.Z1x2.sigA; path=/; Max-Age=1209600; httponly; samesite=lax\r\nContent-Length: 0\r\n\r\n";
+        let HeadParse::Complete(Head::Response(response), _, _) =
+            parse_head(StreamKind::Responses, head)
+        else {
+            panic!("a complete response head");
+        };
+        assert_eq!(
+            response.sessions_set,
+            cookie_tokens(b"session=eyJzZXNzaW9u.Z1x3.sigB")
+        );
+        assert_eq!(response.sessions_set.len(), 1);
+    }
 
     fn t<'a>(
         captured: &'a [u8],

@@ -3,6 +3,7 @@
 
 use crate::model::exchange::HttpExchange;
 
+use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 use crate::gym::routes::{RouteName, strip_rollout_prefix};
 use crate::gym::semantics::{SemanticSpan, is_tool_route, semantic_span};
@@ -76,6 +77,16 @@ pub fn semantic_at_start(
         return None;
     }
     semantic_span(process.server_type, method, route_path)
+}
+
+/// Whether an inbound request comes from another Gym server, which an agent on its host
+/// traces: any request to a Gym server but an agent's `/run` and `/aggregate_metrics`, which
+/// rollout collection sends. Only such a request's SERVER span may name a parent on another
+/// host: a parent nobody exports would leave the span an orphan in its backend.
+pub fn caller_is_gym_server(process: &TracedProcess, route_path: &str) -> bool {
+    is_gym_server(process)
+        && !(process.server_type == Some(ServerType::Agent)
+            && matches!(route_path, "/run" | "/aggregate_metrics"))
 }
 
 /// Only a Gym server (named by its environment or --server-name) gets Gym's meanings.

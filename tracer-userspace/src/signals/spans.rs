@@ -643,6 +643,7 @@ mod tests {
         let failed = Outcome::Response(ResponseHead {
             status: 503,
             version_minor: 1,
+            sessions_set: Vec::new(),
         });
         let all = spans(&exchange(failed, None), &verify_meaning(), "all");
         assert!(all.iter().all(|s| s.status == SpanStatus::Error));

@@ -361,10 +361,11 @@ impl Stitcher {
         *counter += 1;
     }
 
-    /// A traced process is gone: its event loops' tails go with it (a new process may reuse
-    /// its pid and addresses). Its calls' groups go as the calls leave the graph.
+    /// A traced process is gone: its event loops' tails and its sessions go with it (a new
+    /// process may reuse its pid and addresses). Its calls' groups go as the calls leave the graph.
     pub fn forget_process(&mut self, pid: u32) {
         self.tails.forget(pid);
+        self.sessions.retain(|(owner, _), _| *owner != pid);
     }
 
     /// Forgets the groups and echoed ids of calls that left the graph.
@@ -453,6 +454,7 @@ mod tests {
                 emits_own: true,
                 emits_semantic: false,
                 inbound_hidden: false,
+                caller_traced: false,
             };
             self.stitcher.start(&start, facts, self.now);
             start
@@ -493,6 +495,7 @@ mod tests {
             emits_own: true,
             emits_semantic: false,
             inbound_hidden: true,
+            caller_traced: false,
         };
         s.stitcher.start(&start, facts, s.now);
         assert_eq!(s.parent(&start), None);

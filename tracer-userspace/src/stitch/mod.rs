@@ -9,7 +9,11 @@
 //! - across processes on this host, the server end of a TCP connection hangs under the client
 //!   end: both count the connection's requests in the same order, so (client address, server
 //!   address, request number) names one request from either side, whichever is seen first;
-//! - an inbound `traceparent` wins over both.
+//! - an inbound `traceparent` wins over both;
+//! - across hosts, nothing is shared: a CLIENT span whose request's TCP sequence number is
+//!   known gets an id derived from it ([`SpanId::of_tcp_request`]), and a SERVER span whose
+//!   caller is not on this host names that id as its parent, where its trace is known here
+//!   (a rollout id) and its caller is a Gym server, traced by an agent of its own host.
 //!
 //! Trace ids are resolved when a span is released, not when it is built: a finished span is
 //! held for a short delay ([`StitchConfig::delay`]) so an edge found a little late still
@@ -58,6 +62,11 @@ const SHRINK_FACTOR: usize = 4;
 /// bound keeps a corrupted graph from looping).
 const MAX_DEPTH: usize = 64;
 
+/// How long a session cookie names its rollout after a response last set it (Starlette sets
+/// it again on every response, so an active session stays): longer than a rollout's pause
+/// between calls to one server, such as a slow model turn.
+const SESSION_LINGER: Duration = Duration::from_secs(600);
+
 #[derive(Clone, Copy, Debug)]
 pub struct StitchConfig {
     /// How long a finished span waits for edges found late.
@@ -82,6 +91,18 @@ counters! {
     pub struct StitchCounters {
         /// Server spans linked to the client span of a caller on this host.
         cross_process_links,
+        /// Server spans given the client span of a Gym server on another host as parent, by
+        /// the TCP sequence number of the request's first byte.
+        cross_host_parents,
+        /// Server spans of requests from a Gym server not on this host whose trace is not
+        /// known here (no rollout id, no `traceparent`): exported as roots, marked
+        /// `gym_tracer.parent.unjoined`.
+        cross_host_unjoined,
+        /// Inbound requests given their rollout by a session cookie that a response of the
+        /// same process set for a request of that rollout.
+        rollouts_by_session,
+        /// Session cookies set for requests of two different rollouts: no longer evidence.
+        sessions_conflicting,
         /// Outbound calls left without a parent, by why (counted when their span is
         /// released): more than one candidate and nothing to tell them apart,
         parents_ambiguous,
@@ -182,6 +203,13 @@ struct Node {
     semantic_span_id: Option<SpanId>,
     /// Outbound: see [`StartFacts::inbound_hidden`].
     inbound_hidden: bool,
+    /// Client: the id its CLIENT span is exported with ([`SpanId::of_tcp_request`]), when
+    /// the kernel read the request's TCP sequence number. Server: the id its caller's CLIENT
+    /// span has, from the same number.
+    tcp_span_id: Option<SpanId>,
+    /// Inbound: its caller is a Gym server ([`StartFacts::caller_traced`]) on another host
+    /// (its address is neither loopback nor the server's own).
+    caller_on_other_host: bool,
     /// Set when a span of the request (or of a descendant) is released: fixed from then on.
     trace: Option<TraceId>,
     /// Used if the request turns out to be a root without a rollout id.
@@ -265,6 +293,10 @@ pub struct Stitcher {
     cookie_holders: HashMap<(u32, Token), Vec<SpanId>>,
     /// Calls per (process, id their response started with), while they are in the graph.
     echoed: HashMap<(u32, Token), SpanId>,
+    /// Per (process, session token its responses set): the rollout of the requests it was
+    /// set for. A session outlives requests, so entries live [`SESSION_LINGER`].
+    sessions: HashMap<(u32, Token), Session>,
+    session_expiry: VecDeque<(Instant, (u32, Token))>,
     pub counters: StitchCounters,
 }
 
@@ -280,6 +312,31 @@ pub struct StartFacts {
     /// yet (an HTTPS request whose TLS session is not tied to its connection): the only
     /// request in flight that the tracer sees is then no evidence.
     pub inbound_hidden: bool,
+    /// Inbound: the caller is a Gym server (any request to a Gym server but an agent's
+    /// `/run`, which rollout collection sends), so an agent on the caller's host exports its
+    /// CLIENT span. Only then may a SERVER span name a parent that is not on this host.
+    pub caller_traced: bool,
+}
+
+/// Where a request whose caller is on another host hangs (see [`Stitcher::cross_host_parent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CrossHost {
+    /// Under its caller's CLIENT span, whose id both hosts derive from the sequence number.
+    Joined(SpanId),
+    /// A root: its trace is not known here (or the kernel read no sequence number).
+    Unjoined,
+}
+
+/// The value of `gym_tracer.parent.unjoined` on a span left a root by [`CrossHost::Unjoined`].
+pub const UNJOINED_REASON: &str = "caller_on_other_host";
+
+/// What a session cookie says about the requests that carry it.
+#[derive(Clone, Debug)]
+enum Session {
+    /// Set only for requests of this rollout, last at the instant given.
+    Rollout(RolloutId, Instant),
+    /// Set for requests of two rollouts (a cookie shared by all sessions): no evidence.
+    Conflicting(Instant),
 }
 
 impl Stitcher {
@@ -298,6 +355,8 @@ impl Stitcher {
             groups: HashMap::new(),
             cookie_holders: HashMap::new(),
             echoed: HashMap::new(),
+            sessions: HashMap::new(),
+            session_expiry: VecDeque::new(),
             counters: StitchCounters::default(),
         }
     }
@@ -345,6 +404,13 @@ impl Stitcher {
             semantic_span_id: (start.role == Role::Server && facts.emits_semantic)
                 .then(SpanId::random),
             inbound_hidden: facts.inbound_hidden,
+            tcp_span_id: start.tcp_seq.map(SpanId::of_tcp_request),
+            caller_on_other_host: start.role == Role::Server
+                && facts.caller_traced
+                && start.local.zip(start.peer).is_some_and(|(local, peer)| {
+                    let (local, peer) = (local.ip().to_canonical(), peer.ip().to_canonical());
+                    !peer.is_loopback() && peer != local
+                }),
             trace: None,
             random_trace: TraceId::random(),
             finished: false,
@@ -368,6 +434,9 @@ impl Stitcher {
                         Parent::None
                     }
                 };
+                if node.rollout.is_none() {
+                    node.rollout = self.session_rollout(start.pid, &start.cookies);
+                }
                 self.inbound
                     .entry(start.pid)
                     .or_default()
@@ -407,6 +476,77 @@ impl Stitcher {
             if node.role == Role::Client {
                 self.recheck_rollout(request);
                 self.place_call(request);
+            }
+        }
+    }
+
+    /// The rollout the request's session cookies were set for, when they name exactly one.
+    fn session_rollout(&mut self, pid: u32, cookies: &[Token]) -> Option<RolloutId> {
+        let mut named =
+            cookies
+                .iter()
+                .filter_map(|token| match self.sessions.get(&(pid, *token)) {
+                    Some(Session::Rollout(rollout, _)) => Some(rollout),
+                    _ => None,
+                });
+        let first = named.next()?;
+        if named.any(|other| other != first) {
+            return None;
+        }
+        let rollout = first.clone();
+        self.counters.rollouts_by_session += 1;
+        Some(rollout)
+    }
+
+    /// The response to inbound `request` set these session cookies: later requests that
+    /// carry one belong to the request's rollout, if it has one.
+    pub fn sessions_set(&mut self, request: SpanId, tokens: &[Token], now: Instant) {
+        let Some(node) = self.nodes.get(&request) else {
+            return;
+        };
+        let pid = node.pid;
+        let Some(rollout) = self.effective_rollout(request).cloned() else {
+            return;
+        };
+        for token in tokens {
+            let key = (pid, *token);
+            let entry = match self.sessions.get(&key) {
+                Some(Session::Rollout(theirs, _)) if *theirs != rollout => {
+                    self.counters.sessions_conflicting += 1;
+                    Session::Conflicting(now)
+                }
+                Some(Session::Conflicting(_)) => Session::Conflicting(now),
+                _ => Session::Rollout(rollout.clone(), now),
+            };
+            if !self.sessions.contains_key(&key) {
+                // One queue entry per session: full, the one set longest ago goes.
+                while self.sessions.len() >= self.config.max_nodes {
+                    let Some((_, old)) = self.session_expiry.pop_front() else {
+                        break;
+                    };
+                    self.sessions.remove(&old);
+                }
+                self.session_expiry.push_back((now + SESSION_LINGER, key));
+            }
+            self.sessions.insert(key, entry);
+        }
+    }
+
+    /// Forgets sessions no response has set for [`SESSION_LINGER`].
+    fn expire_sessions(&mut self, now: Instant) {
+        while let Some((expiry, key)) = self.session_expiry.front().copied() {
+            if expiry > now {
+                break;
+            }
+            self.session_expiry.pop_front();
+            let last = match self.sessions.get(&key) {
+                Some(Session::Rollout(_, at) | Session::Conflicting(at)) => *at,
+                None => continue,
+            };
+            if last + SESSION_LINGER <= now {
+                self.sessions.remove(&key);
+            } else {
+                self.session_expiry.push_back((last + SESSION_LINGER, key));
             }
         }
     }
@@ -611,6 +751,7 @@ impl Stitcher {
         if forgotten {
             self.forget_gone_calls();
         }
+        self.expire_sessions(now);
         shrink_if_sparse(&mut self.nodes);
         shrink_if_sparse(&mut self.waiting_clients);
         shrink_if_sparse(&mut self.waiting_servers);
@@ -663,18 +804,39 @@ impl Stitcher {
             span.trace_id = TraceId::random();
             return span;
         };
-        let (emits_own, remote_parent) =
-            (node.emits_own, matches!(node.parent, Parent::Remote(..)));
-        if role == SpanRole::Own && node.role == Role::Client && node.parent == Parent::None {
-            self.count_undecided(node.undecided);
+        let emits_own = node.emits_own;
+        // The request's outermost span: the one that hangs under its parent.
+        let outermost = role == SpanRole::Own || !emits_own;
+        if role == SpanRole::Own && node.role == Role::Client {
+            if let Some(id) = node.tcp_span_id {
+                span.span_id = id;
+            }
+            if node.parent == Parent::None {
+                self.count_undecided(node.undecided);
+            }
+        }
+        if outermost {
+            match self.cross_host_parent(id) {
+                Some(CrossHost::Joined(_)) => self.counters.cross_host_parents += 1,
+                Some(CrossHost::Unjoined) => {
+                    self.counters.cross_host_unjoined += 1;
+                    span.attributes.push((
+                        attr::GYM_TRACER_PARENT_UNJOINED,
+                        AttributeValue::Str(UNJOINED_REASON.to_string()),
+                    ));
+                }
+                None => {}
+            }
         }
         let trace = self.trace_of(id);
-        let outer_parent = self.parent_span_of(id);
-        span.parent_span_id = match role {
-            SpanRole::Semantic if emits_own => Some(id),
-            _ => outer_parent,
+        let (parent, remote) = match role {
+            SpanRole::Semantic if emits_own => (Some(id), false),
+            _ => self
+                .parent_span_of(id)
+                .map_or((None, false), |(p, r)| (Some(p), r)),
         };
-        span.parent_is_remote = remote_parent && (role == SpanRole::Own || !emits_own);
+        span.parent_span_id = parent;
+        span.parent_is_remote = remote;
         span.trace_id = trace;
         if !span
             .attributes
@@ -748,30 +910,55 @@ impl Stitcher {
             .map_or_else(TraceId::random, |n| n.random_trace)
     }
 
-    /// The span a request's own span hangs under: for a server, the caller's client span
-    /// (or the remote parent); for a client, the gym.* span (or SERVER span) of the inbound
-    /// request that made the call. Requests whose spans are not emitted are passed through.
-    fn parent_span_of(&self, mut id: SpanId) -> Option<SpanId> {
+    /// The span a request's own span hangs under, and whether it is another process's seen
+    /// only through the request: for a server, the caller's client span (on this host, on
+    /// another host, or from `traceparent`); for a client, the gym.* span (or SERVER span)
+    /// of the inbound request that made the call. Requests whose spans are not emitted are
+    /// passed through.
+    fn parent_span_of(&self, mut id: SpanId) -> Option<(SpanId, bool)> {
         for _ in 0..MAX_DEPTH {
             let node = self.nodes.get(&id)?;
             match node.parent {
-                Parent::None => return None,
-                Parent::Remote(_, span) => return Some(span),
+                Parent::None => {
+                    return match self.cross_host_parent(id)? {
+                        CrossHost::Joined(span) => Some((span, true)),
+                        CrossHost::Unjoined => None,
+                    };
+                }
+                Parent::Remote(_, span) => return Some((span, true)),
                 Parent::Local(parent) => {
                     let Some(parent_node) = self.nodes.get(&parent) else {
-                        return Some(parent);
+                        return Some((parent, false));
                     };
                     if let Some(semantic) = parent_node.semantic_span_id {
-                        return Some(semantic);
+                        return Some((semantic, false));
                     }
                     if parent_node.emits_own {
-                        return Some(parent);
+                        let exported = match parent_node.role {
+                            Role::Client => parent_node.tcp_span_id.unwrap_or(parent),
+                            Role::Server => parent,
+                        };
+                        return Some((exported, false));
                     }
                     id = parent;
                 }
             }
         }
         None
+    }
+
+    /// For a request without a parent on this host whose caller is a Gym server on another
+    /// host: its caller's CLIENT span, named by the request's TCP sequence number, when its
+    /// trace is known here (a rollout id); otherwise it stays a root, unjoined.
+    fn cross_host_parent(&self, id: SpanId) -> Option<CrossHost> {
+        let node = self.nodes.get(&id)?;
+        if node.parent != Parent::None || !node.caller_on_other_host {
+            return None;
+        }
+        match (node.tcp_span_id, self.effective_rollout(id)) {
+            (Some(caller), Some(_)) => Some(CrossHost::Joined(caller)),
+            _ => Some(CrossHost::Unjoined),
+        }
     }
 }
 
@@ -801,6 +988,7 @@ mod tests {
             emits_own: true,
             emits_semantic: semantic,
             inbound_hidden: false,
+            caller_traced: false,
         }
     }
 
@@ -977,6 +1165,150 @@ mod tests {
         assert_eq!(stitcher.counters.cross_process_links, 1);
     }
 
+    const HOST_A: [u8; 4] = [10, 0, 0, 1];
+    const HOST_B: [u8; 4] = [10, 0, 0, 2];
+
+    /// A request between two hosts: `from` (port 40000) calls `to` (port 9000), its first
+    /// byte at TCP sequence number `seq`; `role` says which end this one is.
+    fn between_hosts(pid: u32, role: Role, seq: u32, from: [u8; 4], to: [u8; 4]) -> RequestStart {
+        let (client, server) = (
+            SocketAddr::from((from, 40000)),
+            SocketAddr::from((to, 9000)),
+        );
+        let (local, peer) = match role {
+            Role::Client => (client, server),
+            Role::Server => (server, client),
+        };
+        RequestStart {
+            local: Some(local),
+            peer: Some(peer),
+            tcp_seq: Some(seq),
+            ..start(pid, role, 0, 0, 0, "/seed_session")
+        }
+    }
+
+    fn inbound_facts(rollout: Option<&str>, caller_traced: bool) -> StartFacts {
+        StartFacts {
+            caller_traced,
+            ..facts(rollout, false)
+        }
+    }
+
+    /// Holds, finishes and releases the request's own span: what its agent exports.
+    fn export(stitcher: &mut Stitcher, request: &RequestStart, kind: SpanKind) -> SpanRecord {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let own = testing::span("own", kind, request.span_id);
+        stitcher.hold(request.span_id, SpanRole::Own, own, now, &mut out);
+        stitcher.finish(request.span_id, now);
+        stitcher.release(now + Duration::from_secs(1), &mut out);
+        out.pop().expect("released")
+    }
+
+    /// Two hosts, an agent each, nothing shared: the one on A exports the call with the id
+    /// its request's sequence number gives; the one on B names that id as the SERVER span's
+    /// parent, in the trace the rollout id gives both.
+    #[test]
+    fn a_caller_on_another_host_is_named_by_the_requests_sequence_number() {
+        let (mut host_a, mut host_b) = (Stitcher::new(config()), Stitcher::new(config()));
+        let now = Instant::now();
+        let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        host_a.start(&run, facts(None, true), now);
+        host_a.set_rollout(run.span_id, RolloutId::parse("7-1").unwrap());
+        let call = between_hosts(AGENT, Role::Client, 5000, HOST_A, HOST_B);
+        host_a.start(&call, facts(None, false), now);
+        let served = between_hosts(MODEL, Role::Server, 5000, HOST_A, HOST_B);
+        host_b.start(&served, inbound_facts(None, true), now);
+        host_b.set_rollout(served.span_id, RolloutId::parse("7-1").unwrap());
+
+        let exported_call = export(&mut host_a, &call, SpanKind::Client);
+        let exported_served = export(&mut host_b, &served, SpanKind::Server);
+        assert_eq!(exported_call.span_id, SpanId::of_tcp_request(5000));
+        assert_eq!(exported_served.parent_span_id, Some(exported_call.span_id));
+        assert!(exported_served.parent_is_remote);
+        assert_eq!(exported_served.trace_id, exported_call.trace_id);
+        assert_eq!(host_b.counters.cross_host_parents, 1);
+        assert_eq!(host_b.counters.cross_host_unjoined, 0);
+    }
+
+    /// A parent is named only where the evidence decides it: without the trace (no rollout
+    /// id) the span stays a root, marked; a caller that is no Gym server (rollout collection
+    /// calling /run) or that is on this host (it would have been matched) names none.
+    #[test]
+    fn a_caller_on_another_host_is_left_out_where_the_trace_or_the_caller_is_unknown() {
+        let mut host_b = Stitcher::new(config());
+        let now = Instant::now();
+        let unknown_trace = between_hosts(MODEL, Role::Server, 5000, HOST_A, HOST_B);
+        host_b.start(&unknown_trace, inbound_facts(None, true), now);
+        let span = export(&mut host_b, &unknown_trace, SpanKind::Server);
+        assert_eq!(span.parent_span_id, None);
+        assert!(
+            span.attributes
+                .iter()
+                .any(|(key, value)| *key == attr::GYM_TRACER_PARENT_UNJOINED
+                    && *value == AttributeValue::Str(UNJOINED_REASON.into()))
+        );
+        assert_eq!(host_b.counters.cross_host_unjoined, 1);
+
+        let untraced_caller = between_hosts(AGENT, Role::Server, 6000, HOST_A, HOST_B);
+        host_b.start(&untraced_caller, inbound_facts(Some("7-1"), false), now);
+        let same_host = between_hosts(MODEL, Role::Server, 7000, HOST_B, HOST_B);
+        host_b.start(&same_host, inbound_facts(Some("7-1"), true), now);
+        for request in [&untraced_caller, &same_host] {
+            let span = export(&mut host_b, request, SpanKind::Server);
+            assert_eq!(span.parent_span_id, None);
+            assert!(
+                span.attributes
+                    .iter()
+                    .all(|(key, _)| *key != attr::GYM_TRACER_PARENT_UNJOINED)
+            );
+        }
+        assert_eq!(host_b.counters.cross_host_unjoined, 1);
+        assert_eq!(host_b.counters.cross_host_parents, 0);
+    }
+
+    /// A resources server's tool call names no rollout, but carries the session cookie that
+    /// `/seed_session`'s response set for its rollout; a cookie set for two rollouts is no
+    /// evidence.
+    #[test]
+    fn a_session_cookie_names_the_rollout_it_was_set_for() {
+        let mut host_b = Stitcher::new(config());
+        let now = Instant::now();
+        let session = Token::of(crate::model::evidence::TokenKind::Cookie, b"session=abc");
+        let seed = between_hosts(MODEL, Role::Server, 100, HOST_A, HOST_B);
+        host_b.start(&seed, inbound_facts(None, true), now);
+        host_b.set_rollout(seed.span_id, RolloutId::parse("7-1").unwrap());
+        host_b.sessions_set(seed.span_id, &[session], now);
+        export(&mut host_b, &seed, SpanKind::Server);
+        let tool = RequestStart {
+            cookies: vec![session],
+            ..between_hosts(MODEL, Role::Server, 900, HOST_A, HOST_B)
+        };
+        host_b.start(&tool, inbound_facts(None, true), now);
+        let span = export(&mut host_b, &tool, SpanKind::Server);
+        assert_eq!(
+            span.trace_id,
+            rollout_trace_id(&RolloutId::parse("7-1").unwrap())
+        );
+        assert_eq!(span.parent_span_id, Some(SpanId::of_tcp_request(900)));
+        assert_eq!(host_b.counters.rollouts_by_session, 1);
+
+        let other = between_hosts(MODEL, Role::Server, 2000, HOST_A, HOST_B);
+        host_b.start(&other, inbound_facts(Some("8-1"), true), now);
+        host_b.sessions_set(other.span_id, &[session], now);
+        assert_eq!(host_b.counters.sessions_conflicting, 1);
+        let later = RequestStart {
+            cookies: vec![session],
+            ..between_hosts(MODEL, Role::Server, 3000, HOST_A, HOST_B)
+        };
+        host_b.start(&later, inbound_facts(None, true), now);
+        assert_eq!(
+            export(&mut host_b, &later, SpanKind::Server).parent_span_id,
+            None
+        );
+        assert_eq!(host_b.counters.rollouts_by_session, 1);
+    }
+
     #[test]
     fn calls_pick_their_parent_by_rollout_id_or_not_at_all() {
         let mut stitcher = Stitcher::new(config());
@@ -987,11 +1319,21 @@ mod tests {
         stitcher.start(&b, facts(Some("b"), false), now);
         let for_b = start(AGENT, Role::Client, 40000, 9000, 0, "/ng-rollout/b/verify");
         stitcher.start(&for_b, facts(Some("b"), false), now);
-        assert_eq!(stitcher.parent_span_of(for_b.span_id), Some(b.span_id));
+        assert_eq!(
+            stitcher
+                .parent_span_of(for_b.span_id)
+                .map(|(parent, _)| parent),
+            Some(b.span_id)
+        );
         // Two in flight, no id on the call: no parent, counted.
         let anonymous = start(AGENT, Role::Client, 40001, 9000, 0, "/verify");
         stitcher.start(&anonymous, facts(None, false), now);
-        assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
+        assert_eq!(
+            stitcher
+                .parent_span_of(anonymous.span_id)
+                .map(|(parent, _)| parent),
+            None
+        );
         assert_eq!(
             stitcher.undecided(anonymous.span_id),
             Some(Undecided::Ambiguous)
@@ -1000,7 +1342,12 @@ mod tests {
         stitcher.finish(a.span_id, now);
         let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
         stitcher.start(&for_c, facts(Some("c"), false), now);
-        assert_eq!(stitcher.parent_span_of(for_c.span_id), None);
+        assert_eq!(
+            stitcher
+                .parent_span_of(for_c.span_id)
+                .map(|(parent, _)| parent),
+            None
+        );
         assert_eq!(
             stitcher.undecided(for_c.span_id),
             Some(Undecided::Contradicted)
@@ -1063,8 +1410,18 @@ mod tests {
         let tool_call = start(AGENT, Role::Client, 40002, 7000, 0, "/get_weather");
         stitcher.start(&tool_call, facts(None, false), now);
         let nested_semantic = stitcher.semantic_span_id(nested.span_id);
-        assert_eq!(stitcher.parent_span_of(model_call.span_id), nested_semantic);
-        assert_eq!(stitcher.parent_span_of(tool_call.span_id), nested_semantic);
+        assert_eq!(
+            stitcher
+                .parent_span_of(model_call.span_id)
+                .map(|(parent, _)| parent),
+            nested_semantic
+        );
+        assert_eq!(
+            stitcher
+                .parent_span_of(tool_call.span_id)
+                .map(|(parent, _)| parent),
+            nested_semantic
+        );
         assert_eq!(
             stitcher.effective_rollout(tool_call.span_id).cloned(),
             RolloutId::parse("r")
@@ -1074,7 +1431,12 @@ mod tests {
         stitcher.start(&other, facts(Some("s"), true), now);
         let anonymous = start(AGENT, Role::Client, 40003, 7000, 0, "/get_weather");
         stitcher.start(&anonymous, facts(None, false), now);
-        assert_eq!(stitcher.parent_span_of(anonymous.span_id), None);
+        assert_eq!(
+            stitcher
+                .parent_span_of(anonymous.span_id)
+                .map(|(parent, _)| parent),
+            None
+        );
         assert_eq!(
             stitcher.undecided(anonymous.span_id),
             Some(Undecided::Ambiguous)
@@ -1174,6 +1536,7 @@ mod tests {
                 emits_own: true,
                 emits_semantic: false,
                 inbound_hidden: false,
+                caller_traced: false,
             };
             stitcher.start(&start, facts, now);
             stitcher.finish(start.span_id, now);
