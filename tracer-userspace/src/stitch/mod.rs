@@ -1231,6 +1231,46 @@ mod tests {
         assert_eq!(host_b.counters.cross_host_unjoined, 0);
     }
 
+    /// One keep-alive connection between the hosts reused by two rollouts, its requests
+    /// pipelined, and a retry of the first on a new connection: each request keeps its own
+    /// edge, since each has its own first byte.
+    #[test]
+    fn reused_pipelined_and_retried_requests_keep_their_own_edges() {
+        let (mut host_a, mut host_b) = (Stitcher::new(config()), Stitcher::new(config()));
+        let now = Instant::now();
+        let mut calls = Vec::new();
+        for (rollout, seq) in [("1-0", 100), ("2-0", 612), ("1-0", 9000)] {
+            let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+            host_a.start(&run, facts(Some(rollout), true), now);
+            let call = between_hosts(AGENT, Role::Client, seq, HOST_A, HOST_B);
+            host_a.start(&call, facts(Some(rollout), false), now);
+            calls.push((rollout, call));
+        }
+        // Host B reads the pipelined pair first, then the retry.
+        let mut served = Vec::new();
+        for (rollout, call) in &calls {
+            let seq = call.tcp_seq.unwrap();
+            let request = between_hosts(MODEL, Role::Server, seq, HOST_A, HOST_B);
+            host_b.start(&request, inbound_facts(Some(rollout), true), now);
+            served.push(request);
+        }
+        for ((rollout, call), request) in calls.iter().zip(&served) {
+            let client = export(&mut host_a, call, SpanKind::Client);
+            let server = export(&mut host_b, request, SpanKind::Server);
+            assert_eq!(
+                server.parent_span_id,
+                Some(client.span_id),
+                "rollout {rollout}"
+            );
+            assert_eq!(
+                server.trace_id,
+                rollout_trace_id(&RolloutId::parse(rollout).unwrap())
+            );
+            assert_eq!(client.trace_id, server.trace_id);
+        }
+        assert_eq!(host_b.counters.cross_host_parents, 3);
+    }
+
     /// A parent is named only where the evidence decides it: without the trace (no rollout
     /// id) the span stays a root, marked; a caller that is no Gym server (rollout collection
     /// calling /run) or that is on this host (it would have been matched) names none.
