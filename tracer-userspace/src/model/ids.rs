@@ -26,17 +26,10 @@ impl SpanId {
     /// hashed, not the addresses, which NAT and Service addresses change between the ends.
     /// Two requests of one trace share it with odds of about 2^-32 per pair.
     pub fn of_tcp_request(seq: u32) -> Self {
-        use sha2::{Digest, Sha256};
-        let digest = Sha256::new()
-            .chain_update(b"gym-tracer/tcp-request/v1/")
-            .chain_update(seq.to_be_bytes())
-            .finalize();
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&digest[..8]);
-        if id == [0; 8] {
-            id[7] = 1; // the all-zero span id is invalid
-        }
-        Self(id)
+        Self(derived_id(
+            b"gym-tracer/tcp-request/v1/",
+            &seq.to_be_bytes(),
+        ))
     }
 
     pub fn random() -> Self {
@@ -47,6 +40,22 @@ impl SpanId {
             }
         }
     }
+}
+
+/// The first `N` bytes of SHA-256(`domain` ‖ `value`), never all zero (an invalid id): the
+/// ids that agents sharing nothing must compute alike.
+pub fn derived_id<const N: usize>(domain: &[u8], value: &[u8]) -> [u8; N] {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(domain)
+        .chain_update(value)
+        .finalize();
+    let mut id = [0u8; N];
+    id.copy_from_slice(&digest[..N]);
+    if id == [0; N] {
+        id[N - 1] = 1;
+    }
+    id
 }
 
 /// A W3C `traceparent` header: `00-<trace-id>-<parent-id>-<flags>`.

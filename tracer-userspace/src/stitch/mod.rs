@@ -28,8 +28,6 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use sha2::{Digest, Sha256};
-
 use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
 use crate::model::context::ContextChain;
@@ -38,6 +36,7 @@ use crate::model::exchange::RequestStart;
 use crate::model::exchange::Role;
 use crate::model::ids::SpanId;
 use crate::model::ids::TraceId;
+use crate::model::ids::derived_id;
 use crate::model::ids::parse_traceparent;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanKind;
@@ -261,16 +260,10 @@ struct Held {
 /// The trace id of every span of a rollout: the first 16 bytes of
 /// SHA-256("nemo.gym.rollout/" + rollout id).
 pub fn rollout_trace_id(rollout_id: &RolloutId) -> TraceId {
-    let digest = Sha256::new()
-        .chain_update(b"nemo.gym.rollout/")
-        .chain_update(rollout_id.as_str().as_bytes())
-        .finalize();
-    let mut id = [0u8; 16];
-    id.copy_from_slice(&digest[..16]);
-    if id == [0; 16] {
-        id[15] = 1; // the all-zero trace id is invalid
-    }
-    TraceId(id)
+    TraceId(derived_id(
+        b"nemo.gym.rollout/",
+        rollout_id.as_str().as_bytes(),
+    ))
 }
 
 pub struct Stitcher {
