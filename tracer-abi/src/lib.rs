@@ -150,6 +150,21 @@ pub struct DataEventHeader {
 /// [`DataEventHeader::flags`]: `seq` is known.
 pub const DATA_SEQ_KNOWN: u8 = 1;
 
+/// The span id of the CLIENT span of the request whose first byte has TCP sequence number
+/// `seq`, as a big-endian `u64`: what the caller's agent exports and what the callee's agent
+/// (on any host, sharing nothing; or a header the kernel writes) names as its parent.
+/// SplitMix64's finalizer over a fixed domain tag and the number: a bijection, so two
+/// requests with different numbers never share an id, never 0 (only 0 maps to 0), and
+/// cheap enough for an eBPF program. Changing it breaks joins between agents of two
+/// versions: it is versioned by its tag.
+pub const fn tcp_request_span_id(seq: u32) -> u64 {
+    const TAG_V1: u64 = 0x6774_7271; // "gtrq"
+    let mut z = (TAG_V1 << 32) | seq as u64;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// The per-CPU scratch value in which the eBPF side assembles a data record.
 ///
 /// The payload is twice [`MAX_CAPTURE_BYTES`] so that a masked offset plus a masked length

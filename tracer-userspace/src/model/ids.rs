@@ -21,15 +21,12 @@ impl TraceId {
 
 impl SpanId {
     /// The id of the CLIENT span of the request whose first byte has TCP sequence number
-    /// `seq`: the caller's agent gives its span this id and the callee's agent, on any host
-    /// and sharing nothing, names it as the SERVER span's parent. Only the sequence number is
-    /// hashed, not the addresses, which NAT and Service addresses change between the ends.
-    /// Two requests of one trace share it with odds of about 2^-32 per pair.
+    /// `seq` ([`tracer_abi::tcp_request_span_id`]): the caller's agent gives its span this id
+    /// and the callee's agent, on any host and sharing nothing, names it as the SERVER span's
+    /// parent. Only the sequence number goes in, not the addresses, which NAT and Service
+    /// addresses change between the ends.
     pub fn of_tcp_request(seq: u32) -> Self {
-        Self(derived_id(
-            b"gym-tracer/tcp-request/v1/",
-            &seq.to_be_bytes(),
-        ))
+        Self(tracer_abi::tcp_request_span_id(seq).to_be_bytes())
     }
 
     pub fn random() -> Self {
@@ -102,29 +99,24 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
 mod tests {
     use super::*;
 
-    /// The ids other tools (and other versions of this one) must compute the same way: the
-    /// first 8 bytes of SHA-256("gym-tracer/tcp-request/v1/" ‖ big-endian seq).
+    /// The ids other tools (and other versions of this one) must compute the same way:
+    /// SplitMix64's finalizer of (0x67747271 << 32 | seq), big-endian. The vectors were
+    /// computed apart from this code (Python: `z = (0x67747271 << 32) | seq; z = ((z ^ (z >>
+    /// 30)) * 0xbf58476d1ce4e5b9) % 2**64; z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) % 2**64;
+    /// z ^ (z >> 31)`).
+    const VECTORS: [(u32, &str); 4] = [
+        (0, "9a196ab7dcf845d8"),
+        (1, "e66a7be098b5a643"),
+        (0x8000_0000, "6ef3bd6b586e4cdb"),
+        (u32::MAX, "f92427a4b745cab0"),
+    ];
+
     #[test]
     fn a_requests_span_id_is_a_function_of_its_sequence_number_only() {
-        let expected = |seq: u32| {
-            let mut input = b"gym-tracer/tcp-request/v1/".to_vec();
-            input.extend_from_slice(&seq.to_be_bytes());
-            let out = std::process::Command::new("sha256sum")
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .and_then(|mut child| {
-                    use std::io::Write;
-                    child.stdin.take().expect("piped").write_all(&input)?;
-                    child.wait_with_output()
-                })
-                .expect("sha256sum runs");
-            String::from_utf8(out.stdout).expect("hex")[..16].to_string()
-        };
-        for seq in [0, 1, 0x8000_0000, u32::MAX] {
+        for (seq, hex) in VECTORS {
             let id = SpanId::of_tcp_request(seq);
-            let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
-            assert_eq!(hex, expected(seq), "seq {seq}");
+            let got: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(got, hex, "seq {seq}");
         }
         assert_ne!(SpanId::of_tcp_request(7), SpanId::of_tcp_request(8));
     }
