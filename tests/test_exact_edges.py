@@ -1,29 +1,49 @@
 """Issue #17 [exact-edges]: the real nemo-gym servers split over two hosts, one gym-tracer per
-host, sharing nothing, and every cross-host call is an exact parent edge.
+host, sharing nothing, and every cross-host call is an exact parent edge, or, where the server
+on B cannot know the rollout of a request, a root that says why it is one.
 
-Topology (tests/support/netns.py makes host B, a network namespace joined by a veth pair):
+Two topologies (tests/support/netns.py makes host B, a network namespace joined by a veth pair;
+host A is the root network namespace, 10.231.N.1; host B is netns gtb-<hex>, 10.231.N.2):
 
-    host A: root network namespace, 10.231.N.1          host B: netns gtb-<hex>, 10.231.N.2
-      example_single_tool_call_simple_agent (agent)  --->  example_single_tool_call (resources)
-      policy_model (model) ---> canned upstream            gym-tracer B (--pid resources)
-                                (127.0.0.1)
-      gym-tracer A (--pid agent --pid model)
+"resources-on-b":
+    host A: example_single_tool_call_simple_agent (agent)  --->  host B: example_single_tool_call
+            policy_model (model) ---> canned upstream (127.0.0.1)          (resources)
+            gym-tracer A (--pid agent --pid model)                  gym-tracer B (--pid resources)
+  The agent calls the resources server at 10.231.N.2 (seed_session, get_weather, verify: three
+  calls per rollout).
 
-The agent calls the resources server at 10.231.N.2 (seed_session, get_weather, verify: three
-calls per rollout), over a real TCP connection between the hosts. Neither tracer sees the other
-end of those calls: tracer A exports the CLIENT span, tracer B the SERVER span, and each derives
-the id of that request's span from its TCP sequence number, so B's SERVER span names A's CLIENT
-span as its parent with nothing passed between them.
+"model-on-b":
+    host A: agent  --->  host B: policy_model (model) ---> canned upstream (B's 127.0.0.1)
+            example_single_tool_call (resources)
+            gym-tracer A (--pid agent --pid resources)      gym-tracer B (--pid model)
+  The agent calls the model server at 10.231.N.2 (two calls per rollout); the model server
+  calls its upstream on B's own loopback, so the upstream runs in B's namespace too.
+
+Neither tracer sees the other end of a cross-host call: tracer A exports the CLIENT span,
+tracer B the SERVER span, and each derives the id of that request's span from its TCP sequence
+number, so B's SERVER span can name A's CLIENT span as its parent with nothing passed between
+them -- when B also knows the request's rollout (its trace).
 
 One rollout alone, then 16 at once (the (task, rollout) pairs, bodies and padding of
 test_real_gym's concurrent test), with Gym's observability on (the /ng-rollout/<id>/ prefixes:
-"prefixes") and off ("gym-default"). Checked over the union of both tracers' output:
+"prefixes") and off ("gym-default"). Where B's server knows each request's rollout (every case
+but model-on-b gym-default), checked over the union of both tracers' output:
 a. every rollout is one trace (its derived id) holding exactly EXPECTED_TREE, the tree of a
    rollout traced on one host;
 b. every CLIENT span of tracer A to host B's address has exactly one SERVER span of tracer B
    under it, in the same trace, and every SERVER span of B has such a CLIENT parent in A;
-c. no span outside the rollouts' traces, SPANS_PER_ROLLOUT spans per rollout in all, and no
-   secret or prompt text in either tracer's output.
+c. no span outside the rollouts' traces, SPANS_PER_ROLLOUT spans per rollout in all.
+model-on-b also checks tracer B's summary: cross_host_parents = 2 per rollout, no unjoined.
+
+model-on-b gym-default: the model server cannot know the rollout of its requests (no prefix, no
+id in the body, no cookie on its first call), so gym-tracer must not join them, and say so:
+d. every SERVER span of B is a root marked gym_tracer.parent.unjoined=caller_on_other_host,
+   and tracer B counts them (cross_host_unjoined = 2 per rollout, cross_host_parents = 0);
+e. each of those SERVER spans' trace holds exactly the model's subtree of EXPECTED_TREE and
+   nothing else; no span of B is in a rollout's derived trace or names a span of A as parent;
+f. on A every rollout is one trace holding EXPECTED_TREE without the model's subtrees (the
+   agent's CLIENT spans to the model, still exported, are leaves), and nothing besides.
+In every case no secret or prompt text is in either tracer's output.
 
 Needs root (the namespace), iproute2 and nsenter, and target/gym-venv (see test_real_gym.py).
 """
@@ -36,12 +56,17 @@ import pytest
 
 from harness import Agent, wait_until
 from netns import TwoHosts
-from real_gym.launch import AGENT, MODEL, PADDING, RESOURCES, RealGymRun
+from gym_expect import rollout_trace_id
+from real_gym.launch import MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
 from test_real_gym import (AT_ONCE, BODY_BYTES, EXAMPLE_ROWS, EXPECTED_TREE, NEVER_EXPORTED, SOLO,
                            SPANS_PER_ROLLOUT, attached_tracer, canonical, drive_at_once, expected_requests, gym_venv,
-                           harvest, render_shapes, rollout_problems, wait_for_requests)
+                           harvest, render_shapes, rollout_problems, tree_shape, tree_size, wait_for_requests)
 
-ON_A, ON_B = (AGENT, MODEL), (RESOURCES,)
+# Topology -> the servers on host B (the rest are on host A).
+TOPOLOGIES = {"resources-on-b": (RESOURCES,), "model-on-b": (MODEL,)}
+OBSERVABILITY = {"prefixes": True, "gym-default": False}
+# (topology, observability) where B's server cannot know its requests' rollout: no cross-host join.
+UNJOINABLE = {("model-on-b", False)}
 # Summary counters that say how spans were joined across hosts (or not).
 COUNTER_WORDS = ("edge", "unjoined", "cross")
 UNJOINED = "gym_tracer.parent.unjoined"  # set on a SERVER span left a root: why
@@ -53,7 +78,19 @@ def cross_host_calls(node, host_b):
     return sum((server not in host_b and child[1] in host_b) + cross_host_calls(child, host_b) for child in children)
 
 
-CROSS_HOST_CALLS_PER_ROLLOUT = cross_host_calls(EXPECTED_TREE, ON_B)  # seed_session, get_weather, verify
+def split_tree(node, host_b):
+    """`node` without the subtrees of the servers in `host_b` called from a server not in it
+    (the callers' CLIENT spans stay, as leaves), and those subtrees."""
+    name, server, children = node
+    kept, cut = [], []
+    for child in children:
+        if server not in host_b and child[1] in host_b:
+            cut.append(child)
+        else:
+            pruned, below = split_tree(child, host_b)
+            kept.append(pruned)
+            cut += below
+    return (name, server, kept), cut
 
 
 def describe(span, host="?"):
@@ -87,7 +124,7 @@ def edge_problems(spans_a, spans_b, b_address):
         if parent is not None and parent["trace_id"] == span["trace_id"]:
             continue
         why = span["attributes"].get(UNJOINED)
-        if span["parent_span_id"] is None:
+        if not span["parent_span_id"]:  # a root: "" in gym-tracer's output
             reason = "a root" + (f" ({UNJOINED}={why})" if why else "")
             what = reason
         elif parent is None:
@@ -101,21 +138,75 @@ def edge_problems(spans_a, spans_b, b_address):
     return exact, calls, served, problems, tally
 
 
-@pytest.mark.parametrize("observability", [True, False], ids=["prefixes", "gym-default"])
-def test_cross_host_edges_are_exact(observability):
+def unjoined_problems(spans_a, spans_b, b_address, rollout_ids, subtree, by_pid):
+    """Checks (d), (e) of B's spans where B cannot join: what is wrong, and the counts
+    (A's CLIENT spans to B, B's SERVER spans, those joined to a span of A, those marked unjoined)."""
+    calls = [s for s in spans_a if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == b_address]
+    served = [s for s in spans_b if s["kind"] == "SERVER"]
+    a_ids = {s["span_id"] for s in spans_a}
+    spans = spans_a + spans_b
+    by_trace = collections.defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    problems = []
+    joined = [s for s in spans_b if s["parent_span_id"] in a_ids]
+    for span in joined:
+        problems.append(f"{describe(span, 'B')}: names span {span['parent_span_id']} of A as its parent (a guessed edge)")
+    marked = []
+    for span in served:
+        a = span["attributes"]
+        if span["name"] != "POST /v1/responses":
+            problems.append(f"{describe(span, 'B')}: not POST /v1/responses")
+        if span["parent_span_id"]:  # a root's is "" in gym-tracer's output
+            problems.append(f"{describe(span, 'B')}: parent_span_id {span['parent_span_id']}, want none (a root)")
+        if a.get(UNJOINED) != "caller_on_other_host":
+            problems.append(f"{describe(span, 'B')}: {UNJOINED}={a.get(UNJOINED)!r}, want 'caller_on_other_host'")
+        elif not span["parent_span_id"]:
+            marked.append(span)
+        shapes = tree_shape(by_trace[span["trace_id"]], by_pid)
+        if shapes != [canonical(subtree)]:
+            problems.append(f"{describe(span, 'B')}: its trace holds {len(by_trace[span['trace_id']])} spans, not "
+                            f"exactly the model's subtree:\n" + "\n".join("    " + line for line in render_shapes(shapes)))
+    served_traces = {s["trace_id"] for s in served}
+    outside = [s for s in spans_b if s["trace_id"] not in served_traces]
+    if outside:
+        problems.append(f"{len(outside)} spans of B in no trace of a SERVER span of B: "
+                        + "; ".join(describe(s, "B") for s in outside[:5]))
+    derived = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
+    for span in spans_b:
+        if span["trace_id"] in derived:
+            problems.append(f"{describe(span, 'B')}: in rollout {derived[span['trace_id']]}'s derived trace")
+    call_ids = {s["span_id"] for s in calls}
+    under_calls = [s for s in spans if s["parent_span_id"] in call_ids]
+    if under_calls:
+        problems.append(f"{len(under_calls)} spans under A's CLIENT spans to B (want them leaves): "
+                        + "; ".join(describe(s) for s in under_calls[:5]))
+    return calls, served, joined, marked, problems
+
+
+CASES = [(topology, label) for topology in TOPOLOGIES for label in OBSERVABILITY]
+
+
+@pytest.mark.parametrize("topology,label", CASES, ids=[f"{t}-{label}" for t, label in CASES])
+def test_cross_host_edges_are_exact(topology, label):
     venv = gym_venv()
-    label = "prefixes" if observability else "gym-default"
+    observability = OBSERVABILITY[label]
+    on_b = TOPOLOGIES[topology]
+    on_a = tuple(name for name in SERVER_TYPES if name not in on_b)
+    joinable = (topology, observability) not in UNJOINABLE
     with contextlib.ExitStack() as stack:
-        # Torn down in reverse: the tracers, then the servers, then host B.
+        # Torn down in reverse: the tracers, then the servers (and upstream), then host B.
         hosts = stack.enter_context(TwoHosts())
+        # The model server calls its upstream at 127.0.0.1: on B, B's loopback, so the upstream is on B too.
         run = RealGymRun(venv, access_log=True, observability=observability,
-                         hosts={RESOURCES: hosts.b_address, AGENT: hosts.a_address, MODEL: hosts.a_address},
-                         netns={RESOURCES: hosts.b_exec})
+                         hosts={name: hosts.b_address if name in on_b else hosts.a_address for name in SERVER_TYPES},
+                         netns={name: hosts.b_exec for name in on_b},
+                         upstream_netns=hosts.b_exec if MODEL in on_b else None)
         stack.enter_context(run)
         pids = run.pids
         by_pid = {pid: name for name, pid in pids.items()}
-        pids_a = {name: pids[name] for name in ON_A}
-        pids_b = {name: pids[name] for name in ON_B}
+        pids_a = {name: pids[name] for name in on_a}
+        pids_b = {name: pids[name] for name in on_b}
 
         def tracer_on(host_pids, wrapper=()):
             """gym-tracer with --pid for each server of one host, once it attached them all
@@ -138,6 +229,10 @@ def test_cross_host_edges_are_exact(observability):
         results = {SOLO: run.drive_rollout(*SOLO, **body_options(SOLO[0]))}
         results.update(drive_at_once(run, AT_ONCE, body_options))
         assert {key: result["reward"] for key, result in results.items()} == {key: 1.0 for key in rollouts}, results
+        if MODEL in on_b:  # the model's upstream, on B's loopback, asked from inside B
+            upstream = run.upstream_requests()
+            assert collections.Counter((r["method"], r["path"], r["auth_ok"]) for r in upstream) == \
+                {("POST", "/v1/responses", True): 2 * len(rollouts)}, upstream
 
         expected_paths = collections.Counter(
             request for rollout_id in ids for request in expected_requests(rollout_id, observability))
@@ -168,23 +263,52 @@ def test_cross_host_edges_are_exact(observability):
         counters = {host: {k: v for k, v in agent.summary().items() if any(w in k for w in COUNTER_WORDS)}
                     for agent, host in [(tracer_a, "A"), (tracer_b, "B")]}
 
-        # (a), (c): every rollout one trace of exactly EXPECTED_TREE, nothing besides.
-        problems = rollout_problems(spans, ids, by_pid)
-        # (b): the cross-host edges.
-        exact, calls, served_b, edge_issues, tally = edge_problems(spans_a, spans_b, hosts.b_address)
-        want_edges = CROSS_HOST_CALLS_PER_ROLLOUT * len(rollouts)
-        for what, found in [(f"CLIENT spans of A to {hosts.b_address}", len(calls)),
-                            ("SERVER spans of B", len(served_b))]:
-            if found != want_edges:
-                edge_issues.insert(0, f"{found} {what}, want {len(rollouts)} x {CROSS_HOST_CALLS_PER_ROLLOUT}")
+        cross_per_rollout = cross_host_calls(EXPECTED_TREE, on_b)
+        want_edges = cross_per_rollout * len(rollouts)
+        case = f"{topology} {label}"
+        a_tree, cut = split_tree(EXPECTED_TREE, on_b)
+        if joinable:
+            # (a), (c): every rollout one trace of exactly EXPECTED_TREE, nothing besides.
+            problems = rollout_problems(spans, ids, by_pid)
+            # (b): the cross-host edges.
+            exact, calls, served_b, edge_issues, tally = edge_problems(spans_a, spans_b, hosts.b_address)
+            for what, found in [(f"CLIENT spans of A to {hosts.b_address}", len(calls)),
+                                ("SERVER spans of B", len(served_b))]:
+                if found != want_edges:
+                    edge_issues.insert(0, f"{found} {what}, want {len(rollouts)} x {cross_per_rollout}")
+            edges_line = (f"{exact}/{want_edges} cross-host edges exact over {len(rollouts)} rollouts, "
+                          f"{len(AT_ONCE)} at once")
+            want_counters = {"cross_host_parents": want_edges, "cross_host_unjoined": 0}
+            expected_trees = [canonical(EXPECTED_TREE)]
+        else:
+            # (f): on A, every rollout one trace of EXPECTED_TREE without the model's subtrees.
+            [subtree] = {canonical(node) for node in cut}  # the same subtree under every call
+            problems = rollout_problems(spans_a, ids, by_pid, expected_tree=a_tree)
+            # (d), (e): B's spans roots, marked, each trace the model's subtree alone.
+            calls, served_b, joined, marked, edge_issues = unjoined_problems(
+                spans_a, spans_b, hosts.b_address, ids, subtree, by_pid)
+            for what, found in [(f"CLIENT spans of A to {hosts.b_address}", len(calls)),
+                                ("SERVER spans of B", len(served_b))]:
+                if found != want_edges:
+                    edge_issues.insert(0, f"{found} {what}, want {len(rollouts)} x {cross_per_rollout}")
+            if len(spans_b) != tree_size(subtree) * want_edges:
+                edge_issues.insert(0, f"{len(spans_b)} spans of B, want {want_edges} x {tree_size(subtree)}")
+            tally = {}
+            edges_line = (f"{len(joined)}/{want_edges} joined (by design), {len(marked)}/{want_edges} marked "
+                          f"unjoined over {len(rollouts)} rollouts, {len(AT_ONCE)} at once")
+            want_counters = {"cross_host_parents": 0, "cross_host_unjoined": want_edges}
+            expected_trees = [canonical(a_tree), subtree]
+        if topology == "model-on-b":
+            # Tracer B's own account of its cross-host parents.
+            for name, want in want_counters.items():
+                if counters["B"].get(name) != want:
+                    edge_issues.insert(0, f"tracer B's summary {name} = {counters['B'].get(name)}, want {want}")
 
-        edges_line = (f"{exact}/{want_edges} cross-host edges exact over {len(rollouts)} rollouts, "
-                      f"{len(AT_ONCE)} at once")
         report = [
-            f"[{label}] {hosts!r}",
-            f"  tracer A (agent, model): {len(spans_a)} spans; tracer B (resources): {len(spans_b)} spans; "
-            f"want {len(rollouts)} rollouts x {SPANS_PER_ROLLOUT} = {SPANS_PER_ROLLOUT * len(rollouts)}",
-            f"  {edges_line}",
+            f"[{case}] {hosts!r}",
+            f"  tracer A ({', '.join(on_a)}): {len(spans_a)} spans; tracer B ({', '.join(on_b)}): {len(spans_b)} "
+            f"spans; want {len(rollouts)} rollouts x {SPANS_PER_ROLLOUT} = {SPANS_PER_ROLLOUT * len(rollouts)}",
+            f"  {case}: {edges_line}",
             *(f"  tracer {host} {name} = {value}" for host, found in counters.items() for name, value in found.items()),
         ]
         if tally:
@@ -195,7 +319,7 @@ def test_cross_host_edges_are_exact(observability):
         assert not failures, "\n".join(
             report + [f"{len(problems)} rollout problems, {len(edge_issues)} edge problems; first ones:"]
             + problems[:12] + edge_issues[:20]
-            + ["expected tree:"] + render_shapes([canonical(EXPECTED_TREE)]))
+            + ["expected tree(s):"] + render_shapes(expected_trees))
 
         prompts = {run.example_row(row)["responses_create_params"]["input"][-1]["content"]
                    for row in range(EXAMPLE_ROWS)}

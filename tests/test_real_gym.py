@@ -330,16 +330,17 @@ def expected_requests(rollout_id, observability):
     ]
 
 
-def rollout_problems(spans, rollout_ids, by_pid):
+def rollout_problems(spans, rollout_ids, by_pid, expected_tree=EXPECTED_TREE):
     """What is wrong with the rollouts' traces in `spans` (by_pid: pid -> server name), [] if
     nothing: for every rollout id, every span that carries it or is in its derived trace is in
-    that one trace, that trace is exactly EXPECTED_TREE and holds no span of another rollout;
-    no span is in no rollout's trace, and there are SPANS_PER_ROLLOUT spans per rollout."""
+    that one trace, that trace is exactly `expected_tree` (default EXPECTED_TREE) and holds no
+    span of another rollout; no span is in no rollout's trace, and there are
+    tree_size(expected_tree) spans per rollout."""
     by_trace = collections.defaultdict(list)
     for span in spans:
         by_trace[span["trace_id"]].append(span)
     trace_owner = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
-    want = [canonical(EXPECTED_TREE)]
+    want = [canonical(expected_tree)]
     problems = []
     for rollout_id in rollout_ids:
         trace_id = rollout_trace_id(rollout_id)
@@ -369,8 +370,9 @@ def rollout_problems(spans, rollout_ids, by_pid):
         problems.append(f"{len(strays)} spans in no rollout's trace:\n" + "\n".join(
             f"    trace {t}:\n" + "\n".join("      " + line for line in render_shapes(tree_shape(members, by_pid)))
             for t, members in by_trace.items() if t not in trace_owner))
-    if len(spans) != SPANS_PER_ROLLOUT * len(rollout_ids):
-        problems.append(f"{len(spans)} spans, want {len(rollout_ids)} x {SPANS_PER_ROLLOUT}: "
+    per_rollout = tree_size(expected_tree)
+    if len(spans) != per_rollout * len(rollout_ids):
+        problems.append(f"{len(spans)} spans, want {len(rollout_ids)} x {per_rollout}: "
                         f"{collections.Counter((s['kind'], s['name']) for s in spans)}")
     return problems
 

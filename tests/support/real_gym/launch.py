@@ -32,7 +32,11 @@ binds that address and every peer calls it there (Gym's ServerClient builds a se
 from the global config); `netns` (server name -> command prefix, e.g. `["ip", "netns",
 "exec", NAME]`, see tests/support/netns.py) runs that server's bash command under the prefix.
 `ip netns exec` and bash both exec, so the Popen pid is still the server's Python. The canned
-upstream stays on 127.0.0.1 in this process's namespace: the model server must be there too.
+upstream is on 127.0.0.1 in this process's namespace, where the model server calls it, unless
+`upstream_netns` (a command prefix like `netns`'s) runs it in another network namespace: then
+it is on that namespace's 127.0.0.1, and the model server must run there too. Its readiness is
+its ready file (written once it listens, seen through the shared filesystem), and
+`upstream_requests()` asks it from inside that namespace.
 
 With `upstream_tls=True` the canned upstream serves HTTPS with a self-signed certificate for
 127.0.0.1 and localhost (made here with the `openssl` command), `openai_base_url` is
@@ -183,15 +187,29 @@ def _clean_env():
     return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "NEMO_GYM_"))}
 
 
+# GET argv[1] (trusting the PEM certificate argv[2], if any), its body to stdout: the canned
+# upstream's log, asked from inside the network namespace it runs in.
+_FETCH = """\
+import ssl, sys, urllib.request
+context = ssl.create_default_context(cafile=sys.argv[2]) if sys.argv[2] else None
+with urllib.request.urlopen(sys.argv[1], timeout=5, context=context) as r:
+    sys.stdout.write(r.read().decode())
+"""
+
+
 class CannedUpstream:
     """canned_upstream.py in a process of its own on 127.0.0.1:`port`, expecting `api_key`;
     with `tls`, over HTTPS with a self-signed certificate made in `workdir` (`cert`, `key`).
-    Its output goes to `workdir`/canned_upstream.log."""
+    Its output goes to `workdir`/canned_upstream.log.
+    netns: a command prefix (e.g. `ip netns exec NAME`, which must exec the command) that runs
+    it in another network namespace, on that namespace's 127.0.0.1; `requests()` then runs its
+    query under the same prefix. Readiness (the ready file) needs no network either way."""
 
-    def __init__(self, workdir, port=None, tls=False, api_key=API_KEY):
+    def __init__(self, workdir, port=None, tls=False, api_key=API_KEY, netns=None):
         self.workdir = Path(workdir)
         self.port = port or free_ports(1)[0]
         self.tls, self.api_key = tls, api_key
+        self.netns = list(netns or [])
         self.cert = self.key = None
         self.process = None
 
@@ -207,7 +225,7 @@ class CannedUpstream:
             tls = ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
         log = open(self.workdir / "canned_upstream.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "canned_upstream.py"), "--port", str(self.port),
+            [*self.netns, sys.executable, str(HERE / "canned_upstream.py"), "--port", str(self.port),
              "--api-key", self.api_key, "--ready-file", str(ready), *tls],
             env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
         )
@@ -223,8 +241,15 @@ class CannedUpstream:
     def requests(self):
         """What it saw, in order: [{method, path, auth_ok, stream, model, model_offset,
         body_bytes, usage: {input, output} or None}] (canned_upstream.py)."""
+        url = f"{self.base_url}/_canned/requests"
+        if self.netns:  # its 127.0.0.1 is another namespace's: ask from in there
+            out = subprocess.run([*self.netns, sys.executable, "-c", _FETCH, url, str(self.cert or "")],
+                                 capture_output=True, text=True, timeout=30, env=_clean_env())
+            if out.returncode != 0:
+                raise RuntimeError(f"querying {url} under {self.netns} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+            return json.loads(out.stdout)
         context = ssl.create_default_context(cafile=str(self.cert)) if self.tls else None
-        with urllib.request.urlopen(f"{self.base_url}/_canned/requests", timeout=5, context=context) as r:
+        with urllib.request.urlopen(url, timeout=5, context=context) as r:
             return json.loads(r.read())
 
     def stop(self, timeout=10):
@@ -254,10 +279,13 @@ class RealGymRun:
     hosts: server name -> the address it binds and its peers call (default 127.0.0.1).
     netns: server name -> a command prefix its launch command runs under (e.g. `ip netns
     exec NAME`, which must exec the command so the pid stays the server's).
+    upstream_netns: a command prefix the canned upstream runs under (default: none, this
+    process's namespace); the model server calls it at 127.0.0.1, so with a prefix the model
+    server must be in that namespace too (`netns[MODEL]`).
     """
 
     def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False,
-                 hosts=None, netns=None):
+                 hosts=None, netns=None, upstream_netns=None):
         self.venv = Path(venv or default_venv()).absolute()
         self.python = self.venv / "bin" / "python"
         if not self.python.exists():
@@ -274,7 +302,8 @@ class RealGymRun:
             raise ValueError(f"hosts/netns name servers this run does not have: {unknown}")
         self.hosts = dict(hosts or {})
         self.netns = {name: list(prefix) for name, prefix in (netns or {}).items()}
-        self.canned = CannedUpstream(self.workdir, self.upstream_port, tls=upstream_tls)
+        self.upstream_netns = list(upstream_netns or [])
+        self.canned = CannedUpstream(self.workdir, self.upstream_port, tls=upstream_tls, netns=self.upstream_netns)
         self.upstream_cert = self.upstream_key = None
         self.upstream = None
         self.processes = {}
