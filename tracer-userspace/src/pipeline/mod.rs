@@ -9,6 +9,7 @@
 //! stitcher holds until their parents and trace ids are decided, then releases.
 
 pub mod replay;
+
 #[cfg(test)]
 pub mod testing;
 
@@ -21,6 +22,7 @@ use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
+use crate::model::evidence::Token;
 use crate::model::exchange::{HttpExchange, OpaqueTls, Outcome, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
 use crate::model::service::AgentResource;
@@ -417,12 +419,8 @@ impl<M: RequestMetrics> Pipeline<M> {
         if exchange.role == Role::Server && meaning.route == RouteName::Unnamed {
             self.counters.requests_unnamed += 1;
         }
-        if exchange.role == Role::Server
-            && let Outcome::Response(response) = &exchange.outcome
-            && !response.sessions_set.is_empty()
-        {
-            self.stitcher
-                .sessions_set(exchange.span_id, &response.sessions_set, now);
+        if let Some(opened) = sessions_opened(process.server_type, exchange) {
+            self.stitcher.sessions_set(exchange.span_id, &opened, now);
         }
         let identity = process.identity.clone();
         let peer = exchange
@@ -494,5 +492,61 @@ impl<M: RequestMetrics> Pipeline<M> {
             }
             None => self.output.lifecycle.push(Lifecycle::NotAdopted(child)),
         }
+    }
+}
+
+/// The sessions a Gym resources server opened with its response to `exchange`: the session
+/// cookies it set that the request did not carry. A resources server's session is one
+/// rollout's (`/seed_session` opens it); a cookie the client already carried, or one set by
+/// another kind of server (a constant or per-client cookie), says nothing about the rollout.
+fn sessions_opened(server_type: Option<ServerType>, exchange: &HttpExchange) -> Option<Vec<Token>> {
+    let Outcome::Response(response) = &exchange.outcome else {
+        return None;
+    };
+    if exchange.role != Role::Server || server_type != Some(ServerType::Resources) {
+        return None;
+    }
+    let opened: Vec<Token> = response
+        .sessions_set
+        .iter()
+        .filter(|token| !exchange.request.cookies.contains(token))
+        .copied()
+        .collect();
+    (!opened.is_empty()).then_some(opened)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::evidence::cookie_tokens;
+    use crate::model::exchange::ResponseHead;
+
+    fn seed(carried: &[u8], set: &[u8]) -> HttpExchange {
+        let mut request = testing::request("POST", "/seed_session");
+        request.cookies = cookie_tokens(carried);
+        let response = Outcome::Response(ResponseHead {
+            status: 200,
+            version_minor: 1,
+            sessions_set: cookie_tokens(set),
+        });
+        testing::exchange(1, Role::Server, request, response)
+    }
+
+    /// Only a session a resources server opens names a rollout: not a cookie the client
+    /// already carried (the Gym-shaped servers' constant one), nor another server's.
+    #[test]
+    fn a_session_is_opened_by_a_resources_servers_new_cookie_only() {
+        let opened = seed(b"", b"session=eyJzZXNzaW9u.Z1x2.sig");
+        assert_eq!(
+            sessions_opened(Some(ServerType::Resources), &opened),
+            Some(cookie_tokens(b"session=eyJzZXNzaW9u.Z1x2.sig"))
+        );
+        assert_eq!(sessions_opened(Some(ServerType::Model), &opened), None);
+        assert_eq!(sessions_opened(None, &opened), None);
+        let carried = seed(
+            b"session=eyJzZXNzaW9u.Z1x2.sig",
+            b"session=eyJzZXNzaW9u.Z1x3.sig2",
+        );
+        assert_eq!(sessions_opened(Some(ServerType::Resources), &carried), None);
     }
 }

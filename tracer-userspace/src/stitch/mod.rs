@@ -61,10 +61,9 @@ const SHRINK_FACTOR: usize = 4;
 /// bound keeps a corrupted graph from looping).
 const MAX_DEPTH: usize = 64;
 
-/// How long a session cookie names its rollout after a response last set it (Starlette sets
-/// it again on every response, so an active session stays): longer than a rollout's pause
-/// between calls to one server, such as a slow model turn.
-const SESSION_LINGER: Duration = Duration::from_secs(600);
+/// How long a session cookie names its rollout after it was opened or last carried: longer
+/// than a rollout's pause between calls to one server (a slow model turn, a long tool).
+const SESSION_LINGER: Duration = Duration::from_secs(1800);
 
 #[derive(Clone, Copy, Debug)]
 pub struct StitchConfig {
@@ -326,9 +325,9 @@ pub const UNJOINED_REASON: &str = "caller_on_other_host";
 /// What a session cookie says about the requests that carry it.
 #[derive(Clone, Debug)]
 enum Session {
-    /// Set only for requests of this rollout, last at the instant given.
+    /// Opened for a request of this rollout; opened or carried last at the instant given.
     Rollout(RolloutId, Instant),
-    /// Set for requests of two rollouts (a cookie shared by all sessions): no evidence.
+    /// Opened for requests of two rollouts: no evidence.
     Conflicting(Instant),
 }
 
@@ -428,7 +427,7 @@ impl Stitcher {
                     }
                 };
                 if node.rollout.is_none() {
-                    node.rollout = self.session_rollout(start.pid, &start.cookies);
+                    node.rollout = self.session_rollout(start.pid, &start.cookies, now);
                 }
                 self.inbound
                     .entry(start.pid)
@@ -473,26 +472,29 @@ impl Stitcher {
         }
     }
 
-    /// The rollout the request's session cookies were set for, when they name exactly one.
-    fn session_rollout(&mut self, pid: u32, cookies: &[Token]) -> Option<RolloutId> {
-        let mut named =
-            cookies
-                .iter()
-                .filter_map(|token| match self.sessions.get(&(pid, *token)) {
-                    Some(Session::Rollout(rollout, _)) => Some(rollout),
-                    _ => None,
-                });
-        let first = named.next()?;
-        if named.any(|other| other != first) {
-            return None;
+    /// The rollout the request's sessions were opened for, when they name exactly one (each
+    /// session it names stays another [`SESSION_LINGER`]).
+    fn session_rollout(&mut self, pid: u32, cookies: &[Token], now: Instant) -> Option<RolloutId> {
+        let mut named: Option<RolloutId> = None;
+        for token in cookies {
+            let Some(Session::Rollout(rollout, last)) = self.sessions.get_mut(&(pid, *token))
+            else {
+                continue;
+            };
+            *last = now;
+            match &named {
+                Some(first) if first != rollout => return None,
+                Some(_) => {}
+                None => named = Some(rollout.clone()),
+            }
         }
-        let rollout = first.clone();
-        self.counters.rollouts_by_session += 1;
-        Some(rollout)
+        self.counters.rollouts_by_session += u64::from(named.is_some());
+        named
     }
 
-    /// The response to inbound `request` set these session cookies: later requests that
-    /// carry one belong to the request's rollout, if it has one.
+    /// The response to inbound `request` opened these sessions (see
+    /// `pipeline::sessions_opened`): later requests that carry one belong to the request's
+    /// rollout, if it has one.
     pub fn sessions_set(&mut self, request: SpanId, tokens: &[Token], now: Instant) {
         let Some(node) = self.nodes.get(&request) else {
             return;
