@@ -99,7 +99,7 @@ def test_doctor_as_root_reports_a_working_host(server_factory):
     server = server_factory()
     result, rows = doctor(pids=[server.pid])
     assert result.returncode == 0, result.stdout + result.stderr
-    for check in ["kernel", "BTF", "tracefs", "tracepoints", "ring buffer", "eBPF programs",
+    for check in ["kernel", "BTF", "TCP sequence numbers", "tracefs", "tracepoints", "ring buffer", "eBPF programs",
                   "CAP_BPF", "CAP_PERFMON", "CAP_DAC_READ_SEARCH", "CAP_SYS_PTRACE"]:
         assert rows[check][0] == "ok", f"{check}: {rows[check]}\n{result.stdout}"
     tracepoints = listed_tracepoints(rows["tracepoints"][1])
@@ -115,6 +115,8 @@ def test_doctor_as_root_reports_a_working_host(server_factory):
         f"the real object's {len(programs)} programs loaded (maps, verifier) and attached to "
         f"{len(tracepoints)} tracepoints"), (rows["eBPF programs"], programs)
     assert "detached; nothing was traced" in rows["eBPF programs"][1]
+    assert re.fullmatch(r"tcp_sock\.write_seq \+\d+, copied_seq \+\d+: .*", rows["TCP sequence numbers"][1]), \
+        rows["TCP sequence numbers"]
     assert rows["tracepoint layout"][0] == "ok", rows["tracepoint layout"]
     assert "task_newtask pid@" in rows["tracepoint layout"][1]
     assert rows[f"pid {server.pid}"][0] == "ok"

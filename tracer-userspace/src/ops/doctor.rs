@@ -201,6 +201,8 @@ struct Host {
     release: String,
     version: Option<(u32, u32)>,
     socket_addresses: Result<(), String>,
+    /// `tcp_sock.write_seq` and `copied_seq` offsets, when this kernel's BTF has them.
+    sequence_numbers: Option<(u32, u32)>,
     tracefs: Tracefs,
     /// `/proc/filesystems` lists tracefs.
     tracefs_known: bool,
@@ -250,13 +252,18 @@ impl Host {
             ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
             max_connections: crate::config::cli::DEFAULT_MAX_CONNECTIONS,
         });
+        let offsets = loader::socket_offsets();
         Ok(Self {
             caps,
             uid,
             mountinfo: std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
             version: kernel_version(&release),
             release,
-            socket_addresses: loader::socket_offsets().map(|_| ()),
+            socket_addresses: offsets.as_ref().map(|_| ()).map_err(Clone::clone),
+            sequence_numbers: offsets
+                .ok()
+                .filter(|o| o.seq_valid != 0)
+                .map(|o| (o.tcp_write_seq, o.tcp_copied_seq)),
             tracefs,
             tracefs_known,
             events,
@@ -287,6 +294,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
     let kernel = vec![
         kernel_row(&host),
         btf_row(&host),
+        sequence_row(&host),
         tracefs_row(&host),
         tracepoints_row(&host),
         layout_row(&host),
@@ -399,6 +407,32 @@ fn btf_row(host: &Host) -> Row {
         Err(why) => row("BTF", Status::Warn, why.clone()).fix(
             "use a kernel with CONFIG_DEBUG_INFO_BTF=y; without it spans lack connection addresses",
         ),
+    }
+}
+
+/// Exact edges (on one host whatever either end missed, across hosts and NAT at all) need
+/// the TCP sequence numbers.
+fn sequence_row(host: &Host) -> Row {
+    const NAME: &str = "TCP sequence numbers";
+    match (&host.socket_addresses, host.sequence_numbers) {
+        (Ok(()), Some((write_seq, copied_seq))) => row(
+            NAME,
+            Status::Ok,
+            format!(
+                "tcp_sock.write_seq +{write_seq}, copied_seq +{copied_seq}: a request's two ends \
+                 are matched exactly, across hosts and NAT too"
+            ),
+        ),
+        (Ok(()), None) => row(
+            NAME,
+            Status::Warn,
+            "this kernel's BTF lacks sock.sk_protocol, tcp_sock.write_seq or copied_seq",
+        )
+        .fix(
+            "nothing to set: a connection's two ends are then matched by the order of its \
+             requests on one host, and spans from another host are not joined",
+        ),
+        (Err(_), _) => row(NAME, Status::Warn, "not checked: no BTF (see the BTF row)"),
     }
 }
 
