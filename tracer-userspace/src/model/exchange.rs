@@ -54,8 +54,9 @@ impl RequestHead {
 pub struct ResponseHead {
     pub status: u16,
     pub version_minor: u8,
-    /// Session tokens of its `Set-Cookie` headers (hashes, see [`Token`]): a later request
-    /// that carries one belongs to the same session. Never exported.
+    /// Tokens of the signed session cookies its `Set-Cookie` headers set (hashes, see
+    /// [`Token`]): a later request that carries one belongs to the same session. Never
+    /// exported.
     pub sessions_set: Vec<Token>,
 }
 

@@ -825,13 +825,19 @@ fn request_head(
     }
 }
 
-/// The session token of each `Set-Cookie` header: its `name=value`, without the attributes
-/// after the first `;`, named as the same cookie is in a request ([`cookie_tokens`]).
+/// The session token of each `Set-Cookie` header that sets a signed session cookie
+/// (Starlette's `payload.timestamp.signature`, which Gym's servers use): its `name=value`
+/// without the attributes after the first `;`, named as the same cookie is in a request
+/// ([`cookie_tokens`]). An unsigned cookie (a flag, a constant) names no session.
 fn set_cookie_tokens(headers: &[httparse::Header<'_>]) -> Vec<Token> {
     headers
         .iter()
         .filter(|h| h.name.eq_ignore_ascii_case("set-cookie"))
         .filter_map(|h| h.value.split(|&b| b == b';').next())
+        .filter(|pair| {
+            let value = pair.splitn(2, |&b| b == b'=').nth(1).unwrap_or_default();
+            value.iter().filter(|&&b| b == b'.').count() >= 2
+        })
         .flat_map(cookie_tokens)
         .take(MAX_TOKENS_PER_REQUEST)
         .collect()
@@ -958,6 +964,16 @@ mod tests {
             cookie_tokens(b"session=eyJzZXNzaW9u.Z1x3.sigB")
         );
         assert_eq!(response.sessions_set.len(), 1);
+        let unsigned = b"HTTP/1.1 200 OK\r\nSet-Cookie: session=canary-5f1d7c-constant; Path=/\r\nContent-Length: 0\r\n\r\n";
+        let HeadParse::Complete(Head::Response(response), _, _) =
+            parse_head(StreamKind::Responses, unsigned)
+        else {
+            panic!("a complete response head");
+        };
+        assert!(
+            response.sessions_set.is_empty(),
+            "an unsigned cookie names no session"
+        );
     }
 
     fn t<'a>(
