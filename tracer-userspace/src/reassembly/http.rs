@@ -949,29 +949,29 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
 mod tests {
     use super::*;
 
+    /// The sessions a 200 response head with this `Set-Cookie` value opens.
+    fn sessions_set_by(set_cookie: &str) -> Vec<Token> {
+        let head =
+            format!("HTTP/1.1 200 OK\r\nSet-Cookie: {set_cookie}\r\nContent-Length: 0\r\n\r\n");
+        let HeadParse::Complete(Head::Response(response), _, _) =
+            parse_head(StreamKind::Responses, head.as_bytes())
+        else {
+            panic!("a complete response head");
+        };
+        response.sessions_set
+    }
+
     /// Starlette sets its session cookie with a new signature and attributes on every
     /// response; the request that sends it back names the same session.
     #[test]
     fn a_set_cookie_names_the_session_a_later_cookie_carries() {
-        let head = b"HTTP/1.1 200 OK\r\nset-cookie: session=eyJzZXNzaW9u.Z1x2.sigA; path=/; Max-Age=1209600; httponly; samesite=lax\r\nContent-Length: 0\r\n\r\n";
-        let HeadParse::Complete(Head::Response(response), _, _) =
-            parse_head(StreamKind::Responses, head)
-        else {
-            panic!("a complete response head");
-        };
-        assert_eq!(
-            response.sessions_set,
-            cookie_tokens(b"session=eyJzZXNzaW9u.Z1x3.sigB")
+        let signed = sessions_set_by(
+            "session=eyJzZXNzaW9u.Z1x2.sigA; path=/; Max-Age=1209600; httponly; samesite=lax",
         );
-        assert_eq!(response.sessions_set.len(), 1);
-        let unsigned = b"HTTP/1.1 200 OK\r\nSet-Cookie: session=canary-5f1d7c-constant; Path=/\r\nContent-Length: 0\r\n\r\n";
-        let HeadParse::Complete(Head::Response(response), _, _) =
-            parse_head(StreamKind::Responses, unsigned)
-        else {
-            panic!("a complete response head");
-        };
+        assert_eq!(signed, cookie_tokens(b"session=eyJzZXNzaW9u.Z1x3.sigB"));
+        assert_eq!(signed.len(), 1);
         assert!(
-            response.sessions_set.is_empty(),
+            sessions_set_by("session=canary-5f1d7c-constant; Path=/").is_empty(),
             "an unsigned cookie names no session"
         );
     }

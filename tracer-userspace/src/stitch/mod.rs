@@ -96,10 +96,10 @@ counters! {
         /// known here (no rollout id, no `traceparent`): exported as roots, marked
         /// `gym_tracer.parent.unjoined`.
         cross_host_unjoined,
-        /// Inbound requests given their rollout by a session cookie that a response of the
-        /// same process set for a request of that rollout.
+        /// Inbound requests given their rollout by a session that a response of the same
+        /// resources server opened for a request of that rollout.
         rollouts_by_session,
-        /// Session cookies set for requests of two different rollouts: no longer evidence.
+        /// Sessions opened for requests of two different rollouts: no longer evidence.
         sessions_conflicting,
         /// Outbound calls left without a parent, by why (counted when their span is
         /// released): more than one candidate and nothing to tell them apart,
@@ -285,8 +285,8 @@ pub struct Stitcher {
     cookie_holders: HashMap<(u32, Token), Vec<SpanId>>,
     /// Calls per (process, id their response started with), while they are in the graph.
     echoed: HashMap<(u32, Token), SpanId>,
-    /// Per (process, session token its responses set): the rollout of the requests it was
-    /// set for. A session outlives requests, so entries live [`SESSION_LINGER`].
+    /// Per (process, session token its responses opened): the rollout of the request it was
+    /// opened for. A session outlives requests, so entries live [`SESSION_LINGER`].
     sessions: HashMap<(u32, Token), Session>,
     session_expiry: VecDeque<(Instant, (u32, Token))>,
     pub counters: StitchCounters,
@@ -527,7 +527,7 @@ impl Stitcher {
         }
     }
 
-    /// Forgets sessions no response has set for [`SESSION_LINGER`].
+    /// Forgets sessions neither opened nor carried for [`SESSION_LINGER`].
     fn expire_sessions(&mut self, now: Instant) {
         while let Some((expiry, key)) = self.session_expiry.front().copied() {
             if expiry > now {
