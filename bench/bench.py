@@ -49,8 +49,11 @@ import bpf_stats  # noqa: E402
 SERVER_CPU, LOAD_CPU = 0, 1
 # tracer-no-ctx: gym-tracer with --no-task-contexts, so that the kernel's task-context reads
 # (issue #13) are priced on their own: the difference to gym-tracer is what they cost.
-VARIANTS = ("untraced", "gym-tracer", "tracer-no-ctx", "otel")
-TRACED = {"gym-tracer": [], "tracer-no-ctx": ["--no-task-contexts"]}
+# tracer-inject: gym-tracer with --inject-traceparent (issue #17), on the `run` workload only
+# (the one whose servers make outbound calls): throughput and errors beside the others.
+VARIANTS = ("untraced", "gym-tracer", "tracer-no-ctx", "tracer-inject", "otel")
+TRACED = {"gym-tracer": [], "tracer-no-ctx": ["--no-task-contexts"], "tracer-inject": ["--inject-traceparent"]}
+ONLY_ON = {"tracer-inject": "run"}
 WORKLOADS = ("verify", "run")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # After wrk ends: the agent holds finished spans 500 ms (--stitch-delay-ms), then exports.
@@ -320,6 +323,12 @@ def measure(workload, variant, params, receiver, scripts):
             result["agent_drops"] = sum(summary[name] for name in LOSS_COUNTERS)
             # The summary counts the warm-up's requests too.
             result["context_chains_per_req"] = summary["context_chains_read"] / max(warmup["sent"] + load["sent"], 1)
+            # Outbound requests that left with a header, and those that could not (warm-up too).
+            result["traceparents_injected_per_req"] = summary["traceparents_injected"] / max(
+                warmup["sent"] + load["sent"], 1)
+            result["traceparents_not_known_per_req"] = summary["traceparents_not_known"] / max(
+                warmup["sent"] + load["sent"], 1)
+            result["traceparents_failed"] = summary["traceparents_failed"]
         elif variant == "otel":
             run.stop()  # the SDK flushes its batch processor at exit
         if variant != "untraced":
@@ -817,7 +826,8 @@ def soak(params, receiver, scripts):
 
 MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_us_per_req", "agent_peak_rss_kib",
                  "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
-                 "non_2xx", "context_chains_per_req")
+                 "non_2xx", "context_chains_per_req", "traceparents_injected_per_req",
+                 "traceparents_not_known_per_req", "traceparents_failed")
 
 
 def medians(runs):
@@ -913,6 +923,14 @@ def render(report):
                     f"{100 * h['gym_tracer_server_cpu_cost']:+.1f}% ({100 * h['gym_tracer_cpu_cost_with_agent']:+.1f}% "
                     f"with the agent's), OTel {100 * h['otel_server_cpu_cost']:+.1f}% (ratio "
                     f"{fmt(h['gym_tracer_cpu_cost_fraction_of_otel'], '.3f', 'n/a')})")
+        inject = table.get("run/tracer-inject")
+        if inject:
+            lines.append(
+                f"run with --inject-traceparent: {inject['traceparents_injected_per_req']:.2f} headers inserted per "
+                f"/run ({inject['traceparents_not_known_per_req']:.2f} calls written before their trace was known), "
+                f"{inject['traceparents_failed']:.0f} failed; wrk errors {inject['errors']:.0f}, non-2xx "
+                f"{inject['non_2xx']:.0f}; req/s × {fmt(inject.get('rps_vs_untraced'), '.3f')} (gym-tracer "
+                f"{fmt(table.get('run/gym-tracer', {}).get('rps_vs_untraced'), '.3f')})")
         for workload, c in report.get("context_cost", {}).items():
             if c:
                 lines.append(
@@ -1098,6 +1116,8 @@ def main(argv=None):
         for repeat in range(args.repeats):
             for workload in workloads:
                 for variant in VARIANTS:
+                    if ONLY_ON.get(variant, workload) != workload:
+                        continue
                     result = measure(workload, variant, args, receiver, scripts)
                     result["repeat"] = repeat
                     report["runs"].append(result)

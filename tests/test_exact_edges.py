@@ -45,6 +45,27 @@ f. on A every rollout is one trace holding EXPECTED_TREE without the model's sub
    agent's CLIENT spans to the model, still exported, are leaves), and nothing besides.
 In every case no secret or prompt text is in either tracer's output.
 
+"inject": the gym-default cases again, tracer A run with --inject-traceparent: A's kernel puts
+`traceparent: 00-<trace>-<span of the CLIENT span A exports>-01` in an outbound request of the
+agent when the agent already knows, as the call is written, the inbound request (and so the
+trace) of the handler writing it; B's tracer takes an inbound traceparent as the SERVER span's
+parent. A handler's first call is written before the agent knows its request, so it goes out
+bare: the self-call handler's first model call of a rollout never carries one, its second
+(after the tool call, whose session cookie binds the handler) does when the agent has
+placed the tool call by then (and the rollout run alone first, while tracer A still learns the
+agent, injects none). So about half of model-on-b's model calls join, and:
+g. every SERVER span of B is either joined -- its parent is exactly one CLIENT span of A to
+   B's address, in that span's trace, which is a rollout's derived trace, and the SERVER span
+   started and ended within it (the caller's local port is not exported: timing is what tells
+   a rollout's two model calls apart) -- with the model's whole subtree below it in that trace, or a
+   root marked unjoined whose trace holds the model's subtree alone (as d, e); never another
+   parent;
+h. every rollout is one trace holding EXPECTED_TREE less the subtrees of its unjoined model
+   calls, nothing besides; tracer B counts the unjoined (cross_host_unjoined);
+i. tracer A injected at least one header, at least one per joined edge (B could join none
+   without one), and failed none.
+resources-on-b gym-default inject must pass (a)-(c) unchanged, with no injection failed.
+
 Needs root (the namespace), iproute2 and nsenter, and target/gym-venv (see test_real_gym.py).
 """
 
@@ -70,6 +91,12 @@ UNJOINABLE = {("model-on-b", False)}
 # Summary counters that say how spans were joined across hosts (or not).
 COUNTER_WORDS = ("edge", "unjoined", "cross")
 UNJOINED = "gym_tracer.parent.unjoined"  # set on a SERVER span left a root: why
+INJECT = ("--inject-traceparent",)
+INJECT_COUNTERS = ("traceparents_injected", "traceparents_not_known", "traceparents_carried",
+                   "traceparents_head_unscanned", "traceparents_owner_answered", "traceparents_not_delivered",
+                   "traceparents_failed", "traces_published", "traces_unsettled")
+# Both tracers stamp spans from the same machine's clock; room for their conversions to differ.
+CLOCK_SLACK_NS = 1_000_000
 
 
 def cross_host_calls(node, host_b):
@@ -91,6 +118,26 @@ def split_tree(node, host_b):
             kept.append(pruned)
             cut += below
     return (name, server, kept), cut
+
+
+def joined_tree(node, host_b, joined):
+    """`node` with the subtrees of only its first `joined` calls into `host_b` (from a server not
+    in it); the other calls' CLIENT spans stay, as leaves (split_tree's first half, for 0)."""
+    left = [joined]
+
+    def walk(node):
+        name, server, children = node
+        kept = []
+        for child in children:
+            if server not in host_b and child[1] in host_b:
+                if left[0] > 0:
+                    left[0] -= 1
+                    kept.append(child)
+            else:
+                kept.append(walk(child))
+        return (name, server, kept)
+
+    return walk(node)
 
 
 def describe(span, host="?"):
@@ -184,11 +231,84 @@ def unjoined_problems(spans_a, spans_b, b_address, rollout_ids, subtree, by_pid)
     return calls, served, joined, marked, problems
 
 
-CASES = [(topology, label) for topology in TOPOLOGIES for label in OBSERVABILITY]
+def injected_problems(spans_a, spans_b, b_address, rollout_ids, host_b, subtree, by_pid):
+    """Checks (g), (h) of B's spans where only A's traceparent headers can join them: what is
+    wrong, B's joined SERVER spans, and those marked unjoined."""
+    calls = [s for s in spans_a if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == b_address]
+    calls_by_id = collections.defaultdict(list)
+    for call in calls:
+        calls_by_id[call["span_id"]].append(call)
+    derived = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
+    below = collections.defaultdict(list)
+    for span in spans_b:
+        below[span["parent_span_id"]].append(span)
+
+    def subtree_of(span):
+        return [span] + [s for child in below[span["span_id"]] for s in subtree_of(child)]
+
+    problems, joined = [], []
+    for span in (s for s in spans_b if s["kind"] == "SERVER" and s["parent_span_id"]):  # roots: see below
+        parents = calls_by_id.get(span["parent_span_id"], [])
+        call = parents[0] if len(parents) == 1 else None
+        if call is None:
+            why = f"its parent {span['parent_span_id']} is {len(parents)} CLIENT spans of A to {b_address}, not one"
+        elif call["trace_id"] != span["trace_id"]:
+            why = f"its CLIENT parent {describe(call, 'A')} is in another trace"
+        elif call["trace_id"] not in derived:
+            why = "its trace (its CLIENT parent's) is no rollout's derived trace"
+        elif UNJOINED in span["attributes"]:
+            why = f"joined, yet marked {UNJOINED}={span['attributes'][UNJOINED]!r}"
+        elif not (call["start_time_unix_nano"] - CLOCK_SLACK_NS <= span["start_time_unix_nano"]
+                  <= span["end_time_unix_nano"] <= call["end_time_unix_nano"] + CLOCK_SLACK_NS):
+            why = (f"not within its CLIENT parent {describe(call, 'A')}: starts "
+                   f"{span['start_time_unix_nano'] - call['start_time_unix_nano']} ns after it, ends "
+                   f"{call['end_time_unix_nano'] - span['end_time_unix_nano']} ns before its end (a wrong caller)")
+        else:
+            joined.append(span)
+            continue
+        problems.append(f"{describe(span, 'B')}: {why}")
+    served_under = collections.Counter(s["parent_span_id"] for s in spans_b if s["kind"] == "SERVER")
+    problems += [f"{describe(call, 'A')}: {served_under[call['span_id']]} SERVER spans of B under it"
+                 for call in calls if served_under[call["span_id"]] > 1]
+    # Each joined call's subtree (gym.model.responses, the upstream call) in its trace, all of it.
+    joined_ids = set()
+    for span in joined:
+        members = subtree_of(span)
+        joined_ids |= {s["span_id"] for s in members}
+        elsewhere = [s for s in members if s["trace_id"] != span["trace_id"]]
+        shapes = tree_shape(members, by_pid)
+        if elsewhere or shapes != [canonical(subtree)]:
+            problems.append(f"{describe(span, 'B')}: joined, but {len(elsewhere)} spans below it in other traces, "
+                            f"and below it:\n" + "\n".join("    " + line for line in render_shapes(shapes)))
+    # (d), (e) for the rest of B: roots marked unjoined, each trace the model's subtree alone.
+    rest = [s for s in spans_b if s["span_id"] not in joined_ids]
+    _, _, _, marked, rest_issues = unjoined_problems(spans_a, rest, b_address, rollout_ids, subtree, by_pid)
+    problems += rest_issues
+    # (h): each rollout's trace, over both tracers' spans, with as many model subtrees as it has joined calls.
+    union = spans_a + [s for s in spans_b if s["span_id"] in joined_ids]
+    strays = [s for s in union if s["trace_id"] not in derived]
+    if strays:
+        problems.append(f"{len(strays)} spans of A or joined spans of B in no rollout's trace: "
+                        + "; ".join(describe(s) for s in strays[:5]))
+    per_rollout = collections.Counter(derived[s["trace_id"]] for s in joined)
+    groups = collections.defaultdict(list)
+    for rollout_id in rollout_ids:
+        groups[per_rollout[rollout_id]].append(rollout_id)
+    for count, group in sorted(groups.items()):
+        traces = {rollout_trace_id(rollout_id) for rollout_id in group}
+        members = [s for s in union
+                   if s["trace_id"] in traces or s["attributes"].get("nemo.gym.rollout.id") in group]
+        problems += rollout_problems(members, group, by_pid, expected_tree=joined_tree(EXPECTED_TREE, host_b, count))
+    return problems, joined, marked, groups
 
 
-@pytest.mark.parametrize("topology,label", CASES, ids=[f"{t}-{label}" for t, label in CASES])
-def test_cross_host_edges_are_exact(topology, label):
+CASES = [(topology, label, False) for topology in TOPOLOGIES for label in OBSERVABILITY]
+CASES += [(topology, "gym-default", True) for topology in TOPOLOGIES]
+
+
+@pytest.mark.parametrize("topology,label,inject", CASES,
+                         ids=[f"{t}-{label}" + "-inject" * inject for t, label, inject in CASES])
+def test_cross_host_edges_are_exact(topology, label, inject):
     venv = gym_venv()
     observability = OBSERVABILITY[label]
     on_b = TOPOLOGIES[topology]
@@ -208,15 +328,16 @@ def test_cross_host_edges_are_exact(topology, label):
         pids_a = {name: pids[name] for name in on_a}
         pids_b = {name: pids[name] for name in on_b}
 
-        def tracer_on(host_pids, wrapper=()):
+        def tracer_on(host_pids, wrapper=(), extra_args=()):
             """gym-tracer with --pid for each server of one host, once it attached them all
             and harvested their routes; stopped (or killed) at teardown."""
-            agent = Agent(pids=list(host_pids.values()), wrapper=wrapper)
+            agent = Agent(pids=list(host_pids.values()), wrapper=wrapper, extra_args=extra_args)
             stack.callback(agent.close)
             return attached_tracer(lambda: agent.start(), host_pids)
 
         # nsenter, not `ip netns exec`: the latter mounts a fresh /sys, without tracefs.
-        tracer_a, tracer_b = tracer_on(pids_a), tracer_on(pids_b, wrapper=hosts.b_enter)
+        tracer_a = tracer_on(pids_a, extra_args=INJECT if inject else ())
+        tracer_b = tracer_on(pids_b, wrapper=hosts.b_enter)
 
         def body_options(task):
             return {"row_index": task % EXAMPLE_ROWS, "pad_to": BODY_BYTES}
@@ -265,7 +386,7 @@ def test_cross_host_edges_are_exact(topology, label):
 
         cross_per_rollout = cross_host_calls(EXPECTED_TREE, on_b)
         want_edges = cross_per_rollout * len(rollouts)
-        case = f"{topology} {label}"
+        case = f"{topology} {label}" + " inject" * inject
         a_tree, cut = split_tree(EXPECTED_TREE, on_b)
         if joinable:
             # (a), (c): every rollout one trace of exactly EXPECTED_TREE, nothing besides.
@@ -280,6 +401,28 @@ def test_cross_host_edges_are_exact(topology, label):
                           f"{len(AT_ONCE)} at once")
             want_counters = {"cross_host_parents": want_edges, "cross_host_unjoined": 0}
             expected_trees = [canonical(EXPECTED_TREE)]
+        elif inject:
+            # (g), (h): B's SERVER spans joined by A's traceparent headers, or marked roots.
+            [subtree] = {canonical(node) for node in cut}  # the same subtree under every call
+            problems, joined, marked, groups = injected_problems(
+                spans_a, spans_b, hosts.b_address, ids, on_b, subtree, by_pid)
+            calls = [s for s in spans_a
+                     if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == hosts.b_address]
+            served_b = [s for s in spans_b if s["kind"] == "SERVER"]
+            edge_issues = []
+            for what, found in [(f"CLIENT spans of A to {hosts.b_address}", len(calls)),
+                                ("SERVER spans of B", len(served_b))]:
+                if found != want_edges:
+                    edge_issues.insert(0, f"{found} {what}, want {len(rollouts)} x {cross_per_rollout}")
+            if len(spans) != SPANS_PER_ROLLOUT * len(rollouts):
+                edge_issues.insert(0, f"{len(spans)} spans, want {len(rollouts)} x {SPANS_PER_ROLLOUT}")
+            wrong = len(served_b) - len(joined) - len(marked)
+            tally = {}
+            edges_line = (f"{len(joined)}/{want_edges} model calls joined by traceparent, {len(marked)} unjoined, "
+                          f"{wrong} wrong; rollouts by joined calls: "
+                          + ", ".join(f"{n}: {len(group)}" for n, group in sorted(groups.items())))
+            want_counters = {"cross_host_unjoined": len(marked)}
+            expected_trees = [canonical(joined_tree(EXPECTED_TREE, on_b, n)) for n in sorted(groups)] + [subtree]
         else:
             # (f): on A, every rollout one trace of EXPECTED_TREE without the model's subtrees.
             [subtree] = {canonical(node) for node in cut}  # the same subtree under every call
@@ -303,6 +446,17 @@ def test_cross_host_edges_are_exact(topology, label):
             for name, want in want_counters.items():
                 if counters["B"].get(name) != want:
                     edge_issues.insert(0, f"tracer B's summary {name} = {counters['B'].get(name)}, want {want}")
+
+        if inject:
+            # (i): tracer A's account of its headers: none failed; for model-on-b, one at least per joined edge.
+            injected = tracer_a.summary()
+            if injected.get("traceparents_failed") != 0:
+                edge_issues.insert(0, f"tracer A's traceparents_failed = {injected.get('traceparents_failed')}, want 0")
+            if not joinable and not (injected.get("traceparents_injected", 0) >= max(1, len(joined))):
+                edge_issues.insert(0, f"tracer A's traceparents_injected = {injected.get('traceparents_injected')}, "
+                                      f"want >= 1 and >= {len(joined)} (the joined edges)")
+            edges_line += "; A: " + ", ".join(f"{name.removeprefix('traceparents_')}={injected.get(name)}"
+                                              for name in INJECT_COUNTERS)
 
         report = [
             f"[{case}] {hosts!r}",

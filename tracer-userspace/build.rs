@@ -9,7 +9,9 @@ fn main() -> anyhow::Result<()> {
     if skip {
         let out_dir =
             std::env::var_os("OUT_DIR").ok_or_else(|| anyhow::anyhow!("OUT_DIR not set"))?;
-        std::fs::write(std::path::Path::new(&out_dir).join("tracer-ebpf"), [])?;
+        for object in ["tracer-ebpf", "tracer-ebpf-inject"] {
+            std::fs::write(std::path::Path::new(&out_dir).join(object), [])?;
+        }
     }
     aya_build::build_ebpf(
         [aya_build::Package {

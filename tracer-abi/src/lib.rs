@@ -308,6 +308,77 @@ pub const CONTEXT_READ_FAILED: u32 = 4;
 pub const CONTEXT_LOST: u32 = 5;
 pub const CONTEXT_OUTCOMES: u32 = 6;
 
+// ---------------------------------------------------------------------------------------
+// traceparent injection (`--inject-traceparent`)
+// ---------------------------------------------------------------------------------------
+
+/// Key of the published traces: a traced process and the address of one of its handler
+/// tasks' contextvars `Context` (the root of its chain, see `stitch::context_keys`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct InjectKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub context: u64,
+}
+
+/// What user space publishes once evidence decided which inbound request a handler task
+/// serves and that request's trace is settled: the trace its next outbound requests carry.
+/// A task context's address is reused by a later request once its own is answered, so the
+/// entry names its request's connection (fd, `conn_id`) and the responses that connection had
+/// begun before it (`owner_responses`): the kernel uses it only while that count is unchanged.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InjectTrace {
+    pub trace: [u8; 16],
+    pub owner_conn_id: u64,
+    pub owner_fd: i32,
+    pub owner_responses: u32,
+}
+
+/// `traceparent: 00-<32 hex>-<16 hex>-01\r\n`.
+pub const TRACEPARENT_LINE: usize = 70;
+
+/// A header armed by a write's `sys_enter` for the `sk_msg` program that runs inside the same
+/// call, keyed by thread; removed at the call's exit whatever happened.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ArmedInjection {
+    pub line: [u8; TRACEPARENT_LINE],
+    pub _pad: [u8; 2],
+    /// Where the line goes: just after the request line.
+    pub insert_at: u32,
+    /// The message's first 8 bytes as the write's buffer had them: `sk_msg` checks it sees
+    /// the same message.
+    pub first_bytes: u64,
+}
+
+/// Published traces the kernel map holds.
+pub const MAX_INJECT_TRACES: u32 = 16384;
+
+/// What happened to traced processes' outbound request writes with injection on, by index
+/// of the kernel's `INJECT_OUTCOMES` counters.
+pub const INJECT_WRITTEN: u32 = 0;
+/// No trace published for the writing task (its request not known yet at the write).
+pub const INJECT_NO_TRACE: u32 = 1;
+/// The request already carried a `traceparent`: left as it is.
+pub const INJECT_CARRIED: u32 = 2;
+/// The request line or the end of the head was not in the scanned start of the write.
+pub const INJECT_HEAD_UNSCANNED: u32 = 3;
+/// A trace was published, but its request had been answered: the context is another's now.
+pub const INJECT_OWNER_DONE: u32 = 4;
+/// Armed, but the socket was not in the injection map (connected before the agent started).
+pub const INJECT_NOT_DELIVERED: u32 = 5;
+/// `sk_msg` saw other bytes than the armed write's, or could not insert.
+pub const INJECT_FAILED: u32 = 6;
+/// Traced client sockets that could not be put in the injection map (it was full).
+pub const INJECT_SOCKETS_FULL: u32 = 7;
+pub const INJECT_OUTCOMES: u32 = 8;
+
+/// Bytes of a request write scanned for its request line, the end of its head and a
+/// `traceparent` it already carries.
+pub const INJECT_SCAN_BYTES: usize = 1024;
+
 /// Processes the PID filter map holds (named, discovered and forked children together). A
 /// child that does not fit is counted as a lost event; a discovered server that does not
 /// fit is reported (processes_not_traced).
@@ -331,7 +402,11 @@ pub struct SocketState {
     /// its table): the kernel still knows it, so its transfers are skipped without being
     /// counted as transfers on unknown sockets.
     pub ignored: u8,
-    pub _pad: [u8; 6],
+    pub _pad: [u8; 2],
+    /// Writes on the socket that started with `HTTP`: the responses a server began. A
+    /// published trace ([`InjectTrace`]) is valid while its request's connection has
+    /// answered exactly the requests before it.
+    pub responses: u32,
     /// The socket's `struct sock` (a `tcp_sock`), when it is TCP proper (not MPTCP) and the
     /// sequence-number offsets are known; 0 otherwise.
     pub sk: u64,
@@ -465,6 +540,9 @@ const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 32);
 const _: () = assert!(size_of::<KernelOffsets>() == 76);
 const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH);
+const _: () = assert!(size_of::<ArmedInjection>() == 88);
+const _: () = assert!(size_of::<InjectTrace>() == 32);
+const _: () = assert!(size_of::<InjectKey>() == 16);
 const _: () = assert!(size_of::<PythonThread>() == 32);
 const _: () = assert!(size_of::<TracepointLayout>() == 16);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
@@ -490,4 +568,8 @@ mod user {
     unsafe impl aya::Pod for TlsKey {}
     // SAFETY: as above (two u32).
     unsafe impl aya::Pod for TlsBudget {}
+    // SAFETY: as above (u32, explicit pad, u64).
+    unsafe impl aya::Pod for InjectKey {}
+    // SAFETY: as above (16 bytes, u64, i32, u32; 32 bytes, asserted).
+    unsafe impl aya::Pod for InjectTrace {}
 }

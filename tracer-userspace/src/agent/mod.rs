@@ -31,6 +31,8 @@ use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
 use crate::signals::metrics::Metrics;
 use crate::stitch::StitchConfig;
+use crate::stitch::injection::TraceInjection;
+use tracer_abi::{InjectKey, InjectTrace};
 
 use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
 use context_reads::ContextReads;
@@ -83,6 +85,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         capture_bytes: args.capture_bytes,
         ring_buffer_bytes: args.ring_buffer_bytes,
         max_connections: args.max_connections,
+        inject_traceparent: args.inject_traceparent,
     })?;
     if let Err(why) = &probes.features.socket_addresses {
         tracing::warn!("connection addresses are off ({why}); spans will lack client.address");
@@ -195,6 +198,7 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
             delay: Duration::from_millis(args.stitch_delay_ms),
             max_pending: args.max_pending_spans,
             max_nodes: args.max_pending_spans.saturating_mul(4),
+            inject_traces: args.inject_traceparent,
         },
     }
 }
@@ -294,6 +298,9 @@ impl Agent {
         for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
             probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
+        for change in self.pipeline.stitcher.take_injections() {
+            self.apply_injection(probes, change);
+        }
         for pid in std::mem::take(&mut self.pipeline.output.tls_opened) {
             self.tls_probes.tls_opened(pid, probes);
         }
@@ -312,6 +319,38 @@ impl Agent {
                     log_exec(pid, &self.pipeline);
                 }
             }
+        }
+    }
+
+    /// Gives the kernel a handler's trace for its next outbound requests, or takes it back.
+    fn apply_injection(&mut self, probes: &mut LoadedProbes, change: TraceInjection) {
+        match change {
+            TraceInjection::Publish {
+                pid,
+                context,
+                trace,
+                owner,
+            } => {
+                let key = InjectKey {
+                    tgid: pid,
+                    _pad: 0,
+                    context,
+                };
+                let value = InjectTrace {
+                    trace: trace.0,
+                    owner_conn_id: owner.conn_id,
+                    owner_fd: owner.fd,
+                    owner_responses: owner.requests_before,
+                };
+                if probes.publish_trace(key, value).is_err() {
+                    self.counters.traces_not_published += 1;
+                }
+            }
+            TraceInjection::Withdraw { pid, context } => probes.withdraw_trace(InjectKey {
+                tgid: pid,
+                _pad: 0,
+                context,
+            }),
         }
     }
 
@@ -441,6 +480,14 @@ impl Agent {
                 context_not_a_context: kernel.context_not_a_context,
                 context_reads_failed: kernel.context_reads_failed,
                 context_records_lost: kernel.context_records_lost,
+                traceparents_injected: kernel.injection.written,
+                traceparents_not_known: kernel.injection.no_trace,
+                traceparents_carried: kernel.injection.carried,
+                traceparents_head_unscanned: kernel.injection.head_unscanned,
+                traceparents_owner_answered: kernel.injection.owner_answered,
+                traceparents_not_delivered: kernel.injection.not_delivered,
+                traceparents_failed: kernel.injection.failed,
+                inject_sockets_map_full: kernel.injection.sockets_map_full,
             },
             pipeline: self.pipeline.counters,
             reassembly: self.pipeline.table.counters,

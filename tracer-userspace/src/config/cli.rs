@@ -239,6 +239,19 @@ pub struct RunArgs {
     #[arg(long, env = "GYM_TRACER_NO_TASK_CONTEXTS")]
     pub no_task_contexts: bool,
 
+    /// Insert a W3C `traceparent` header into traced processes' outbound plaintext
+    /// HTTP/1.x requests, after the request line, when the request carries none and the
+    /// agent already knows its trace (the handler's request was placed by evidence before
+    /// the call was written). The callee (on another host, or an OpenTelemetry-instrumented
+    /// service the agent does not trace) then joins the caller's trace under the exact
+    /// CLIENT span. A request written before its trace is known leaves unchanged (counted
+    /// as traceparents_not_known). Needs cgroup v2 (a sock_ops program on its root puts
+    /// traced client sockets in a sockhash, where an sk_msg program inserts the line).
+    /// Off by default: it changes the bytes servers receive, and on some kernels a socket
+    /// in a sockhash reports 0 for FIONREAD (`gym-tracer doctor` says whether this one does).
+    #[arg(long, env = "GYM_TRACER_INJECT_TRACEPARENT")]
+    pub inject_traceparent: bool,
+
     /// Do not attach uprobes to the OpenSSL library (libssl) of traced processes. By default
     /// each libssl file a traced process maps gets uprobes on SSL_read/SSL_write (and their
     /// _ex forms), so HTTPS calls (a model server's to its inference endpoint) become CLIENT

@@ -337,6 +337,10 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("no_route_harvest", Some(args.no_route_harvest.to_string())),
         ("no_task_contexts", Some(args.no_task_contexts.to_string())),
         ("no_tls", Some(args.no_tls.to_string())),
+        (
+            "inject_traceparent",
+            Some(args.inject_traceparent.to_string()),
+        ),
         ("tls_probe_scope", Some(value_name(&args.tls_probe_scope))),
         ("ready_file", path(&args.ready_file)),
         ("summary_file", path(&args.summary_file)),

@@ -19,12 +19,13 @@ use aya::{
 };
 use tracer_abi::{
     CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES,
-    CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, KernelOffsets, PendingCall, PythonThread,
-    SocketKey, SocketState, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL,
-    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+    CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, InjectKey, InjectTrace, KernelOffsets,
+    PendingCall, PythonThread, SocketKey, SocketState, TracepointLayout,
+    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
 use crate::kernel::btf::Btf;
+use crate::kernel::injection::{self, INJECTION_MAPS, INJECTION_PROGRAMS, InjectionCounters};
 use crate::kernel::tracepoint_format;
 use crate::processes::tls_library::SSL_FUNCTIONS;
 
@@ -42,6 +43,11 @@ fn uprobe_programs() -> impl Iterator<Item = &'static str> {
 /// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
 /// `AYA_BUILD_SKIP=1`, such as the fuzz target's, which never loads it).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer-ebpf"));
+
+/// The same programs plus the two of `--inject-traceparent` and their sockhash, built from the
+/// same source: loaded only with the flag, since creating a sockhash needs `CAP_NET_ADMIN`.
+static EBPF_INJECT_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer-ebpf-inject"));
 
 /// Where the agent mounts tracefs when the host has not; aya also looks under debugfs.
 pub const TRACEFS: &str = "/sys/kernel/tracing";
@@ -69,6 +75,8 @@ pub struct LoadOptions {
     pub ring_buffer_bytes: u32,
     /// `--max-connections`: the entries of the kernel's socket map too.
     pub max_connections: usize,
+    /// `--inject-traceparent`: load and attach the injection programs, and arm writes.
+    pub inject_traceparent: bool,
 }
 
 impl LoadOptions {
@@ -109,6 +117,7 @@ pub struct KernelCounters {
     pub context_not_a_context: u64,
     pub context_reads_failed: u64,
     pub context_records_lost: u64,
+    pub injection: InjectionCounters,
 }
 
 /// One of the loaded programs' maps, as the kernel reports it in `/proc/self/fdinfo`.
@@ -215,10 +224,14 @@ pub fn object_programs(object: &[u8]) -> Result<Vec<String>> {
 
 /// The programs of the object this build embeds (none in an `AYA_BUILD_SKIP=1` build).
 pub fn embedded_programs() -> Result<Vec<String>> {
-    if EBPF_OBJECT.is_empty() {
+    object_programs_or_none(EBPF_OBJECT)
+}
+
+fn object_programs_or_none(object: &[u8]) -> Result<Vec<String>> {
+    if object.is_empty() {
         return Ok(Vec::new());
     }
-    object_programs(EBPF_OBJECT)
+    object_programs(object)
 }
 
 /// The embedded object's programs, each attached ([`attachments`]) and nothing attached
@@ -231,10 +244,11 @@ pub fn check_attachments_cover(programs: &[String], attachments: &[Attachment]) 
         .map(|a| a.program)
         .chain(uprobe_programs())
         .collect();
+    // The injection object's own two are attached by `injection::attach`.
     let unattached: Vec<&str> = programs
         .iter()
         .map(String::as_str)
-        .filter(|program| !attached.contains(program))
+        .filter(|program| !attached.contains(program) && !INJECTION_PROGRAMS.contains(program))
         .collect();
     let mut unknown: Vec<&str> = attached
         .iter()
@@ -349,6 +363,7 @@ const CAPABILITY_NAMES: [&str; 41] = [
 impl Capability {
     pub const DAC_OVERRIDE: Self = Self(1);
     pub const DAC_READ_SEARCH: Self = Self(2);
+    pub const NET_ADMIN: Self = Self(12);
     pub const SYS_PTRACE: Self = Self(19);
     pub const SYS_ADMIN: Self = Self(21);
     pub const SYS_RESOURCE: Self = Self(24);
@@ -650,7 +665,12 @@ pub fn socket_offsets() -> Result<KernelOffsets, String> {
 
 /// Loads the object and every program (maps created, verifier passed), attaching nothing.
 fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
-    if EBPF_OBJECT.is_empty() {
+    let object = if options.inject_traceparent {
+        EBPF_INJECT_OBJECT
+    } else {
+        EBPF_OBJECT
+    };
+    if object.is_empty() {
         bail!(
             "this gym-tracer was built without its eBPF programs (AYA_BUILD_SKIP was set); \
              rebuild it without AYA_BUILD_SKIP (`cargo xtask build`)"
@@ -665,7 +685,7 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
     // SAFETY: valid rlimit pointer.
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 
-    check_attachments_cover(&embedded_programs()?, &attachments())?;
+    check_attachments_cover(&object_programs_or_none(object)?, &attachments())?;
     // Read now, refused below: a process that may not create maps at all learns that first.
     let layout = tracepoint_layout();
     let (offsets, socket_addresses) = match socket_offsets() {
@@ -680,17 +700,28 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
         );
     }
     let ring_bytes = options.ring_buffer_bytes.next_power_of_two().max(4096);
-    let mut ebpf = EbpfLoader::new()
+    let inject = u32::from(options.inject_traceparent);
+    let no_layout = TracepointLayout::default();
+    let mut loader = EbpfLoader::new();
+    loader
         .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
         .override_global("KERNEL_OFFSETS", &offsets, true)
+        .override_global("INJECT_TRACEPARENT", &inject, true)
         .override_global(
             "TRACEPOINT_LAYOUT",
-            layout.as_ref().unwrap_or(&TracepointLayout::default()),
+            layout.as_ref().unwrap_or(&no_layout),
             true,
         )
         .map_max_entries("EVENTS", ring_bytes)
-        .map_max_entries("SOCKETS", options.socket_map_entries())
-        .load(EBPF_OBJECT)
+        .map_max_entries("SOCKETS", options.socket_map_entries());
+    if !options.inject_traceparent {
+        // Never written without the flag: one entry each instead of ~6 MiB of kernel memory.
+        for map in INJECTION_MAPS {
+            loader.map_max_entries(map, 1);
+        }
+    }
+    let mut ebpf = loader
+        .load(object)
         .context("loading the eBPF programs into the kernel")?;
     // No program is in the kernel yet: the placeholder layout is never read.
     layout?;
@@ -738,6 +769,18 @@ pub fn trial_load(
     Ok((features, attached, maps))
 }
 
+/// For `doctor`: whether `--inject-traceparent` works here, attaching nothing to a cgroup:
+/// its object loads (`options.inject_traceparent` set), its two programs pass the verifier,
+/// the cgroup v2 root they attach to, and what `FIONREAD` reports on a socket in their
+/// sockhash (`Some(n)`: `n`, not the bytes waiting).
+pub fn trial_injection(options: &LoadOptions) -> Result<(PathBuf, Option<i32>)> {
+    let (mut ebpf, _) = load_programs(options)?;
+    injection::load(&mut ebpf)?;
+    injection::attach_sk_msg(&mut ebpf)?;
+    let hazard = injection::fionread_hazard(&mut ebpf)?;
+    Ok((injection::cgroup2_root()?, hazard))
+}
+
 /// The eBPF maps this process holds, with their sizes and kernel memory, from
 /// `/proc/self/fdinfo` (the map's name from its id). Maps whose fdinfo cannot be read are
 /// left out.
@@ -772,9 +815,41 @@ pub fn map_footprints() -> Vec<MapFootprint> {
 
 impl LoadedProbes {
     pub fn load(options: &LoadOptions) -> Result<Self> {
+        if options.inject_traceparent
+            && !CapabilitySet::effective()?.contains(Capability::NET_ADMIN)
+        {
+            bail!(
+                "--inject-traceparent needs CAP_NET_ADMIN besides the four capabilities of \
+                 `run` (sock_ops and sk_msg are network programs, attached to a cgroup): add \
+                 it, or run without --inject-traceparent"
+            );
+        }
         let (mut ebpf, features) = load_programs(options)?;
         attach_programs(&mut ebpf)?;
+        if options.inject_traceparent {
+            injection::attach(&mut ebpf)?;
+        }
         Ok(Self { ebpf, features })
+    }
+
+    /// Tells the kernel the trace the outbound requests of a handler task carry from now on.
+    /// `Err` when the map is full.
+    pub fn publish_trace(&mut self, key: InjectKey, trace: InjectTrace) -> Result<()> {
+        let mut map: BpfHashMap<_, InjectKey, InjectTrace> = BpfHashMap::try_from(
+            self.ebpf
+                .map_mut("INJECT_TRACES")
+                .context("INJECT_TRACES")?,
+        )?;
+        map.insert(key, trace, 0)?;
+        Ok(())
+    }
+
+    pub fn withdraw_trace(&mut self, key: InjectKey) {
+        if let Some(map) = self.ebpf.map_mut("INJECT_TRACES")
+            && let Ok(mut map) = BpfHashMap::<_, InjectKey, InjectTrace>::try_from(map)
+        {
+            let _ = map.remove(&key);
+        }
     }
 
     /// Attaches the SSL uprobes (entry and return) to the functions of `functions` that
@@ -996,6 +1071,9 @@ impl LoadedProbes {
             context_not_a_context: outcome(CONTEXT_NOT_A_CONTEXT),
             context_reads_failed: outcome(CONTEXT_READ_FAILED),
             context_records_lost: outcome(CONTEXT_LOST),
+            injection: InjectionCounters::from_slots(
+                &self.per_cpu_counter("INJECTIONS", tracer_abi::INJECT_OUTCOMES),
+            ),
         }
     }
 
@@ -1135,7 +1213,8 @@ mod tests {
         for program in &programs {
             assert!(
                 all.iter().any(|a| a.program == program)
-                    || uprobe_programs().any(|uprobe| uprobe == program),
+                    || uprobe_programs().any(|uprobe| uprobe == program)
+                    || INJECTION_PROGRAMS.contains(&program.as_str()),
                 "{program} unattached"
             );
         }
@@ -1148,6 +1227,7 @@ mod tests {
             .iter()
             .map(|a| a.program)
             .chain(uprobe_programs())
+            .chain(INJECTION_PROGRAMS)
             .map(str::to_string)
             .collect();
         programs.sort();
@@ -1190,6 +1270,7 @@ mod tests {
                 capture_bytes: 0,
                 ring_buffer_bytes: 0,
                 max_connections,
+                inject_traceparent: false,
             }
             .socket_map_entries()
         };

@@ -4,5 +4,6 @@
 
 pub mod btf;
 pub mod events;
+pub mod injection;
 pub mod loader;
 pub mod tracepoint_format;

@@ -183,4 +183,18 @@ pub struct RequestStart {
     /// For a call (client role): the Python task context its first write ran under, when
     /// the kernel could read it.
     pub context: Option<ContextChain>,
+    /// For an inbound request on a plaintext connection: where its response will be
+    /// written, as the kernel names it.
+    pub inbound_socket: Option<InboundSocket>,
+}
+
+/// The connection an inbound request arrived on, and how many requests came before it on
+/// that connection: its response is the connection's next after theirs, so the kernel can
+/// tell by counting responses whether it has been answered (`tracer_abi::InjectTrace`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InboundSocket {
+    pub fd: i32,
+    /// The kernel's id of the connection (its open time), so a reused fd is told apart.
+    pub conn_id: u64,
+    pub requests_before: u32,
 }

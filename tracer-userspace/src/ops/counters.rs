@@ -23,6 +23,9 @@ counters! {
         route_harvests_failed,
         spans_queued,
         spans_dropped_queue_full,
+        /// `--inject-traceparent`: handler traces the kernel's map had no room for (their
+        /// calls leave unchanged).
+        traces_not_published,
     }
 }
 
@@ -72,6 +75,26 @@ counters! {
         context_reads_failed,
         /// Context records the full ring buffer refused (also in events_lost_in_kernel).
         context_records_lost,
+        /// `--inject-traceparent`: requests that left with a `traceparent` line inserted.
+        traceparents_injected,
+        /// Requests written before their handler's request (and so its trace) was known:
+        /// sent unchanged.
+        traceparents_not_known,
+        /// Requests that carried a `traceparent` of their own: left as they were.
+        traceparents_carried,
+        /// Requests whose request line or head end was not within the write's first
+        /// 1,024 bytes: sent unchanged (a `traceparent` could hide past them).
+        traceparents_head_unscanned,
+        /// Requests from a task whose published request had already been answered (its
+        /// context's address now another request's): sent unchanged.
+        traceparents_owner_answered,
+        /// Requests armed on sockets outside the injection map (connected before the agent
+        /// started): sent unchanged.
+        traceparents_not_delivered,
+        /// Requests the `sk_msg` program found changed or could not insert into: unchanged.
+        traceparents_failed,
+        /// Traced client sockets the injection map had no room for.
+        inject_sockets_map_full,
     }
 }
 

@@ -215,6 +215,8 @@ struct Host {
     /// The real object, loaded and attached (the inner result), then detached.
     /// With the maps the load created, at `run`'s default sizes.
     trial: Result<(FeatureReport, Result<usize>, Vec<MapFootprint>)>,
+    /// `--inject-traceparent`: the cgroup v2 root and what FIONREAD says, or why it fails.
+    injection: Result<(PathBuf, Option<i32>), String>,
     /// Programs in the embedded object.
     programs: usize,
     kprobe_pmu: bool,
@@ -251,7 +253,15 @@ impl Host {
             // What `run` allocates by default (the memory cgroup is charged for it).
             ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
             max_connections: crate::config::cli::DEFAULT_MAX_CONNECTIONS,
+            inject_traceparent: false,
         });
+        let injection = loader::trial_injection(&LoadOptions {
+            capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
+            ring_buffer_bytes: 4096,
+            max_connections: 1,
+            inject_traceparent: true,
+        })
+        .map_err(|e| error_chain(e.as_ref()));
         let offsets = loader::socket_offsets();
         Ok(Self {
             caps,
@@ -271,6 +281,7 @@ impl Host {
             host_pid_namespace: loader::in_initial_pid_namespace(),
             ring_buffer: aya::sys::is_map_supported(MapType::RingBuf).map_err(|e| error_chain(&e)),
             trial,
+            injection,
             programs: loader::embedded_programs().map_or(0, |programs| programs.len()),
             kprobe_pmu: Path::new("/sys/bus/event_source/devices/kprobe/type").exists(),
             fentry: aya::sys::is_program_supported(ProgramType::Tracing)
@@ -301,6 +312,7 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         pid_namespace_row(&host),
         ring_buffer_row(&host),
         programs_row(&host),
+        injection_row(&host),
         maps_row(&host),
         kprobes_row(&host),
         fentry_row(&host),
@@ -599,6 +611,41 @@ fn programs_row(host: &Host) -> Row {
             format!("loading failed: {}", error_chain(error.as_ref())),
         )
         .fix(load_fix(host.caps)),
+    }
+}
+
+/// `--inject-traceparent` is off by default; this says whether it would work here and
+/// whether this kernel has the sockmap change that makes FIONREAD report 0.
+fn injection_row(host: &Host) -> Row {
+    const NAME: &str = "traceparent injection";
+    match &host.injection {
+        Ok((root, None)) => row(
+            NAME,
+            Status::Ok,
+            format!(
+                "sock_ops and sk_msg load; cgroup v2 at {}; a socket in the sockhash still \
+                 reports its waiting bytes to FIONREAD: --inject-traceparent can be used",
+                root.display()
+            ),
+        ),
+        Ok((root, Some(reported))) => row(
+            NAME,
+            Status::Warn,
+            format!(
+                "sock_ops and sk_msg load (cgroup v2 at {}), but a socket in the sockhash \
+                 reports {reported} to FIONREAD with bytes waiting",
+                root.display()
+            ),
+        )
+        .fix(
+            "with --inject-traceparent, a runtime that sizes its reads by FIONREAD may stall \
+             on traced processes' outbound connections (aiohttp, uvloop and asyncio do not); \
+             leave it off if yours does",
+        ),
+        Err(error) => row(NAME, Status::Warn, format!("unavailable: {error}")).fix(
+            "nothing needed unless you want --inject-traceparent: it needs cgroup v2 mounted \
+             and CAP_NET_ADMIN",
+        ),
     }
 }
 

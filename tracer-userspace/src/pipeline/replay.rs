@@ -414,6 +414,7 @@ impl Replay {
                 delay: Duration::from_millis(50),
                 max_pending: MAX_PENDING_SPANS,
                 max_nodes: MAX_PENDING_SPANS * 4,
+                inject_traces: true,
             },
         };
         let mut pipeline = Pipeline::new(config, ());

@@ -16,7 +16,7 @@ use crate::model::exchange::RequestHead;
 use crate::model::exchange::ResponseHead;
 use crate::model::exchange::Role;
 use crate::model::exchange::{
-    AbortReason, HttpExchange, ModelCall, OpaqueTls, Outcome, RequestStart, SocketId,
+    AbortReason, HttpExchange, InboundSocket, ModelCall, OpaqueTls, Outcome, RequestStart, SocketId,
 };
 use crate::model::genai::{BodyView, GenAiOperation, top_level_model, usage};
 use crate::model::ids::SpanId;
@@ -247,8 +247,9 @@ pub enum TableAction {
         conn_id: u64,
         not_http: bool,
     },
-    /// A request started; reported before anything that depends on it.
-    Started(RequestStart),
+    /// A request started; reported before anything that depends on it (boxed: the other
+    /// actions are small and many).
+    Started(Box<RequestStart>),
     /// A started request's body named its rollout.
     RolloutFromBody {
         span_id: SpanId,
@@ -660,6 +661,7 @@ impl ConnectionTable {
         for event in events.drain(..) {
             let message = Message {
                 pid: id.pid,
+                fd: id.fd,
                 is_request,
                 context,
             };
@@ -697,9 +699,41 @@ impl ConnectionTable {
     }
 }
 
+/// What the rest of the pipeline learns when a request's head has been read.
+fn request_start(
+    message: &Message,
+    connection: &Connection,
+    head: &RequestHead,
+    span_id: SpanId,
+    tcp_seq: Option<u32>,
+) -> RequestStart {
+    RequestStart {
+        pid: message.pid,
+        role: connection.role,
+        local: connection.local,
+        peer: connection.peer,
+        sequence: connection.requests_seen,
+        tcp_seq,
+        span_id,
+        method: head.method.clone(),
+        path: head.path.clone(),
+        traceparent: head.traceparent.clone(),
+        cookies: head.cookies.clone(),
+        context: message.context.filter(|_| connection.role == Role::Client),
+        inbound_socket: (connection.role == Role::Server
+            && connection.transport == Transport::Plain)
+            .then_some(InboundSocket {
+                fd: message.fd,
+                conn_id: connection.conn_id,
+                requests_before: connection.requests_seen as u32,
+            }),
+    }
+}
+
 /// Which message an event of the parser belongs to.
 struct Message {
     pid: u32,
+    fd: i32,
     is_request: bool,
     /// The task context of the write that carried it (writes only).
     context: Option<ContextChain>,
@@ -715,6 +749,7 @@ fn on_message_event(
 ) {
     let Message {
         pid,
+        fd: _,
         is_request,
         context,
     } = *message;
@@ -743,20 +778,8 @@ fn on_message_event(
             }
             connection.in_flight_head_bytes += head_bytes;
             let span_id = SpanId::random();
-            actions.push(TableAction::Started(RequestStart {
-                pid,
-                role: connection.role,
-                local: connection.local,
-                peer: connection.peer,
-                sequence: connection.requests_seen,
-                tcp_seq: first_byte_seq,
-                span_id,
-                method: head.method.clone(),
-                path: head.path.clone(),
-                traceparent: head.traceparent.clone(),
-                cookies: head.cookies.clone(),
-                context: context.filter(|_| connection.role == Role::Client),
-            }));
+            let start = request_start(message, connection, &head, span_id, first_byte_seq);
+            actions.push(TableAction::Started(Box::new(start)));
             connection.requests_seen += 1;
             let model_call = match connection.role {
                 Role::Client => GenAiOperation::from_path(&head.path),
@@ -893,6 +916,7 @@ fn finish(
         // A response end cannot start a request: nothing is pushed.
         let message = Message {
             pid,
+            fd: -1,
             is_request: false,
             context: None,
         };

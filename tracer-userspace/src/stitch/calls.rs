@@ -33,6 +33,13 @@ pub(super) struct Group {
     owner: Option<SpanId>,
 }
 
+impl Group {
+    /// The request the group's handler serves, once evidence said so.
+    pub(super) fn owner(&self) -> Option<SpanId> {
+        self.owner
+    }
+}
+
 /// What the call's own evidence says.
 enum Verdict {
     One(SpanId, Evidence),
@@ -108,10 +115,13 @@ impl Stitcher {
         }
         let started = node.started;
         let key = self.group_key(node);
-        if let Some(owner) = key.and_then(|k| self.groups.get(&k)).and_then(|g| g.owner)
+        if let Some(key) = key
+            && let Some(owner) = self.groups.get(&key).and_then(|g| g.owner)
             && self.in_flight_at(owner, started)
         {
             self.set_parent(call, owner, Evidence::TaskContext);
+            // Its trace may have settled since the group was bound.
+            self.publish_trace(key, owner);
             return;
         }
         let verdict = if node.context.is_some() {
@@ -173,6 +183,9 @@ impl Stitcher {
             if self.placeable_under(owner, member, key) {
                 self.set_parent(member, owner, how);
             }
+        }
+        if let Some(key) = key {
+            self.publish_trace(key, owner);
         }
     }
 
@@ -365,6 +378,7 @@ impl Stitcher {
     /// process may reuse its pid and addresses). Its calls' groups go as the calls leave the graph.
     pub fn forget_process(&mut self, pid: u32) {
         self.tails.forget(pid);
+        self.withdraw_process(pid);
         self.sessions.retain(|(owner, _), _| *owner != pid);
     }
 
@@ -376,6 +390,15 @@ impl Stitcher {
             !group.members.is_empty()
         });
         self.echoed.retain(|_, call| nodes.contains_key(call));
+        let gone: Vec<SpanId> = self
+            .published
+            .values()
+            .filter(|owner| !self.nodes.contains_key(owner))
+            .copied()
+            .collect();
+        for owner in gone {
+            self.withdraw_traces(owner);
+        }
     }
 }
 
@@ -419,6 +442,7 @@ mod tests {
                     delay: Duration::from_millis(100),
                     max_pending: 1000,
                     max_nodes: 1000,
+                    inject_traces: false,
                 }),
                 now: Instant::now(),
                 next_port: 40000,

@@ -22,6 +22,7 @@
 
 mod calls;
 pub mod context_keys;
+pub mod injection;
 
 use crate::model::counters::counters;
 use std::collections::{HashMap, VecDeque};
@@ -73,6 +74,8 @@ pub struct StitchConfig {
     pub max_pending: usize,
     /// Requests (in flight or recently finished) the graph holds at most.
     pub max_nodes: usize,
+    /// `--inject-traceparent`: publish the traces of bound handlers ([`injection`]).
+    pub inject_traces: bool,
 }
 
 /// Which span of a request a held record is.
@@ -99,6 +102,17 @@ counters! {
         /// Inbound requests given their rollout by a session that a response of the same
         /// resources server opened for a request of that rollout.
         rollouts_by_session,
+        /// Server spans whose parent an inbound `traceparent` names (another agent's
+        /// injection, or the caller's own instrumentation).
+        parents_from_traceparent,
+        /// `--inject-traceparent`: handler tasks whose request's trace the kernel was given
+        /// for their next outbound requests.
+        traces_published,
+        /// Handler tasks bound to a request whose trace could still change (a root with no
+        /// rollout id yet): not given to the kernel then; published if it settles while the
+        /// request is in flight (then in traces_published too), else their calls leave
+        /// unchanged.
+        traces_unsettled,
         /// Sessions opened for requests of two different rollouts: no longer evidence.
         sessions_conflicting,
         /// Outbound calls left without a parent, by why (counted when their span is
@@ -208,6 +222,8 @@ struct Node {
     /// Inbound: its caller is a Gym server ([`StartFacts::caller_traced`]) on another host
     /// (its address is neither loopback nor the server's own).
     caller_on_other_host: bool,
+    /// Inbound, plaintext: where its response goes ([`injection`]).
+    inbound_socket: Option<crate::model::exchange::InboundSocket>,
     /// Set when a span of the request (or of a descendant) is released: fixed from then on.
     trace: Option<TraceId>,
     /// Used if the request turns out to be a root without a rollout id.
@@ -289,6 +305,10 @@ pub struct Stitcher {
     /// opened for. A session outlives requests, so entries live [`SESSION_LINGER`].
     sessions: HashMap<(u32, Token), Session>,
     session_expiry: VecDeque<(Instant, (u32, Token))>,
+    /// Handler groups whose trace the kernel was given, and the request each serves.
+    published: HashMap<(u32, u64), SpanId>,
+    /// Changes to the published traces not yet taken by the driver.
+    injections: Vec<injection::TraceInjection>,
     pub counters: StitchCounters,
 }
 
@@ -349,6 +369,8 @@ impl Stitcher {
             echoed: HashMap::new(),
             sessions: HashMap::new(),
             session_expiry: VecDeque::new(),
+            published: HashMap::new(),
+            injections: Vec::new(),
             counters: StitchCounters::default(),
         }
     }
@@ -403,6 +425,7 @@ impl Stitcher {
                     let (local, peer) = (local.ip().to_canonical(), peer.ip().to_canonical());
                     !peer.is_loopback() && peer != local
                 }),
+            inbound_socket: start.inbound_socket,
             trace: None,
             random_trace: TraceId::random(),
             finished: false,
@@ -412,7 +435,24 @@ impl Stitcher {
                 let remote = start.traceparent.as_deref().and_then(parse_traceparent);
                 let client = key.and_then(|key| self.waiting_clients.remove(&key));
                 node.parent = match (remote, client) {
-                    (Some((trace, span)), _) => Parent::Remote(trace, span),
+                    // The header this host's kernel inserted (`--inject-traceparent`) names
+                    // the caller seen here: the local edge says the same and more.
+                    (Some((_, span)), Some(client)) if self.injected_by_us(client, span) => {
+                        self.counters.cross_process_links += 1;
+                        Parent::Local(client)
+                    }
+                    (Some((trace, span)), client) => {
+                        self.counters.parents_from_traceparent += 1;
+                        if client.is_none()
+                            && let Some(key) = key
+                        {
+                            // The caller, if seen later, may turn out to be who inserted it.
+                            self.make_room_for_key();
+                            self.waiting_servers.insert(key, start.span_id);
+                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
+                        }
+                        Parent::Remote(trace, span)
+                    }
                     (None, Some(client)) => {
                         self.counters.cross_process_links += 1;
                         Parent::Local(client)
@@ -443,7 +483,7 @@ impl Stitcher {
             Role::Client => {
                 if let Some(key) = key {
                     match self.waiting_servers.remove(&key) {
-                        Some(server) => self.link_server(server, start.span_id),
+                        Some(server) => self.link_server(server, start.span_id, node.tcp_span_id),
                         None => {
                             self.make_room_for_key();
                             self.waiting_clients.insert(key, start.span_id);
@@ -465,9 +505,13 @@ impl Stitcher {
     pub fn set_rollout(&mut self, request: SpanId, rollout_id: RolloutId) {
         if let Some(node) = self.nodes.get_mut(&request) {
             node.rollout = Some(rollout_id);
-            if node.role == Role::Client {
-                self.recheck_rollout(request);
-                self.place_call(request);
+            match node.role {
+                Role::Client => {
+                    self.recheck_rollout(request);
+                    self.place_call(request);
+                }
+                // Its handlers' trace may have settled just now.
+                Role::Server => self.publish_traces_of(request),
             }
         }
     }
@@ -637,17 +681,29 @@ impl Stitcher {
         false
     }
 
-    fn link_server(&mut self, server: SpanId, client: SpanId) {
+    /// `client_span` is the id the client's CLIENT span is exported with (the client may not
+    /// be in the graph yet).
+    fn link_server(&mut self, server: SpanId, client: SpanId, client_span: Option<SpanId>) {
+        let injected = matches!(self.nodes.get(&server).map(|n| n.parent),
+            Some(Parent::Remote(_, span)) if client_span == Some(span));
         let Some(node) = self.nodes.get_mut(&server) else {
             return;
         };
         if node.trace.is_some() {
             // Its spans are out already, under a trace of their own.
             self.counters.spans_flushed_unmatched += 1;
-        } else if node.parent == Parent::None {
+        } else if node.parent == Parent::None || injected {
             node.parent = Parent::Local(client);
             self.counters.cross_process_links += 1;
         }
+    }
+
+    /// Whether `span`, the parent an inbound `traceparent` names, is the exported id of
+    /// `client`, a call seen on this host: the header was this agent's own injection.
+    fn injected_by_us(&self, client: SpanId, span: SpanId) -> bool {
+        self.nodes
+            .get(&client)
+            .is_some_and(|c| c.tcp_span_id == Some(span))
     }
 
     /// A request ended (its spans, if any, are [`hold`](Self::hold)-ed by the caller).
@@ -660,6 +716,7 @@ impl Stitcher {
         node.ended = Some(self.seq);
         let pid = node.pid;
         let cookies = std::mem::take(&mut node.cookies);
+        self.withdraw_traces(request);
         if let Some(list) = self.inbound.get_mut(&pid) {
             list.retain(|id| *id != request);
             if list.is_empty() {
@@ -1002,6 +1059,7 @@ mod tests {
             delay: Duration::from_millis(100),
             max_pending: 100,
             max_nodes: 1000,
+            inject_traces: false,
         }
     }
 
@@ -1512,10 +1570,64 @@ mod tests {
         stitcher.start(&call, facts(None, false), now);
         assert_eq!(stitcher.trace_of(served.span_id).0[0], 0x0a);
         assert_eq!(stitcher.counters.cross_process_links, 0);
-        // The client's entry waits for a server that never comes, then goes.
+        // A client whose server never comes waits, then goes.
+        let lone = start(AGENT, Role::Client, 40001, 9000, 0, "/v1/responses");
+        stitcher.start(&lone, facts(None, false), now);
         assert_eq!(stitcher.waiting_clients.len(), 1);
         stitcher.release(now + UNMATCHED_LINGER, &mut Vec::new());
         assert!(stitcher.waiting_clients.is_empty());
+    }
+
+    /// With `--inject-traceparent`, a call from one traced process to another on this host
+    /// arrives with the header this agent's kernel inserted: it names the caller's exported
+    /// CLIENT span, so the local edge is kept (it also carries the rollout down), whichever
+    /// end is seen first. A header naming anything else still wins.
+    #[test]
+    fn a_header_this_agent_injected_keeps_the_local_edge() {
+        let header = |seq: u32| {
+            let span: String = SpanId::of_tcp_request(seq)
+                .0
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            Some(format!("00-0af7651916cd43dd8448eb211c80319c-{span}-01"))
+        };
+        for server_first in [false, true] {
+            let mut stitcher = Stitcher::new(config());
+            let now = Instant::now();
+            let mut call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
+            call.tcp_seq = Some(77);
+            let mut served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+            served.tcp_seq = Some(77);
+            served.traceparent = header(77);
+            if server_first {
+                stitcher.start(&served, facts(None, false), now);
+                stitcher.start(&call, facts(None, false), now);
+            } else {
+                stitcher.start(&call, facts(None, false), now);
+                stitcher.start(&served, facts(None, false), now);
+            }
+            assert_eq!(
+                stitcher.nodes[&served.span_id].parent,
+                Parent::Local(call.span_id),
+                "server first: {server_first}"
+            );
+            assert_eq!(stitcher.counters.cross_process_links, 1);
+        }
+        // A header from the caller's own instrumentation names its own span: it wins.
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let mut call = start(AGENT, Role::Client, 40001, 9000, 0, "/x");
+        call.tcp_seq = Some(78);
+        let mut served = start(MODEL, Role::Server, 9000, 40001, 0, "/x");
+        served.tcp_seq = Some(78);
+        served.traceparent = header(5);
+        stitcher.start(&call, facts(None, false), now);
+        stitcher.start(&served, facts(None, false), now);
+        assert!(matches!(
+            stitcher.nodes[&served.span_id].parent,
+            Parent::Remote(_, _)
+        ));
     }
 
     #[test]
@@ -1548,6 +1660,7 @@ mod tests {
             delay: Duration::from_millis(10),
             max_pending: 100,
             max_nodes: 50,
+            inject_traces: false,
         });
         let now = Instant::now();
         for port in 0..200u16 {
@@ -1565,6 +1678,7 @@ mod tests {
                 traceparent: None,
                 cookies: Vec::new(),
                 context: None,
+                inbound_socket: None,
             };
             let facts = StartFacts {
                 rollout_id: None,

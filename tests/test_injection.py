@@ -1,0 +1,364 @@
+"""`gym-tracer run --inject-traceparent`: the kernel inserts `traceparent: 00-<trace>-<span>-01`
+right after the request line of a traced process's outbound plaintext HTTP/1.x request,
+when the agent already knows which inbound request the writing handler serves and that
+request's trace is settled (here: it came with an inbound `traceparent`).
+
+The caller is a plain FastAPI app (support/servers/injection_app.py), traced by `--pid`:
+`POST /go/{n}` makes two aiohttp POSTs, 0.3 s apart, `/call/{n}/0` and `/call/{n}/1`, over a
+ClientSession of its own (so over a socket connected while the tracer runs). Each inbound
+request carries a traceparent with a trace id of its own (`inbound_trace_id(n)`).
+
+What a handler's first call binds, its later calls can carry: the first call of a handler
+goes out unchanged, the second one may carry the header. The agent also learns the event
+loop from the first responses, so the first WARMUPS requests of every run are warm-ups;
+they are checked like the others (every byte), only no injection is expected of them.
+
+- test 1: the callee is a raw TCP capture server (the exact bytes of every request). The
+  same requests untraced, traced without the flag (byte for byte the same), and traced with
+  it (the one added line, the right trace and span ids, nothing else changed; the counter
+  agrees with what the server saw);
+- test 2: the callee is an OpenTelemetry-instrumented FastAPI server the tracer does not
+  trace (support/servers/injection_otel_app.py), exporting to the test's OTLP receiver: its
+  SERVER spans join the caller's trace under gym-tracer's exact CLIENT spans; without the
+  flag none does;
+- test 3: a caller that sends a traceparent of its own (in three spellings of the name):
+  never a second one."""
+
+import collections
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+from harness import wait_until
+
+WARMUPS = 3
+MEASURED = 5
+TOTAL = WARMUPS + MEASURED
+CALLS = 2
+INJECT = ["--inject-traceparent"]
+COUNTERS = ["traceparents_injected", "traceparents_not_known", "traceparents_carried", "traceparents_head_unscanned",
+            "traceparents_owner_answered", "traceparents_not_delivered", "traceparents_failed", "traces_published",
+            "traces_unsettled"]
+# The line the tracer inserts, exactly (a lowercase name, one space, sampled flag).
+INJECTED_LINE = re.compile(rb"traceparent: 00-([0-9a-f]{32})-([0-9a-f]{16})-01\r\n")
+CALL_PATH = re.compile(r"^/call/(\d+)/(\d+)$")
+CALLER_APP = "servers.injection_app:app"
+OTEL_APP = "servers.injection_otel_app:app"
+
+
+def inbound_trace_id(n):
+    return f"4bf92f3577b34da6a3ce929d0e0e{n:04x}"
+
+
+def inbound_traceparent(n):
+    return f"00-{inbound_trace_id(n)}-00f067aa0ba9{n:04x}-01"
+
+
+class CaptureServer:
+    """A plain socket server on 127.0.0.1 (threads, keep-alive): reads each HTTP/1.1 request in
+    full (head, then Content-Length bytes of body), records its exact bytes under the path of
+    its request line, and answers `200 ok`."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.port = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        self.requests = collections.defaultdict(list)  # path -> [bytes, ...]
+        self.errors = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def take(self):
+        """What was captured since the last take: {path: [request bytes, ...]}."""
+        with self.lock:
+            taken, self.requests = dict(self.requests), collections.defaultdict(list)
+            assert not self.errors, self.errors
+        return taken
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection):
+        buffered = b""
+        try:
+            with connection:
+                while True:
+                    while b"\r\n\r\n" not in buffered:
+                        chunk = connection.recv(65536)
+                        if not chunk:
+                            if buffered:
+                                raise ValueError(f"connection closed inside a request head: {buffered!r}")
+                            return
+                        buffered += chunk
+                    head_end = buffered.index(b"\r\n\r\n") + 4
+                    lengths = [int(line.split(b":", 1)[1]) for line in buffered[:head_end].split(b"\r\n")[1:]
+                               if line.lower().startswith(b"content-length:")]
+                    if len(lengths) > 1:
+                        raise ValueError(f"several Content-Length headers: {buffered[:head_end]!r}")
+                    end = head_end + (lengths[0] if lengths else 0)
+                    while len(buffered) < end:
+                        chunk = connection.recv(65536)
+                        if not chunk:
+                            raise ValueError(f"connection closed inside a request body: {buffered!r}")
+                        buffered += chunk
+                    request, buffered = buffered[:end], buffered[end:]
+                    path = request.split(b"\r\n", 1)[0].split(b" ")[1].decode()
+                    with self.lock:
+                        self.requests[path].append(request)
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        except Exception as error:  # noqa: BLE001 - the test fails on it (take())
+            with self.lock:
+                self.errors.append(repr(error))
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+
+
+def drive(port, route, numbers):
+    """POST /<route>/<n> for each n, one after the other, each with its inbound traceparent."""
+    for n in numbers:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/{route}/{n}", data=b"", method="POST",
+                                         headers={"traceparent": inbound_traceparent(n)})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+            response.read()
+
+
+def call_key(path):
+    match = CALL_PATH.match(path)
+    assert match, path
+    return int(match.group(1)), int(match.group(2))
+
+
+def client_spans(agent, pid):
+    """gym-tracer's CLIENT spans of `pid`, by (n, i) from their url.full."""
+    spans = {}
+    for span in agent.spans():
+        if span["kind"] == "CLIENT" and span["resource"].get("process.pid") == pid:
+            path = "/" + span["attributes"]["url.full"].split("://", 1)[1].split("/", 1)[1]
+            key = call_key(path)
+            assert key not in spans, f"two CLIENT spans for {path}"
+            spans[key] = span
+    return spans
+
+
+def traced_run(server_factory, agents, downstream, extra_args, route="go", numbers=range(TOTAL)):
+    """A fresh caller (calling `downstream`), traced by a fresh agent with `extra_args`, or
+    untraced if `extra_args` is None; drives `numbers` and stops the agent once every span is
+    out. Returns (agent or None, the caller's pid, gym-tracer's CLIENT spans by (n, i))."""
+    caller = server_factory(app=CALLER_APP, env={"INJECTION_DOWNSTREAM": downstream})
+    agent = None
+    if extra_args is not None:
+        agent = agents([caller.pid], extra_args=extra_args)
+        agent.wait_for_routes(caller.pid)
+    drive(caller.port, route, numbers)
+    clients = {}
+    if agent is not None:
+        wanted = len(numbers) * CALLS
+        wait_until(lambda: len(client_spans(agent, caller.pid)) >= wanted, 15,
+                   lambda: f"{wanted} CLIENT spans (have {len(client_spans(agent, caller.pid))})")
+        agent.stop()
+        assert agent.returncode == 0, agent.stderr()
+        clients = client_spans(agent, caller.pid)
+        assert sorted(clients) == [(n, i) for n in numbers for i in range(CALLS)]
+    caller.stop()
+    return agent, caller.pid, clients
+
+
+def one_each(captured, numbers):
+    """{(n, i): bytes}: exactly one captured request per call."""
+    assert sorted(captured) == sorted(f"/call/{n}/{i}" for n in numbers for i in range(CALLS)), sorted(captured)
+    for path, requests in captured.items():
+        assert len(requests) == 1, f"{path} arrived {len(requests)} times"
+    return {call_key(path): requests[0] for path, requests in captured.items()}
+
+
+def counters(agent):
+    summary = agent.summary()
+    return {name: summary[name] for name in COUNTERS}
+
+
+def remove_injected_line(request):
+    """(the request without a traceparent line right after its request line, the match), or
+    (None, None) if there is no such line there."""
+    line_end = request.index(b"\r\n") + 2
+    match = INJECTED_LINE.match(request, line_end)
+    if not match:
+        return None, None
+    return request[:line_end] + request[match.end():], match
+
+
+def test_injection_off_leaves_requests_byte_for_byte_unchanged(server_factory, agents):
+    capture = CaptureServer()
+    try:
+        # (a) untraced: the reference bytes. aiohttp sends Host (the capture server's fixed
+        # port), Accept, Accept-Encoding, User-Agent, Content-Length, Content-Type and the
+        # JSON body: nothing that varies from run to run, so the comparisons are exact.
+        traced_run(server_factory, agents, capture.base_url, None)
+        reference = one_each(capture.take(), range(TOTAL))
+        for request in reference.values():
+            assert b"traceparent" not in request.lower(), request
+
+        # (b) traced without the flag: byte for byte the same.
+        plain_agent, _, _ = traced_run(server_factory, agents, capture.base_url, [])
+        plain = one_each(capture.take(), range(TOTAL))
+        differ = [key for key in reference if plain[key] != reference[key]]
+        assert not differ, "traced without --inject-traceparent, requests changed:\n" + "\n".join(
+            f"{key}:\n  untraced {reference[key]!r}\n  traced   {plain[key]!r}" for key in differ)
+        plain_counters = counters(plain_agent)
+        assert plain_counters["traceparents_injected"] == 0, plain_counters
+
+        # (c) traced with the flag.
+        agent, _, clients = traced_run(server_factory, agents, capture.base_url, INJECT)
+        injected = one_each(capture.take(), range(TOTAL))
+    finally:
+        capture.close()
+
+    changed, problems = [], []
+    for key, request in sorted(injected.items()):
+        if request == reference[key]:
+            continue
+        stripped, match = remove_injected_line(request)
+        if stripped is None or stripped != reference[key]:
+            problems.append(f"{key} changed other than by one traceparent line after the request line:\n"
+                            f"  untraced {reference[key]!r}\n  injected {request!r}")
+            continue
+        n, i = key
+        trace_id, span_id = match.group(1).decode(), match.group(2).decode()
+        client = clients[key]
+        if i == 0:
+            problems.append(f"{key}: a handler's first call was injected ({match.group(0)!r})")
+        if trace_id != inbound_trace_id(n):
+            problems.append(f"{key}: injected trace id {trace_id}, the inbound request's is {inbound_trace_id(n)}")
+        if span_id != client["span_id"] or trace_id != client["trace_id"]:
+            problems.append(f"{key}: injected {trace_id}-{span_id}, gym-tracer's CLIENT span is "
+                            f"{client['trace_id']}-{client['span_id']}")
+        if request.lower().count(b"\r\ntraceparent:") != 1:
+            problems.append(f"{key}: not exactly one traceparent header: {request!r}")
+        changed.append(key)
+
+    figures = counters(agent)
+    measured_changed = [key for key in changed if key[0] >= WARMUPS]
+    print(f"\n[injection bytes] {len(reference)} requests untraced = traced without the flag byte for byte; with "
+          f"the flag {len(changed)} changed ({len(measured_changed)} of {MEASURED} measured second calls), "
+          f"{len(problems)} problems; counters {figures}")
+    assert not problems, "\n".join(problems)
+    assert len(changed) >= 1, f"no request was injected; counters {figures}"
+    assert figures["traceparents_injected"] == len(changed), \
+        f"the agent counted {figures['traceparents_injected']} injections, the server saw {len(changed)}: {changed}"
+    assert figures["traceparents_failed"] == 0, figures
+
+
+def otel_server_spans(receiver, numbers):
+    """The OpenTelemetry server's SERVER spans, by (n, i), of requests numbered in `numbers`."""
+    spans = {}
+    with receiver.received.lock:
+        received = list(receiver.received.spans)
+    for span in received:
+        if span["resource"].get("service.name") != "injection-otel-callee" or span["kind"] != "SERVER":
+            continue
+        key = call_key(span["attributes"]["test.path"])
+        if key[0] in numbers:
+            assert key not in spans, f"two OpenTelemetry SERVER spans for {key}"
+            spans[key] = span
+    return spans
+
+
+def test_an_untraced_opentelemetry_server_joins_the_trace(server_factory, agents, receiver):
+    otel = server_factory(app=OTEL_APP, env={"INJECTION_OTLP_TRACES": f"{receiver.http_endpoint}/v1/traces"})
+
+    def otel_spans(numbers):
+        wanted = len(numbers) * CALLS
+        return wait_until(lambda: (lambda s: s if len(s) >= wanted else None)(otel_server_spans(receiver, numbers)),
+                          15, lambda: f"{wanted} OpenTelemetry SERVER spans "
+                                      f"(have {len(otel_server_spans(receiver, numbers))})")
+
+    # With the flag.
+    numbers = range(TOTAL)
+    agent, _, clients = traced_run(server_factory, agents, otel.base_url, INJECT, numbers=numbers)
+    servers = otel_spans(numbers)
+    assert sorted(servers) == sorted(clients)
+    gym_ids = {span["span_id"] for span in agent.spans()}
+    joined, problems = [], []
+    for key, server in sorted(servers.items()):
+        n, i = key
+        client = clients[key]
+        header = server["attributes"]["test.traceparent"]
+        if not header:
+            if server["parent_span_id"]:
+                problems.append(f"{key}: no traceparent arrived, yet a parent {server['parent_span_id']}")
+            continue
+        expected = f"00-{client['trace_id']}-{client['span_id']}-01"
+        if header != expected:
+            problems.append(f"{key}: the server received traceparent {header!r}, gym-tracer's CLIENT span is "
+                            f"{expected!r}")
+        if server["trace_id"] != client["trace_id"] or server["parent_span_id"] != client["span_id"]:
+            problems.append(f"{key}: OpenTelemetry SERVER span in {server['trace_id']} under "
+                            f"{server['parent_span_id']}, gym-tracer's CLIENT span is {client['trace_id']} "
+                            f"{client['span_id']}")
+        if client["trace_id"] != inbound_trace_id(n):
+            problems.append(f"{key}: CLIENT span in trace {client['trace_id']}, the inbound request's is "
+                            f"{inbound_trace_id(n)}")
+        if i == 0:
+            problems.append(f"{key}: a handler's first call carried {header!r}")
+        joined.append(key)
+    figures = counters(agent)
+    print(f"\n[injection otel] {len(servers)} OpenTelemetry SERVER spans, {len(joined)} joined under gym-tracer's "
+          f"CLIENT span ({len([k for k in joined if k[0] >= WARMUPS])} of {MEASURED} measured second calls), "
+          f"{len(problems)} problems; counters {figures}")
+    assert not problems, "\n".join(problems)
+    assert joined, f"no OpenTelemetry span joined the trace; counters {figures}"
+    assert figures["traceparents_injected"] == len(joined), (figures, joined)
+    assert figures["traceparents_failed"] == 0, figures
+    assert all(servers[key]["parent_span_id"] in gym_ids for key in joined)
+
+    # Without the flag: no OpenTelemetry span hangs under a gym-tracer span.
+    numbers = range(100, 100 + WARMUPS + 2)
+    plain_agent, _, plain_clients = traced_run(server_factory, agents, otel.base_url, [], numbers=numbers)
+    plain_servers = otel_spans(numbers)
+    plain_gym_ids = {span["span_id"] for span in plain_agent.spans()}
+    adopted = [key for key, span in plain_servers.items()
+               if span["parent_span_id"] or span["attributes"]["test.traceparent"]
+               or span["trace_id"] in {client["trace_id"] for client in plain_clients.values()}]
+    print(f"[injection otel] without the flag: {len(plain_servers)} OpenTelemetry SERVER spans, "
+          f"{len(adopted)} with a parent or a caller's trace id")
+    assert not adopted, {key: plain_servers[key] for key in adopted}
+    assert not {span["parent_span_id"] for span in plain_servers.values()} & plain_gym_ids
+    assert counters(plain_agent)["traceparents_injected"] == 0
+
+
+def test_a_request_never_carries_two_traceparents(server_factory, agents):
+    from servers.injection_app import OWN_HEADER_NAMES, OWN_TRACEPARENT
+
+    capture = CaptureServer()
+    try:
+        agent, _, clients = traced_run(server_factory, agents, capture.base_url, INJECT, route="own")
+        captured = one_each(capture.take(), range(TOTAL))
+    finally:
+        capture.close()
+    problems = []
+    for (n, i), request in sorted(captured.items()):
+        lines = [line for line in request.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
+                 if line.lower().startswith(b"traceparent:")]
+        name = OWN_HEADER_NAMES[n % len(OWN_HEADER_NAMES)].encode()
+        if lines != [name + b": " + OWN_TRACEPARENT.encode()]:
+            problems.append(f"({n}, {i}) [{name.decode()}]: traceparent lines {lines}")
+    figures = counters(agent)
+    print(f"\n[injection own header] {len(captured)} requests each with the caller's own traceparent "
+          f"(names {OWN_HEADER_NAMES}), {len(problems)} with another count; counters {figures}")
+    assert not problems, "\n".join(problems)
+    assert figures["traceparents_carried"] >= 1, figures
+    assert figures["traceparents_injected"] == 0, figures
+    assert figures["traceparents_failed"] == 0, figures

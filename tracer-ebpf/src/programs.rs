@@ -1,0 +1,1361 @@
+//! gym-tracer's kernel side: syscall tracepoints that report the TCP traffic of traced
+//! processes to user space, OpenSSL uprobes that report their TLS plaintext, and task/sched
+//! tracepoints that keep the PID filter in step with the processes they create and end.
+//!
+//! What each program checks first, so that an untraced process pays as little as the
+//! kernel allows:
+//! - `enter_*` (read, write, their vectored and msghdr forms, accept, connect): the PID
+//!   filter, one hash lookup on the tgid. A read or write then looks its fd up in `SOCKETS`
+//!   and goes no further unless the fd is a tracked TCP socket; only then are its arguments
+//!   remembered for the exit. Nothing is copied on enter.
+//! - `exit_call` (every `sys_exit_*`): the thread's entry in `PENDING_CALLS`, which exists
+//!   only when its enter passed the filter (so not the PID filter itself). An accept or
+//!   connect then walks the socket with the BTF offsets; a transfer looks up `SOCKETS` again
+//!   and copies at most the message's remaining capture budget from user memory. A write that
+//!   starts an HTTP message also looks the thread up in `PYTHON_THREADS` (one lookup; a
+//!   non-Python process stops there) and, for a registered CPython thread, walks its running
+//!   task's contextvars chain: one read for `PyThreadState.context`, then one 16-byte read
+//!   (`ob_type`, `ctx_prev`) per link, at most `MAX_CONTEXT_DEPTH`, each link checked to be a
+//!   `Context` before it is recorded or followed. The chain goes to the ring just before the
+//!   write's data record.
+//! - With `--inject-traceparent` only (`INJECT_TRACEPARENT`, a read-only global the verifier
+//!   prunes on when it is 0): the enter of a write on a traced client socket reads the
+//!   message's first 4 bytes and, for a request, its first 1,024 bytes (request line, head's
+//!   end, a `traceparent` already there), then the writing task's context chain, each link
+//!   looked up in `INJECT_TRACES`; a hit arms the header for the `sk_msg` program
+//!   (`injection.rs`) in `INJECT_ARMED`, which the exit removes.
+//! - `enter_close`: the PID filter, then `SOCKETS`.
+//! - `new_task` (`task/task_newtask`, in the parent's context): the PID filter on the parent,
+//!   then `clone_flags`: a new thread (`CLONE_THREAD`) is counted and skipped, so only a new
+//!   process enters the filter.
+//! - `process_exit`, `process_exec`: the PID filter; `process_exit` then deletes the exiting
+//!   thread's `PYTHON_THREADS` entry (one hash delete per thread exit of a traced process).
+//! - `ssl_write`, `ssl_write_ex`, `ssl_read`, `ssl_read_ex` (uprobes on OpenSSL, hit by
+//!   every process that maps the library file): the PID filter; a traced call's arguments
+//!   are remembered in `TLS_CALLS`. `ssl_return` (their uretprobe): the thread's `TLS_CALLS`
+//!   entry, then the plaintext is captured as for a socket, budgeted per `SSL*`.
+//!
+//! The offsets the fork and exit programs read come from the tracepoints' `format` files
+//! (`TRACEPOINT_LAYOUT`), the socket walk's from BTF (`KERNEL_OFFSETS`), both set by user
+//! space at load time. Parsing happens in user space.
+
+use core::ptr;
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
+    },
+    macros::{map, tracepoint, uprobe, uretprobe},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext, TracePointContext},
+};
+use tracer_abi::{
+    AF_INET, AF_INET6, ArmedInjection, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET,
+    CALL_READ_BUFFER, CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC,
+    CALL_WRITE_MSGHDR, CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST,
+    CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN,
+    ConnOpenEvent, DATA_SEQ_KNOWN, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE,
+    DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, INJECT_CARRIED,
+    INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE, INJECT_NOT_DELIVERED, INJECT_OUTCOMES,
+    INJECT_OWNER_DONE, INJECT_SCAN_BYTES, IPPROTO_TCP, InjectKey, InjectTrace, KernelOffsets,
+    MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH, MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS,
+    MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PendingCall, PendingTlsCall,
+    ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
+    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE, TaskContextEvent,
+    TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL,
+    UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+};
+
+/// Bytes captured from the start of each HTTP message; set by user space at load time.
+#[unsafe(no_mangle)]
+static CAPTURE_BYTES: u32 = DEFAULT_CAPTURE_BYTES;
+
+/// Kernel struct field offsets from BTF; set by user space at load time.
+#[unsafe(no_mangle)]
+static KERNEL_OFFSETS: KernelOffsets = KernelOffsets {
+    valid: 0,
+    task_files: 0,
+    files_fdt: 0,
+    fdtable_fd: 0,
+    file_private_data: 0,
+    socket_type: 0,
+    socket_sk: 0,
+    sock_family: 0,
+    sock_daddr: 0,
+    sock_rcv_saddr: 0,
+    sock_dport: 0,
+    sock_num: 0,
+    sock_v6_daddr: 0,
+    sock_v6_rcv_saddr: 0,
+    socket_file: 0,
+    seq_valid: 0,
+    sock_protocol: 0,
+    tcp_write_seq: 0,
+    tcp_copied_seq: 0,
+};
+
+/// Tracepoint field offsets from the `format` files; set by user space at load time (it
+/// refuses to load on a layout the programs cannot read).
+#[unsafe(no_mangle)]
+static TRACEPOINT_LAYOUT: TracepointLayout = TracepointLayout {
+    new_task_pid: 0,
+    new_task_clone_flags: 0,
+    new_task_clone_flags_size: 0,
+    exit_group_dead: FIELD_ABSENT,
+};
+
+/// Process ids (tgids) to trace, filled by user space.
+#[map]
+static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_TRACED_PIDS, 0);
+
+/// Arguments of a socket call between its enter and exit, per thread. A plain hash, like
+/// `SOCKETS` and for the same reason: an LRU would evict the entry of a thread blocked in a
+/// long call, and its connection or transfer would be lost uncounted. User space deletes the
+/// entries of processes and threads that are gone.
+#[map]
+static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+
+/// TCP sockets of traced processes, from accept/connect until close. Sized by user space from
+/// `--max-connections`. A plain hash: the kernel's LRU hash evicts long before `max_entries`
+/// (its free lists are per CPU, and a CPU short of free entries evicts its own rather than
+/// take another CPU's), silently, so idle keep-alive connections were forgotten. A socket
+/// that does not fit is counted here instead, and user space deletes the entries of
+/// processes that died without closing their sockets.
+#[map]
+static SOCKETS: HashMap<SocketKey, SocketState> = HashMap::with_max_entries(65536, 0);
+
+/// Records for user space. Its size is set at load time (`--ring-buffer-bytes`).
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+
+/// Where a data record is assembled before it is copied to the ring buffer.
+#[map]
+static DATA_SCRATCH: PerCpuArray<DataEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Records the ring buffer refused because it was full, per CPU.
+#[map]
+static LOST_EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// New threads of traced processes, kept out of the PID filter, per CPU.
+#[map]
+static THREADS_IGNORED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Connections and transfers of traced processes the kernel did not follow, per CPU, by
+/// reason (`UNTRACKED_*`).
+#[map]
+static UNTRACKED: PerCpuArray<u64> = PerCpuArray::with_max_entries(UNTRACKED_REASONS, 0);
+
+/// CPython threads of traced processes whose running context can be read, by thread id;
+/// filled by user space from the interpreter's thread states (issue #13). An entry is
+/// removed by user space when its process is forgotten or its thread is gone from a
+/// rescan, and here when the thread exits.
+#[map]
+static PYTHON_THREADS: HashMap<u32, PythonThread> =
+    HashMap::with_max_entries(MAX_PYTHON_THREADS, 0);
+
+/// What happened at each message-start write of a traced process, per CPU (`CONTEXT_*`).
+#[map]
+static CONTEXT_READS: PerCpuArray<u64> = PerCpuArray::with_max_entries(CONTEXT_OUTCOMES, 0);
+
+/// `SSL_read`/`SSL_write` calls of traced processes between uprobe and uretprobe, per thread
+/// (see [`PENDING_CALLS`] for why a plain hash).
+#[map]
+static TLS_CALLS: HashMap<u64, PendingTlsCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+
+/// Capture budgets per `SSL*` of a traced process. An LRU: an entry evicted, or left behind by
+/// a freed `SSL`, costs at most the capture of one message's continuation.
+#[map]
+static TLS_BUDGETS: LruHashMap<TlsKey, TlsBudget> =
+    LruHashMap::with_max_entries(MAX_TLS_SESSIONS, 0);
+
+/// Where a TLS plaintext record is assembled.
+#[map]
+static TLS_SCRATCH: PerCpuArray<TlsDataEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// Non-zero with `--inject-traceparent`: outbound request writes are then armed for the
+/// `sk_msg` program. Set by user space at load time.
+#[unsafe(no_mangle)]
+static INJECT_TRACEPARENT: u32 = 0;
+
+/// Traces user space published for handler tasks whose request it knows ([`InjectTrace`]).
+#[map]
+static INJECT_TRACES: HashMap<InjectKey, InjectTrace> =
+    HashMap::with_max_entries(MAX_INJECT_TRACES, 0);
+
+/// The header a write's enter armed for the `sk_msg` program inside the same call, by thread.
+#[map]
+pub(crate) static INJECT_ARMED: HashMap<u32, ArmedInjection> =
+    HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+
+/// What happened to request writes with injection on, by `INJECT_*` index.
+#[map]
+pub(crate) static INJECTIONS: PerCpuArray<u64> = PerCpuArray::with_max_entries(INJECT_OUTCOMES, 0);
+
+/// Where a request write's start is scanned, with room for the 16-byte windows read at its end.
+#[map]
+static INJECT_SCRATCH: PerCpuArray<[u8; INJECT_SCAN_BYTES + 16]> =
+    PerCpuArray::with_max_entries(1, 0);
+
+const EINPROGRESS: i64 = 115;
+
+/// Bounds `value` with `mask` in a way the optimiser cannot drop. LLVM removes a clamp it
+/// can prove redundant, and the verifier, which tracks ranges less precisely, then rejects
+/// the access; the volatile read hides the value from LLVM and the mask bounds it for the
+/// verifier.
+#[inline(always)]
+fn bounded(value: usize, mask: usize) -> usize {
+    // SAFETY: reads a local.
+    unsafe { ptr::read_volatile(&value) & mask }
+}
+const CAPTURE_MASK: usize = MAX_CAPTURE_BYTES - 1;
+/// Bounds a tail length (at most [`TAIL_BYTES`]) for the verifier.
+const TAIL_MASK: usize = 2 * TAIL_BYTES - 1;
+
+/// Offsets of the syscall arguments in a `syscalls/sys_enter_*` record, and of the return
+/// value in a `sys_exit_*` record (see the tracepoint's `format` file).
+const ARG0: usize = 16;
+const ARG1: usize = 24;
+const ARG2: usize = 32;
+const RET: usize = 16;
+
+#[inline(always)]
+pub(crate) fn traced_tgid() -> Option<(u64, u32)> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is only tested for presence.
+    unsafe { TRACED_PIDS.get(&tgid) }?;
+    Some((pid_tgid, tgid))
+}
+
+#[inline(always)]
+fn count(counter: &PerCpuArray<u64>) {
+    count_at(counter, 0);
+}
+
+#[inline(always)]
+pub(crate) fn count_at(counter: &PerCpuArray<u64>, index: u32) {
+    if let Some(counter) = counter.get_ptr_mut(index) {
+        // SAFETY: per-CPU value, no concurrent writer on this CPU.
+        unsafe { *counter += 1 };
+    }
+}
+
+#[inline(always)]
+fn count_lost() {
+    count(&LOST_EVENTS);
+}
+
+#[inline(always)]
+fn tracepoint_layout() -> TracepointLayout {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    unsafe { ptr::read_volatile(&TRACEPOINT_LAYOUT) }
+}
+
+/// Posts without waking the agent (it drains on a timer) unless a lot is waiting.
+#[inline(always)]
+fn wakeup_flags() -> u64 {
+    if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= RING_WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+#[inline(always)]
+fn emit<T>(record: &T) {
+    if EVENTS.output::<T>(record, wakeup_flags()).is_err() {
+        count_lost();
+    }
+}
+
+fn header(kind: EventKind, pid_tgid: u64, fd: i32, conn_id: u64) -> EventHeader {
+    EventHeader {
+        kind: kind as u8,
+        _pad: [0; 3],
+        tgid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+        fd,
+        // SAFETY: a helper with no arguments.
+        timestamp_ns: unsafe { bpf_ktime_get_ns() },
+        conn_id,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// sys_enter_*: remember the arguments of socket calls made by traced processes.
+// ---------------------------------------------------------------------------------------
+
+#[inline(always)]
+fn remember(ctx: &TracePointContext, call: u32) -> u32 {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: offsets from the syscall tracepoint format, identical for every syscall.
+    let (fd, buffer, count) = unsafe {
+        (
+            ctx.read_at::<u64>(ARG0).unwrap_or(0) as i32,
+            ctx.read_at::<u64>(ARG1).unwrap_or(0),
+            ctx.read_at::<u64>(ARG2).unwrap_or(0),
+        )
+    };
+    let is_transfer = call != CALL_ACCEPT && call != CALL_CONNECT;
+    let mut call = call;
+    let mut seq = None;
+    if is_transfer {
+        // SAFETY: the value is copied out.
+        match unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.copied() {
+            Some(state) if state.ignored != 0 => return 0,
+            Some(state) => {
+                seq = sequence_number(state.sk, is_write_call(call));
+                if let Some(seq) = seq
+                    && state.role == ROLE_CLIENT
+                    && is_write_call(call)
+                    && injecting()
+                {
+                    arm_injection(pid_tgid, call, buffer, count, seq);
+                }
+            }
+            // Only the exit knows whether it moved bytes, so it is the exit that counts it.
+            None if is_tcp_socket(fd) => call = CALL_ON_UNKNOWN_SOCKET,
+            None => return 0,
+        }
+    }
+    let pending = PendingCall {
+        call,
+        fd,
+        buffer,
+        count,
+        seq: seq.unwrap_or(0),
+        seq_known: u32::from(seq.is_some()),
+    };
+    if PENDING_CALLS
+        .insert(&pid_tgid, &pending, BPF_ANY as u64)
+        .is_err()
+    {
+        count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
+    }
+    0
+}
+
+#[inline(always)]
+fn is_write_call(call: u32) -> bool {
+    matches!(
+        call,
+        CALL_WRITE_BUFFER | CALL_WRITE_IOVEC | CALL_WRITE_MSGHDR
+    )
+}
+
+/// The TCP sequence number of the next byte a write sends (`write_seq`) or a read returns
+/// (`copied_seq`), read at the syscall's entry: at its exit the kernel has moved it on by
+/// what was transferred (and, for a write, by anything inserted on the way).
+#[inline(always)]
+fn sequence_number(sk: u64, writing: bool) -> Option<u32> {
+    if sk == 0 {
+        return None;
+    }
+    let off = kernel_offsets();
+    let field = if writing {
+        off.tcp_write_seq
+    } else {
+        off.tcp_copied_seq
+    };
+    // SAFETY: read through the helper, which fails cleanly on a bad address.
+    unsafe { bpf_probe_read_kernel((sk + field as u64) as *const u32).ok() }
+}
+
+/// `sk` when it is a `tcp_sock` whose sequence numbers can be read: TCP proper (an MPTCP
+/// socket is a stream socket too, with other fields at these offsets), offsets known.
+#[inline(always)]
+fn tcp_sock_of(sk: u64) -> u64 {
+    let off = kernel_offsets();
+    if sk == 0 || off.seq_valid == 0 {
+        return 0;
+    }
+    // SAFETY: read through the helper, which fails cleanly on a bad address.
+    let protocol = unsafe { bpf_probe_read_kernel((sk + off.sock_protocol as u64) as *const u16) };
+    if protocol == Ok(IPPROTO_TCP) { sk } else { 0 }
+}
+
+#[tracepoint]
+pub fn enter_read_buffer(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_BUFFER)
+}
+
+#[tracepoint]
+pub fn enter_write_buffer(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_BUFFER)
+}
+
+#[tracepoint]
+pub fn enter_read_iovec(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_IOVEC)
+}
+
+#[tracepoint]
+pub fn enter_write_iovec(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_IOVEC)
+}
+
+#[tracepoint]
+pub fn enter_read_msghdr(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_READ_MSGHDR)
+}
+
+#[tracepoint]
+pub fn enter_write_msghdr(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_WRITE_MSGHDR)
+}
+
+#[tracepoint]
+pub fn enter_accept(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_ACCEPT)
+}
+
+#[tracepoint]
+pub fn enter_connect(ctx: TracePointContext) -> u32 {
+    remember(&ctx, CALL_CONNECT)
+}
+
+/// A close needs no exit: the socket is gone from the process either way.
+#[tracepoint]
+pub fn enter_close(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
+        return 0;
+    };
+    // SAFETY: syscall tracepoint layout.
+    let fd = unsafe { ctx.read_at::<u64>(ARG0).unwrap_or(0) } as i32;
+    let key = SocketKey { tgid, fd };
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(state) = (unsafe { SOCKETS.get(&key) }).copied() else {
+        return 0;
+    };
+    let _ = SOCKETS.remove(&key);
+    emit(&header(EventKind::ConnClose, pid_tgid, fd, state.conn_id));
+    0
+}
+
+/// Follows forks in the kernel, before the child runs: a uvicorn worker or reloader child
+/// accepts its first connection long before user space could add it to the filter.
+/// `task_newtask` fires in `copy_process`, in the parent's context, with the clone flags, so a
+/// new thread can be told from a new process here: threads share their process's tgid,
+/// which the filter already holds, and adding each one would fill the filter with entries
+/// that never match (`bpf_get_current_pid_tgid` reports the tgid).
+#[tracepoint]
+pub fn new_task(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    let layout = tracepoint_layout();
+    // SAFETY: offsets from the task_newtask format file; the read goes through the helper.
+    let clone_flags = unsafe {
+        if layout.new_task_clone_flags_size == 8 {
+            ctx.read_at::<u64>(layout.new_task_clone_flags as usize)
+                .unwrap_or(CLONE_THREAD)
+        } else {
+            ctx.read_at::<u32>(layout.new_task_clone_flags as usize)
+                .map_or(CLONE_THREAD, u64::from)
+        }
+    };
+    if clone_flags & CLONE_THREAD != 0 {
+        count(&THREADS_IGNORED);
+        return 0;
+    }
+    // SAFETY: as above.
+    let child_pid = unsafe {
+        ctx.read_at::<i32>(layout.new_task_pid as usize)
+            .unwrap_or(0)
+    };
+    if child_pid <= 0 {
+        return 0;
+    }
+    let child_pid = child_pid as u32;
+    if TRACED_PIDS.insert(&child_pid, &TRACED_AS_CHILD, 0).is_err() {
+        count_lost();
+        return 0;
+    }
+    emit(&ProcessForkEvent {
+        header: header(EventKind::ProcessFork, pid_tgid, -1, 0),
+        child_pid,
+        _pad: 0,
+    });
+    0
+}
+
+/// Reports the end of a traced process: its last thread (`group_dead`), or on kernels whose
+/// `sched_process_exit` lacks that field, its thread-group leader (see
+/// `tracepoint_format::layout_from_formats` in user space for what that misses).
+#[tracepoint]
+pub fn process_exit(ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, tgid)) = traced_tgid() else {
+        return 0;
+    };
+    // Every thread's exit passes here: its context-read entry goes with it (a no-op for
+    // threads that have none).
+    let _ = PYTHON_THREADS.remove(&(pid_tgid as u32));
+    let layout = tracepoint_layout();
+    let process_ends = if layout.exit_group_dead == FIELD_ABSENT {
+        pid_tgid as u32 == tgid
+    } else {
+        // SAFETY: offset from the sched_process_exit format file; read through the helper.
+        unsafe {
+            ctx.read_at::<u8>(layout.exit_group_dead as usize)
+                .unwrap_or(0)
+                != 0
+        }
+    };
+    if process_ends {
+        emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
+    }
+    0
+}
+
+/// An exec closes the process's close-on-exec sockets (all of Python's) without a `close`
+/// call: user space ends their connections here. The pid stays traced.
+#[tracepoint]
+pub fn process_exec(_ctx: TracePointContext) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    emit(&header(EventKind::ProcessExec, pid_tgid, -1, 0));
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// sys_exit_*: one program for every syscall; the pending call says what the result means.
+// ---------------------------------------------------------------------------------------
+
+#[tracepoint]
+pub fn exit_call(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: copied out before removal.
+    let Some(call) = (unsafe { PENDING_CALLS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = PENDING_CALLS.remove(&pid_tgid);
+    if is_write_call(call.call) && injecting() && INJECT_ARMED.remove(&(pid_tgid as u32)).is_ok() {
+        // The `sk_msg` program takes what it uses: what is left never reached it.
+        count_at(&INJECTIONS, INJECT_NOT_DELIVERED);
+    }
+    // SAFETY: syscall exit tracepoint layout.
+    let ret = unsafe { ctx.read_at::<i64>(RET).unwrap_or(-1) };
+    match call.call {
+        CALL_ACCEPT if ret >= 0 => on_open(pid_tgid, ret as i32, ROLE_SERVER),
+        CALL_CONNECT if ret == 0 || ret == -EINPROGRESS => on_open(pid_tgid, call.fd, ROLE_CLIENT),
+        CALL_ACCEPT | CALL_CONNECT => {}
+        CALL_ON_UNKNOWN_SOCKET if ret > 0 => {
+            count_at(&UNTRACKED, UNTRACKED_UNKNOWN_SOCKET_TRANSFER);
+        }
+        CALL_ON_UNKNOWN_SOCKET => {}
+        _ if ret > 0 => on_transfer(pid_tgid, &call, ret as u64),
+        _ => {}
+    }
+    0
+}
+
+fn on_open(pid_tgid: u64, fd: i32, role: u8) {
+    // SAFETY: a helper with no arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut event = ConnOpenEvent {
+        header: header(EventKind::ConnOpen, pid_tgid, fd, now),
+        role,
+        ..Default::default()
+    };
+    let Some(sk) = read_socket_addresses(fd, &mut event) else {
+        return; // not a TCP socket over IPv4/IPv6
+    };
+    let capture = capture_bytes();
+    let state = SocketState {
+        conn_id: now,
+        read_budget: capture,
+        write_budget: capture,
+        role,
+        ignored: 0,
+        _pad: [0; 2],
+        responses: 0,
+        sk: tcp_sock_of(sk),
+    };
+    let key = SocketKey {
+        tgid: (pid_tgid >> 32) as u32,
+        fd,
+    };
+    if SOCKETS.insert(&key, &state, BPF_ANY as u64).is_err() {
+        // Its transfers then count as transfers on unknown sockets.
+        count_at(&UNTRACKED, UNTRACKED_SOCKET_MAP_FULL);
+        return;
+    }
+    emit(&event);
+}
+
+#[inline(always)]
+fn capture_bytes() -> u32 {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    let value = unsafe { ptr::read_volatile(&CAPTURE_BYTES) };
+    value.min(MAX_CAPTURE_BYTES as u32)
+}
+
+#[inline(always)]
+unsafe fn kernel_u64(address: u64) -> Option<u64> {
+    // SAFETY: the helper checks the address and fails cleanly on a bad one.
+    unsafe { bpf_probe_read_kernel(address as *const u64).ok() }
+}
+
+#[inline(always)]
+fn kernel_offsets() -> KernelOffsets {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    unsafe { ptr::read_volatile(&KERNEL_OFFSETS) }
+}
+
+/// The current task's `struct file` for `fd` and its `private_data` (the `struct socket` if
+/// the file is a socket): task → files → fdtable → fd[fd] → file.
+fn file_of_fd(off: &KernelOffsets, fd: i32) -> Option<(u64, u64)> {
+    if off.valid == 0 || fd < 0 {
+        return None;
+    }
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
+        let task = bpf_get_current_task();
+        let files = kernel_u64(task + off.task_files as u64)?;
+        let fdt = kernel_u64(files + off.files_fdt as u64)?;
+        let fd_array = kernel_u64(fdt + off.fdtable_fd as u64)?;
+        let file = kernel_u64(fd_array + (fd as u64) * 8)?;
+        let private_data = kernel_u64(file + off.file_private_data as u64)?;
+        Some((file, private_data))
+    }
+}
+
+/// Whether `fd` is a TCP socket over IPv4/IPv6: a socket's file is the one its `struct
+/// socket` points back at. Reached only by transfers of traced processes on fds `SOCKETS`
+/// does not hold. False when the offsets are unknown (such transfers are then not counted).
+fn is_tcp_socket(fd: i32) -> bool {
+    let off = kernel_offsets();
+    let Some((file, socket)) = file_of_fd(&off, fd) else {
+        return false;
+    };
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
+        if socket == 0 || kernel_u64(socket + off.socket_file as u64) != Some(file) {
+            return false;
+        }
+        let socket_type =
+            bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
+        let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
+            return false;
+        };
+        let family =
+            bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
+        socket_type == SOCK_STREAM && (family == AF_INET || family == AF_INET6)
+    }
+}
+
+/// Walks task → files → fdtable → file → socket → sock to fill in the 4-tuple, and returns
+/// the `struct sock` (0 when it could not be read). None for sockets that are not TCP over
+/// IPv4/IPv6. When the offsets are unknown, or a read fails, the connection is still traced,
+/// just without addresses (family 0).
+fn read_socket_addresses(fd: i32, event: &mut ConnOpenEvent) -> Option<u64> {
+    let off = kernel_offsets();
+    let Some((_, socket)) = file_of_fd(&off, fd) else {
+        return Some(0);
+    };
+    // SAFETY: every dereference goes through bpf_probe_read_kernel, which fails cleanly.
+    unsafe {
+        let socket_type =
+            bpf_probe_read_kernel((socket + off.socket_type as u64) as *const u16).unwrap_or(0);
+        if socket_type != SOCK_STREAM {
+            return None;
+        }
+        let Some(sk) = kernel_u64(socket + off.socket_sk as u64) else {
+            return Some(0);
+        };
+        let family =
+            bpf_probe_read_kernel((sk + off.sock_family as u64) as *const u16).unwrap_or(0);
+        match family {
+            AF_INET => {
+                let peer: [u8; 4] =
+                    bpf_probe_read_kernel((sk + off.sock_daddr as u64) as *const [u8; 4])
+                        .unwrap_or([0; 4]);
+                let local: [u8; 4] =
+                    bpf_probe_read_kernel((sk + off.sock_rcv_saddr as u64) as *const [u8; 4])
+                        .unwrap_or([0; 4]);
+                event.peer_addr[..4].copy_from_slice(&peer);
+                event.local_addr[..4].copy_from_slice(&local);
+            }
+            AF_INET6 => {
+                event.peer_addr =
+                    bpf_probe_read_kernel((sk + off.sock_v6_daddr as u64) as *const [u8; 16])
+                        .unwrap_or([0; 16]);
+                event.local_addr =
+                    bpf_probe_read_kernel((sk + off.sock_v6_rcv_saddr as u64) as *const [u8; 16])
+                        .unwrap_or([0; 16]);
+            }
+            _ => return None,
+        }
+        event.family = family;
+        let dport = bpf_probe_read_kernel((sk + off.sock_dport as u64) as *const u16).unwrap_or(0);
+        event.peer_port = u16::from_be(dport);
+        event.local_port =
+            bpf_probe_read_kernel((sk + off.sock_num as u64) as *const u16).unwrap_or(0);
+        Some(sk)
+    }
+}
+
+/// `struct iovec` in user memory.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UserIovec {
+    base: u64,
+    len: u64,
+}
+
+/// The first fields of `struct user_msghdr`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UserMsghdr {
+    name: u64,
+    name_len: u64,
+    iov: u64,
+    iov_len: u64,
+}
+
+/// The iovec array and its length for a vectored call; a single-buffer call is one iovec.
+#[inline(always)]
+fn iovecs_of(call: &PendingCall, moved: u64) -> (u64, u64, UserIovec) {
+    match call.call {
+        CALL_READ_BUFFER | CALL_WRITE_BUFFER => (
+            0,
+            1,
+            UserIovec {
+                base: call.buffer,
+                len: moved,
+            },
+        ),
+        CALL_READ_MSGHDR | CALL_WRITE_MSGHDR => {
+            // SAFETY: user memory read through the helper.
+            let msg = unsafe { bpf_probe_read_user(call.buffer as *const UserMsghdr) };
+            match msg {
+                Ok(msg) => (msg.iov, msg.iov_len, UserIovec { base: 0, len: 0 }),
+                Err(_) => (0, 0, UserIovec { base: 0, len: 0 }),
+            }
+        }
+        _ => (call.buffer, call.count, UserIovec { base: 0, len: 0 }),
+    }
+}
+
+#[inline(always)]
+fn iovec_at(array: u64, index: u64, single: &UserIovec) -> Option<UserIovec> {
+    if array == 0 {
+        return if index == 0 { Some(*single) } else { None };
+    }
+    // SAFETY: user memory read through the helper.
+    unsafe { bpf_probe_read_user((array + index * 16) as *const UserIovec).ok() }
+}
+
+/// HTTP/1.x messages start with a method (requests) or `HTTP` (responses). Seeing one resets
+/// the capture budget of that direction, so each message's head is captured and its body,
+/// beyond the budget, is reported by length only.
+#[inline(always)]
+fn starts_http_message(first: [u8; 4]) -> bool {
+    matches!(
+        &first,
+        b"HTTP"
+            | b"GET "
+            | b"POST"
+            | b"PUT "
+            | b"HEAD"
+            | b"DELE"
+            | b"PATC"
+            | b"OPTI"
+            | b"CONN"
+            | b"TRAC"
+    )
+}
+
+fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let key = SocketKey { tgid, fd: call.fd };
+    let Some(socket) = SOCKETS.get_ptr_mut(&key) else {
+        return;
+    };
+    let Some(event) = DATA_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let reading = matches!(
+        call.call,
+        CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR
+    );
+    let (array, count, single) = iovecs_of(call, moved);
+    let Some(first) = iovec_at(array, 0, &single) else {
+        return;
+    };
+
+    // SAFETY: `socket` and `event` point into map values owned by this CPU for the duration
+    // of the program; user memory is read only through the helpers.
+    unsafe {
+        let socket = &mut *socket;
+        let event = &mut *event;
+        let first_bytes: [u8; 4] =
+            bpf_probe_read_user(first.base as *const [u8; 4]).unwrap_or([0; 4]);
+        let budget = if reading {
+            &mut socket.read_budget
+        } else {
+            &mut socket.write_budget
+        };
+        let message_start = starts_http_message(first_bytes);
+        if !reading && &first_bytes == b"HTTP" {
+            socket.responses = socket.responses.wrapping_add(1);
+        }
+        if message_start {
+            *budget = capture_bytes();
+            if !reading {
+                report_task_context(pid_tgid, call.fd, socket.conn_id);
+            }
+        }
+        // One byte short of the maximum, so that every length fits the mask.
+        let want = moved.min(*budget as u64).min(CAPTURE_MASK as u64);
+
+        let mut copied: u64 = 0;
+        let mut seen: u64 = 0; // bytes of `moved` covered by the iovecs looked at so far
+        let mut tail_from: u64 = 0;
+        let mut tail_len: u64 = 0;
+        for index in 0..MAX_IOVECS as u64 {
+            if index >= count || seen >= moved {
+                break;
+            }
+            let Some(iov) = iovec_at(array, index, &single) else {
+                break;
+            };
+            let in_segment = iov.len.min(moved - seen);
+            if copied < want {
+                let offset = bounded(copied as usize, CAPTURE_MASK);
+                let length = bounded(in_segment.min(want - copied) as usize, CAPTURE_MASK);
+                let destination = event.payload.as_mut_ptr().add(offset);
+                if probe_read_user_raw(destination.cast(), length as u32, iov.base as *const _) != 0
+                {
+                    break;
+                }
+                copied += length as u64;
+            }
+            seen += in_segment;
+            if in_segment > 0 {
+                tail_len = in_segment.min(TAIL_BYTES as u64);
+                tail_from = iov.base + in_segment - tail_len;
+            }
+        }
+        *budget = budget.saturating_sub(copied as u32);
+
+        event.header = DataEventHeader {
+            header: header(EventKind::Data, pid_tgid, call.fd, socket.conn_id),
+            direction: if reading {
+                DIRECTION_READ
+            } else {
+                DIRECTION_WRITE
+            },
+            flags: if call.seq_known != 0 {
+                DATA_SEQ_KNOWN
+            } else {
+                0
+            },
+            tail_len: 0,
+            captured_len: copied as u32,
+            total_len: moved,
+            seq: call.seq,
+            _pad: 0,
+        };
+        // The tail follows the head in the payload: a masked offset below MAX_CAPTURE_BYTES
+        // plus at most TAIL_BYTES stays inside the doubled scratch payload.
+        let head = bounded(copied as usize, CAPTURE_MASK);
+        let mut tail = 0;
+        if copied < moved && seen == moved && tail_len > 0 {
+            let length = bounded(tail_len as usize, TAIL_MASK).min(TAIL_BYTES);
+            let destination = event.payload.as_mut_ptr().add(head);
+            if probe_read_user_raw(destination.cast(), length as u32, tail_from as *const _) == 0 {
+                event.header.tail_len = length as u16;
+                tail = length;
+            }
+        }
+
+        let size = size_of::<DataEventHeader>() + head + bounded(tail, TAIL_MASK).min(TAIL_BYTES);
+        let record =
+            core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
+        // With injection on, the agent must see a call's evidence before the handler writes
+        // its next call, so a client write's record wakes it at once.
+        let flags = if !reading && socket.role == ROLE_CLIENT && injecting() {
+            BPF_RB_FORCE_WAKEUP as u64
+        } else {
+            wakeup_flags()
+        };
+        if EVENTS.output::<[u8]>(record, flags).is_err() {
+            count_lost();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// OpenSSL uprobes: the plaintext of TLS connections. Attached by user space to each libssl
+// file its traced processes map (every process that maps the file hits them, so each checks
+// the PID filter first), entry and return: the plaintext and its length are known only at
+// return for reads, and the bytes moved only at return for both.
+// ---------------------------------------------------------------------------------------
+
+#[inline(always)]
+fn tls_enter(ctx: &ProbeContext, direction: u8, extended: bool) -> u32 {
+    let Some((pid_tgid, _)) = traced_tgid() else {
+        return 0;
+    };
+    let call = PendingTlsCall {
+        ssl: ctx.arg::<u64>(0).unwrap_or(0),
+        buffer: ctx.arg::<u64>(1).unwrap_or(0),
+        moved_out: if extended {
+            ctx.arg::<u64>(3).unwrap_or(0)
+        } else {
+            0
+        },
+        // SAFETY: a helper with no arguments.
+        start_ns: unsafe { bpf_ktime_get_ns() },
+        direction: u32::from(direction),
+        _pad: 0,
+    };
+    if TLS_CALLS.insert(&pid_tgid, &call, BPF_ANY as u64).is_err() {
+        count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
+    }
+    0
+}
+
+/// `int SSL_write(SSL *ssl, const void *buf, int num)`
+#[uprobe]
+pub fn ssl_write(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_WRITE, false)
+}
+
+/// `int SSL_write_ex(SSL *s, const void *buf, size_t num, size_t *written)`
+#[uprobe]
+pub fn ssl_write_ex(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_WRITE, true)
+}
+
+/// `int SSL_read(SSL *ssl, void *buf, int num)`
+#[uprobe]
+pub fn ssl_read(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_READ, false)
+}
+
+/// `int SSL_read_ex(SSL *ssl, void *buf, size_t num, size_t *readbytes)`
+#[uprobe]
+pub fn ssl_read_ex(ctx: ProbeContext) -> u32 {
+    tls_enter(&ctx, DIRECTION_READ, true)
+}
+
+/// The return of any of the four: only a call its uprobe remembered (a traced process's) goes
+/// further than the one lookup.
+#[uretprobe]
+pub fn ssl_return(ctx: RetProbeContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(call) = (unsafe { TLS_CALLS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = TLS_CALLS.remove(&pid_tgid);
+    let returned: i32 = ctx.ret::<i32>();
+    let moved = if call.moved_out != 0 {
+        if returned != 1 {
+            return 0;
+        }
+        user_u64(call.moved_out).unwrap_or(0)
+    } else if returned > 0 {
+        returned as u64
+    } else {
+        0
+    };
+    if moved > 0 && call.buffer != 0 {
+        on_tls_transfer(pid_tgid, &call, moved);
+    }
+    0
+}
+
+/// Reports the plaintext of one TLS call: the head of each HTTP message (budgeted per `SSL*`
+/// as for sockets) and the tail of what was not captured. A write that starts a message also
+/// reports the writing task's context, as a socket write does.
+fn on_tls_transfer(pid_tgid: u64, call: &PendingTlsCall, moved: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(event) = TLS_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let reading = call.direction == u32::from(DIRECTION_READ);
+    let key = TlsKey {
+        ssl: call.ssl,
+        tgid,
+        _pad: 0,
+    };
+    // SAFETY: the value is copied out.
+    let known = unsafe { TLS_BUDGETS.get(&key) }.copied();
+    let mut budget = known.unwrap_or_default();
+    // SAFETY: user memory is read only through the helpers; `event` points into a map value
+    // owned by this CPU for the duration of the program.
+    unsafe {
+        let event = &mut *event;
+        let first: [u8; 4] = bpf_probe_read_user(call.buffer as *const [u8; 4]).unwrap_or([0; 4]);
+        let slot = if reading {
+            &mut budget.read
+        } else {
+            &mut budget.write
+        };
+        let message_start = moved >= 4 && starts_http_message(first);
+        if message_start {
+            *slot = capture_bytes();
+            if !reading {
+                report_task_context(pid_tgid, -1, call.ssl);
+            }
+        }
+        let want = moved.min(*slot as u64).min(CAPTURE_MASK as u64);
+        let mut copied = bounded(want as usize, CAPTURE_MASK);
+        if copied > 0
+            && probe_read_user_raw(
+                event.payload.as_mut_ptr().cast(),
+                copied as u32,
+                call.buffer as *const _,
+            ) != 0
+        {
+            copied = 0;
+        }
+        *slot = slot.saturating_sub(copied as u32);
+        if message_start || copied > 0 {
+            let _ = TLS_BUDGETS.insert(&key, &budget, BPF_ANY as u64);
+        }
+        event.header = TlsDataHeader {
+            data: DataEventHeader {
+                header: header(EventKind::TlsData, pid_tgid, -1, call.ssl),
+                direction: if reading {
+                    DIRECTION_READ
+                } else {
+                    DIRECTION_WRITE
+                },
+                // TLS plaintext has no place in the TCP byte stream.
+                flags: 0,
+                tail_len: 0,
+                captured_len: copied as u32,
+                total_len: moved,
+                seq: 0,
+                _pad: 0,
+            },
+            start_ns: call.start_ns,
+        };
+        let head = bounded(copied, CAPTURE_MASK);
+        let mut tail = 0;
+        if (copied as u64) < moved {
+            let length = bounded(moved.min(TAIL_BYTES as u64) as usize, TAIL_MASK).min(TAIL_BYTES);
+            let from = call.buffer + moved - length as u64;
+            let destination = event.payload.as_mut_ptr().add(head);
+            if probe_read_user_raw(destination.cast(), length as u32, from as *const _) == 0 {
+                event.header.data.tail_len = length as u16;
+                tail = length;
+            }
+        }
+        let size = size_of::<TlsDataHeader>() + head + bounded(tail, TAIL_MASK).min(TAIL_BYTES);
+        let record =
+            core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
+        if EVENTS.output::<[u8]>(record, wakeup_flags()).is_err() {
+            count_lost();
+        }
+    }
+}
+
+/// A user-space u64, `None` when the read faults.
+#[inline(always)]
+fn user_u64(address: u64) -> Option<u64> {
+    // SAFETY: the helper checks the address and fails cleanly on a bad one.
+    unsafe { bpf_probe_read_user(address as *const u64).ok() }
+}
+
+/// Reports the writing thread's contextvars chain, just before its data record, if user space
+/// registered the thread as a CPython thread of this process. A non-Python traced process
+/// pays the one lookup. Every link is checked to be a `Context` (its `ob_type` is
+/// `PyContext_Type`) before it is recorded or followed: what is not one is never read further.
+#[inline(always)]
+fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
+    let tid = pid_tgid as u32;
+    // SAFETY: the value is copied out.
+    let thread = match unsafe { PYTHON_THREADS.get(&tid) } {
+        Some(thread)
+            if thread.tgid == (pid_tgid >> 32) as u32
+                && thread.context_prev == thread.object_type + 8 =>
+        {
+            *thread
+        }
+        _ => {
+            count_at(&CONTEXT_READS, CONTEXT_THREAD_UNKNOWN);
+            return;
+        }
+    };
+    let Some(mut entry) = EVENTS.reserve::<TaskContextEvent>(0) else {
+        count_at(&CONTEXT_READS, CONTEXT_LOST);
+        count_lost();
+        return;
+    };
+    let record = entry.as_mut_ptr();
+    let mut depth: u32 = 0;
+    let mut stopped = NO_STOP;
+    // SAFETY: `record` points at the reserved ring-buffer space, owned by this program until
+    // it is submitted; every field is written before the submit.
+    unsafe {
+        (*record).header = header(EventKind::TaskContext, pid_tgid, fd, conn_id);
+        (*record)._pad = 0;
+        (*record).chain = [0; MAX_CONTEXT_DEPTH];
+        let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
+        for index in 0..MAX_CONTEXT_DEPTH {
+            if context == 0 {
+                break;
+            }
+            // One read per link: `ob_type` and the `ctx_prev` right after it (user space
+            // registers no layout where they are not adjacent).
+            let Ok([kind, previous]) =
+                bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
+            else {
+                stopped = CONTEXT_READ_FAILED;
+                break;
+            };
+            if kind != thread.context_type {
+                stopped = CONTEXT_NOT_A_CONTEXT;
+                break;
+            }
+            (*record).chain[index] = context;
+            depth = index as u32 + 1;
+            context = previous;
+        }
+        // A chain cut short (a failed read, a link that is no Context, more links than
+        // MAX_CONTEXT_DEPTH) lacks its loop's links: reported empty, never as a shorter chain.
+        if stopped != NO_STOP || context != 0 {
+            depth = 0;
+        }
+        (*record).depth = depth;
+    }
+    entry.submit(wakeup_flags());
+    count_at(
+        &CONTEXT_READS,
+        if depth > 0 {
+            CONTEXT_CHAIN_READ
+        } else {
+            CONTEXT_CHAIN_EMPTY
+        },
+    );
+    if stopped != NO_STOP {
+        count_at(&CONTEXT_READS, stopped);
+    }
+}
+
+/// A walk that ended at NULL or at [`MAX_CONTEXT_DEPTH`].
+const NO_STOP: u32 = u32::MAX;
+
+// ---------------------------------------------------------------------------------------
+// traceparent injection (`--inject-traceparent`): a traced process's outbound request,
+// written by a handler task whose request's trace user space has published, gets a
+// `traceparent` line after its request line. The write's enter checks the bytes and arms the
+// line for the thread; `sk_msg`, inside the same call, inserts it; the exit disarms.
+// ---------------------------------------------------------------------------------------
+
+#[inline(always)]
+fn injecting() -> bool {
+    // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
+    unsafe { ptr::read_volatile(&INJECT_TRACEPARENT) != 0 }
+}
+
+/// An 8-byte window of the scratch at `at` (masked into it), as a little-endian number.
+#[inline(always)]
+fn window(scan: &[u8; INJECT_SCAN_BYTES + 16], at: usize) -> u64 {
+    let at = bounded(at, INJECT_SCAN_BYTES - 1);
+    // SAFETY: `at` < INJECT_SCAN_BYTES and the scratch has 16 bytes beyond it.
+    unsafe { ptr::read_unaligned(scan.as_ptr().add(at).cast::<u64>()) }
+}
+
+const LOWER_LETTERS: u64 = 0x2020_2020_2020_2000; // bytes 1..8: ASCII letters to lower case
+const TRACEPA: u64 = u64::from_le_bytes(*b"\ntracepa");
+const RENT_COLON: u64 = u64::from_le_bytes(*b"rent:\0\0\0");
+const HTTP_1: u64 = u64::from_le_bytes(*b"HTTP/1.\0");
+
+/// Arms the `traceparent` line for a request write of a traced client socket, when the write
+/// starts a plaintext HTTP/1.x request whose head (all of it in the scanned bytes) carries
+/// none, and the writing task's request has a published, still valid trace.
+#[inline(always)]
+fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
+    let pending = PendingCall {
+        call,
+        fd: 0,
+        buffer,
+        count,
+        seq,
+        seq_known: 1,
+    };
+    let (array, _, single) = iovecs_of(&pending, count);
+    let Some(first) = iovec_at(array, 0, &single) else {
+        return;
+    };
+    // SAFETY: user memory read through the helper.
+    let Ok(start) = (unsafe { bpf_probe_read_user(first.base as *const [u8; 4]) }) else {
+        return;
+    };
+    if !starts_http_message(start) || &start == b"HTTP" {
+        return; // not the start of a request
+    }
+    let Some(scan) = INJECT_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: per-CPU scratch owned by this program while it runs.
+    let scan = unsafe { &mut *scan };
+    let length = bounded(
+        first.len.min(INJECT_SCAN_BYTES as u64) as usize,
+        2 * INJECT_SCAN_BYTES - 1,
+    )
+    .min(INJECT_SCAN_BYTES);
+    // SAFETY: at most INJECT_SCAN_BYTES into a scratch that has them.
+    if unsafe {
+        probe_read_user_raw(
+            scan.as_mut_ptr().cast(),
+            length as u32,
+            first.base as *const _,
+        )
+    } != 0
+    {
+        return;
+    }
+    // Two passes over the bytes: the request line's end (an HTTP/1.x request line: the
+    // header goes after it), then every line end, for an empty line (the head's end) or a
+    // line that starts with `t` (a `traceparent` already there). The verifier walks a loop
+    // once per state it can tell apart at its exits, so nothing but the flags is ever
+    // compared after the loops: `insert_at` is only stored.
+    let mut insert_at = 0;
+    let mut request_line = false;
+    for at in 0..INJECT_SCAN_BYTES {
+        if at >= length {
+            break;
+        }
+        if scan[bounded(at, INJECT_SCAN_BYTES - 1)] == b'\n' {
+            request_line = at >= 9 && window(scan, at - 9) & 0x00ff_ffff_ffff_ffff == HTTP_1;
+            insert_at = at + 1;
+            break;
+        }
+    }
+    if !request_line {
+        count_at(&INJECTIONS, INJECT_HEAD_UNSCANNED);
+        return;
+    }
+    let mut head_ends = false;
+    let mut carried = false;
+    for at in 0..INJECT_SCAN_BYTES {
+        if at + 2 >= length {
+            break;
+        }
+        if scan[bounded(at, INJECT_SCAN_BYTES - 1)] != b'\n' {
+            continue;
+        }
+        let next = scan[bounded(at + 1, INJECT_SCAN_BYTES - 1)];
+        if next == b'\r' {
+            head_ends = true;
+            break;
+        }
+        if next | 0x20 == b't'
+            && at + 13 <= length
+            && window(scan, at) | LOWER_LETTERS == TRACEPA
+            && (window(scan, at + 8) | 0x0000_0000_2020_2020) & 0xff_ffff_ffff == RENT_COLON
+        {
+            carried = true;
+            break;
+        }
+    }
+    if carried {
+        count_at(&INJECTIONS, INJECT_CARRIED);
+        return;
+    }
+    if !head_ends {
+        count_at(&INJECTIONS, INJECT_HEAD_UNSCANNED);
+        return;
+    }
+    let Some(trace) = handler_trace(pid_tgid) else {
+        return;
+    };
+    let mut armed = ArmedInjection {
+        line: *b"traceparent: 00-################################-################-01\r\n",
+        _pad: [0; 2],
+        insert_at: insert_at as u32,
+        first_bytes: window(scan, 0),
+    };
+    hex_into(&mut armed.line, 16, &trace);
+    hex_into(
+        &mut armed.line,
+        49,
+        &tracer_abi::tcp_request_span_id(seq).to_be_bytes(),
+    );
+    let _ = INJECT_ARMED.insert(&(pid_tgid as u32), &armed, BPF_ANY as u64);
+}
+
+#[inline(always)]
+fn hex_into<const N: usize>(line: &mut [u8; TRACEPARENT_LINE], at: usize, bytes: &[u8; N]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (index, byte) in bytes.iter().enumerate() {
+        line[at + 2 * index] = DIGITS[(byte >> 4) as usize];
+        line[at + 2 * index + 1] = DIGITS[(byte & 15) as usize];
+    }
+}
+
+/// The trace published for the writing task: the first link of its contextvars chain that
+/// has one, if that entry's request is still unanswered (else it is deleted: the context's
+/// address now belongs to another request). Counts why there is none.
+#[inline(always)]
+fn handler_trace(pid_tgid: u64) -> Option<[u8; 16]> {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: the value is copied out.
+    let thread = match unsafe { PYTHON_THREADS.get(&(pid_tgid as u32)) } {
+        Some(thread) if thread.tgid == tgid && thread.context_prev == thread.object_type + 8 => {
+            *thread
+        }
+        _ => {
+            count_at(&INJECTIONS, INJECT_NO_TRACE);
+            return None;
+        }
+    };
+    let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
+    for _ in 0..MAX_CONTEXT_DEPTH {
+        if context == 0 {
+            break;
+        }
+        // SAFETY: user memory read through the helper.
+        let Ok([kind, previous]) = (unsafe {
+            bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
+        }) else {
+            break;
+        };
+        if kind != thread.context_type {
+            break;
+        }
+        let key = InjectKey {
+            tgid,
+            _pad: 0,
+            context,
+        };
+        // SAFETY: the value is copied out.
+        if let Some(entry) = unsafe { INJECT_TRACES.get(&key) }.copied() {
+            let owner = SocketKey {
+                tgid,
+                fd: entry.owner_fd,
+            };
+            // SAFETY: the value is copied out.
+            let unanswered = unsafe { SOCKETS.get(&owner) }.is_some_and(|socket| {
+                socket.conn_id == entry.owner_conn_id && socket.responses == entry.owner_responses
+            });
+            if unanswered {
+                return Some(entry.trace);
+            }
+            let _ = INJECT_TRACES.remove(&key);
+            count_at(&INJECTIONS, INJECT_OWNER_DONE);
+            return None;
+        }
+        context = previous;
+    }
+    count_at(&INJECTIONS, INJECT_NO_TRACE);
+    None
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    loop {}
+}

@@ -1,0 +1,266 @@
+//! The traces the kernel may write into outbound requests (`--inject-traceparent`).
+//!
+//! The kernel inserts `traceparent` synchronously, inside the write, so it can only carry
+//! what is known before the call is written: the trace of the request the writing handler
+//! serves. That is known once evidence bound the handler's group ([`super::calls`]) and the
+//! request's trace is settled (a rollout id, an inbound `traceparent`, or a span already
+//! released: a trace that could still change is never published). A group's first call is
+//! what usually binds it, so it leaves without a header; the calls after it carry one.
+//!
+//! A task context's address belongs to its request only until that request is answered;
+//! the publication names the request's connection and the responses it had before it, and
+//! the kernel stops using it once the count moves ([`tracer_abi::InjectTrace`]).
+
+use super::{MAX_DEPTH, Parent, Stitcher};
+use crate::model::exchange::InboundSocket;
+use crate::model::ids::{SpanId, TraceId};
+
+/// A change to the kernel's published traces, for the driver to apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceInjection {
+    /// Requests written by task context `context` of process `pid` carry `trace`, while
+    /// the request on `owner` is unanswered.
+    Publish {
+        pid: u32,
+        context: u64,
+        trace: TraceId,
+        owner: InboundSocket,
+    },
+    Withdraw {
+        pid: u32,
+        context: u64,
+    },
+}
+
+impl Stitcher {
+    /// The group `key` serves `owner`: publishes `owner`'s trace for it, when injection is
+    /// on, the trace is settled and the request still unanswered on a plaintext connection.
+    pub(super) fn publish_trace(&mut self, key: (u32, u64), owner: SpanId) {
+        if !self.config.inject_traces || self.published.get(&key) == Some(&owner) {
+            return;
+        }
+        let Some(node) = self.nodes.get(&owner) else {
+            return;
+        };
+        let Some(socket) = node.inbound_socket.filter(|_| node.ended.is_none()) else {
+            return;
+        };
+        let Some(trace) = self.settled_trace(owner) else {
+            self.counters.traces_unsettled += 1;
+            return;
+        };
+        self.counters.traces_published += 1;
+        self.published.insert(key, owner);
+        self.injections.push(TraceInjection::Publish {
+            pid: key.0,
+            context: key.1,
+            trace,
+            owner: socket,
+        });
+    }
+
+    /// `owner`'s trace may have settled (its rollout became known): its bound handlers that
+    /// were not published yet are.
+    pub(super) fn publish_traces_of(&mut self, owner: SpanId) {
+        if !self.config.inject_traces {
+            return;
+        }
+        let keys: Vec<(u32, u64)> = self
+            .groups
+            .iter()
+            .filter(|(key, group)| {
+                group.owner() == Some(owner) && !self.published.contains_key(key)
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in keys {
+            self.publish_trace(key, owner);
+        }
+    }
+
+    /// `owner` was answered or forgotten: the traces published for its handlers go.
+    pub(super) fn withdraw_traces(&mut self, owner: SpanId) {
+        if self.published.is_empty() {
+            return;
+        }
+        let injections = &mut self.injections;
+        self.published.retain(|&(pid, context), published| {
+            let keep = *published != owner;
+            if !keep {
+                injections.push(TraceInjection::Withdraw { pid, context });
+            }
+            keep
+        });
+    }
+
+    /// A process is gone: its publications go with it.
+    pub(super) fn withdraw_process(&mut self, pid: u32) {
+        let injections = &mut self.injections;
+        self.published.retain(|&(owner_pid, context), _| {
+            let keep = owner_pid != pid;
+            if !keep {
+                injections.push(TraceInjection::Withdraw { pid, context });
+            }
+            keep
+        });
+    }
+
+    /// Takes the changes made since the last call.
+    pub fn take_injections(&mut self) -> Vec<TraceInjection> {
+        std::mem::take(&mut self.injections)
+    }
+
+    /// `id`'s trace, if nothing still to come can change it: fixed by a released span, or
+    /// decided by a remote parent or its root's rollout id. A root's random trace is not
+    /// settled: its rollout may yet be learned.
+    fn settled_trace(&self, mut id: SpanId) -> Option<TraceId> {
+        let start = id;
+        for _ in 0..MAX_DEPTH {
+            let node = self.nodes.get(&id)?;
+            if let Some(trace) = node.trace {
+                return Some(trace);
+            }
+            match node.parent {
+                Parent::Remote(trace, _) => return Some(trace),
+                Parent::Local(parent) if self.nodes.contains_key(&parent) => id = parent,
+                Parent::Local(_) => return None,
+                Parent::None => {
+                    return self.effective_rollout(start).map(super::rollout_trace_id);
+                }
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::super::{StartFacts, StitchConfig, Stitcher};
+    use super::TraceInjection;
+    use crate::gym::rollout_id::RolloutId;
+    use crate::model::context::ContextChain;
+    use crate::model::exchange::{InboundSocket, RequestStart, Role};
+    use crate::pipeline::testing;
+
+    const AGENT: u32 = 1;
+    const LOOP: [u64; 2] = [0xb0, 0xa0];
+    const HANDLER: u64 = 0x100;
+
+    fn chain(task: &[u64]) -> ContextChain {
+        let links: Vec<u64> = task.iter().chain(LOOP.iter()).copied().collect();
+        ContextChain::new(&links).expect("a chain")
+    }
+
+    fn facts(rollout: Option<&str>) -> StartFacts {
+        StartFacts {
+            rollout_id: rollout.map(|r| RolloutId::parse(r).expect("an id")),
+            emits_own: true,
+            emits_semantic: false,
+            inbound_hidden: false,
+            caller_traced: false,
+        }
+    }
+
+    fn stitcher(inject: bool) -> Stitcher {
+        Stitcher::new(StitchConfig {
+            delay: Duration::from_millis(10),
+            max_pending: 100,
+            max_nodes: 1000,
+            inject_traces: inject,
+        })
+    }
+
+    fn inbound(stitcher: &mut Stitcher, port: u16, rollout: Option<&str>) -> RequestStart {
+        let mut start = testing::start(AGENT, Role::Server, (8000, port), 0, "POST", "/run");
+        start.inbound_socket = Some(InboundSocket {
+            fd: i32::from(port),
+            conn_id: 7,
+            requests_before: 0,
+        });
+        stitcher.start(&start, facts(rollout), Instant::now());
+        // A response under the loop's own contexts teaches the loop's tail.
+        stitcher.response_context(start.span_id, chain(&[0x999]));
+        start
+    }
+
+    fn call(stitcher: &mut Stitcher, port: u16, rollout: Option<&str>) -> RequestStart {
+        let mut start = testing::start(AGENT, Role::Client, (port, 9000), 0, "POST", "/tool");
+        start.context = Some(chain(&[0x500 + u64::from(port), HANDLER]));
+        stitcher.start(&start, facts(None), Instant::now());
+        if let Some(rollout) = rollout {
+            stitcher.set_rollout(start.span_id, RolloutId::parse(rollout).expect("an id"));
+        }
+        start
+    }
+
+    #[test]
+    fn a_bound_handler_of_a_known_rollout_is_published_until_its_request_ends() {
+        let mut stitcher = stitcher(true);
+        let run = inbound(&mut stitcher, 1000, Some("3-0"));
+        // The first call names the rollout: it binds the handler, and from now on its
+        // calls may carry the trace.
+        call(&mut stitcher, 2000, Some("3-0"));
+        let published = stitcher.take_injections();
+        assert_eq!(published.len(), 1, "{published:?}");
+        let TraceInjection::Publish {
+            pid,
+            context,
+            trace,
+            owner,
+        } = published[0]
+        else {
+            panic!("{published:?}");
+        };
+        assert_eq!((pid, context, owner.fd), (AGENT, HANDLER, 1000));
+        assert_eq!(
+            trace,
+            super::super::rollout_trace_id(&RolloutId::parse("3-0").expect("an id"))
+        );
+        // Later calls of the group change nothing; the request's end withdraws it.
+        call(&mut stitcher, 2001, None);
+        assert!(stitcher.take_injections().is_empty());
+        stitcher.finish(run.span_id, Instant::now());
+        assert_eq!(
+            stitcher.take_injections(),
+            vec![TraceInjection::Withdraw {
+                pid: AGENT,
+                context: HANDLER
+            }]
+        );
+    }
+
+    #[test]
+    fn a_trace_that_may_still_change_is_never_published() {
+        let mut stitcher = stitcher(true);
+        // The only request in flight binds the call, but its trace is random until a
+        // rollout id turns up: nothing is published.
+        let run = inbound(&mut stitcher, 1000, None);
+        let placed = call(&mut stitcher, 2000, None);
+        assert!(stitcher.nodes[&placed.span_id].parent != super::Parent::None);
+        assert!(stitcher.take_injections().is_empty());
+        assert_eq!(stitcher.counters.traces_unsettled, 1);
+        // Its body's ids arrive: the trace is settled, and published then.
+        stitcher.set_rollout(run.span_id, RolloutId::parse("4-1").expect("an id"));
+        let published = stitcher.take_injections();
+        assert!(
+            matches!(
+                published[..],
+                [TraceInjection::Publish {
+                    context: HANDLER,
+                    ..
+                }]
+            ),
+            "{published:?}"
+        );
+    }
+
+    #[test]
+    fn without_the_flag_nothing_is_published() {
+        let mut stitcher = stitcher(false);
+        inbound(&mut stitcher, 1000, Some("3-0"));
+        call(&mut stitcher, 2000, Some("3-0"));
+        assert!(stitcher.take_injections().is_empty());
+    }
+}
