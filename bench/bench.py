@@ -506,6 +506,68 @@ def host_tax(params, binary, receiver):
     return result
 
 
+TRACED_TAX_MODES = ("untraced", "agent, not traced", "traced")
+
+
+def traced_tax(params, binary, receiver):
+    """What a traced process pays per syscall (#18: a traced read/write of a small HTTP
+    message, ≤ 1 µs more): `syscall_tax http` on the server CPU, each run a fresh process on a
+    fresh loopback connection, untraced without an agent, untraced with the agent attached to
+    an idle `sleep`, and traced by `--pid` (the agent sees the connection open and captures all
+    four messages of every exchange, and builds its two spans). Interleaved, median ns per
+    syscall; the agent's losses in the traced runs are reported with it."""
+    def loop(mode):
+        with spawning_on(SERVER_CPU):
+            tax = CHILDREN.add(subprocess.Popen([str(binary), "http", str(params.tax_iterations)],
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        agent = None
+        try:
+            if mode == "traced":
+                agent = start_agent([tax.pid], receiver.url, servers=False)
+            before = bpf_stats.run_time(agent.process.pid) if agent else None
+            out, _ = tax.communicate("go\n", timeout=300)
+            if tax.returncode != 0:
+                raise BenchError(f"syscall_tax http failed ({tax.returncode}): {out}")
+            lost = kernel_ns = None
+            if agent:
+                # Every program of the agent, whoever ran it: on a quiet host, the traced loop.
+                kernel_ns = (bpf_stats.run_time(agent.process.pid)[0] - before[0]) / (4 * params.tax_iterations)
+                agent.stop()
+                summary = Counters(agent.summary(), "exit summary (--summary-file)")
+                lost = summary["events_lost_in_kernel"]
+            return float(out), lost, kernel_ns
+        finally:
+            stop_agent(agent)
+            if tax.poll() is None:
+                tax.kill()
+
+    with spawning_on(LOAD_CPU):
+        idle = CHILDREN.add(subprocess.Popen(["sleep", "infinity"]))
+    runs = {mode: [] for mode in TRACED_TAX_MODES}
+    lost, kernel_ns = [], []
+    try:
+        with bpf_stats.stats_enabled():
+            for _ in range(params.tax_repeats):
+                runs["untraced"].append(loop("untraced")[0])
+                agent = start_agent([idle.pid], receiver.url, servers=False)
+                try:
+                    runs["agent, not traced"].append(loop("agent, not traced")[0])
+                finally:
+                    stop_agent(agent)
+                ns, lost_records, spent = loop("traced")
+                runs["traced"].append(ns)
+                lost.append(lost_records)
+                kernel_ns.append(spent)
+    finally:
+        idle.kill()
+        idle.wait()
+    median = {mode: statistics.median(values) for mode, values in runs.items()}
+    return {"runs": runs, "median_ns": median, "events_lost": lost,
+            "kernel_ns_per_syscall": statistics.median(kernel_ns),
+            "traced_delta_ns": median["traced"] - median["untraced"],
+            "untraced_delta_ns": median["agent, not traced"] - median["untraced"]}
+
+
 # ---------------------------------------------------------------------------------------
 # ctx: the task-context reads alone, on a CPython writer
 # ---------------------------------------------------------------------------------------
@@ -963,6 +1025,16 @@ def render(report):
             what = {"pipe": "pipe write+read", "socket": "socketpair send+recv", "getppid": "getppid (no program)"}[mode]
             lines.append(f"  {what:20} {t['without_ns']:7.1f} ns/syscall without the agent, {t['with_ns']:7.1f} with "
                          f"({t['delta_ns']:+.1f} ns, {t['delta_pct']:+.1f}%)")
+    if report.get("traced_tax"):
+        t = report["traced_tax"]
+        lines.append("")
+        lines.append(f"traced syscalls (syscall_tax http on CPU {SERVER_CPU}: a small HTTP/1.1 request and response "
+                     f"on its own loopback TCP connection, 4 syscalls an exchange, {p['tax_iterations']} exchanges, "
+                     f"median of {p['tax_repeats']}): "
+                     + ", ".join(f"{mode} {ns:.0f} ns" for mode, ns in t["median_ns"].items())
+                     + f" per syscall; traced {t['traced_delta_ns']:+.0f} ns ({t['kernel_ns_per_syscall']:.0f} ns of "
+                     f"it in the agent's eBPF programs), agent attached elsewhere {t['untraced_delta_ns']:+.0f} ns; "
+                     f"records lost while traced: {t['events_lost']}")
     if report.get("context_reads"):
         c = report["context_reads"]
         lines.append("")
@@ -1038,7 +1110,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "saturation", "connections", "tax", "ctx", "tls")
+SECTIONS = ("verify", "run", "saturation", "connections", "tax", "traced-tax", "ctx", "tls")
 
 
 def parse_args(argv):
@@ -1135,6 +1207,8 @@ def main(argv=None):
             report["connections"] = connection_scale(args, receiver)
         if "tax" in args.sections:
             report["host_tax"] = host_tax(args, build_tax_program(args.out_dir), receiver)
+        if "traced-tax" in args.sections:
+            report["traced_tax"] = traced_tax(args, build_tax_program(args.out_dir), receiver)
         if "ctx" in args.sections:
             report["context_reads"] = context_reads(args, receiver)
         if "tls" in args.sections:

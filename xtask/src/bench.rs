@@ -23,7 +23,8 @@ pub(crate) struct BenchArgs {
     /// Also run a memory soak of this many seconds under steady load (600 = the 10-minute soak).
     #[arg(long)]
     soak: Option<u32>,
-    /// Only these sections, comma-separated: verify, run, saturation, connections, tax, ctx, tls.
+    /// Only these sections, comma-separated: verify, run, saturation, connections, tax, traced-tax,
+    /// ctx, tls.
     #[arg(long)]
     only: Option<String>,
 }

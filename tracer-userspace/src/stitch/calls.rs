@@ -391,8 +391,8 @@ impl Stitcher {
         });
         self.echoed.retain(|_, call| nodes.contains_key(call));
         let gone: Vec<SpanId> = self
-            .published
-            .values()
+            .published_by_owner
+            .keys()
             .filter(|owner| !self.nodes.contains_key(owner))
             .copied()
             .collect();

@@ -51,6 +51,7 @@ impl Stitcher {
         };
         self.counters.traces_published += 1;
         self.published.insert(key, owner);
+        self.published_by_owner.entry(owner).or_default().push(key);
         self.injections.push(TraceInjection::Publish {
             pid: key.0,
             context: key.1,
@@ -80,29 +81,32 @@ impl Stitcher {
 
     /// `owner` was answered or forgotten: the traces published for its handlers go.
     pub(super) fn withdraw_traces(&mut self, owner: SpanId) {
-        if self.published.is_empty() {
+        let Some(keys) = self.published_by_owner.remove(&owner) else {
             return;
-        }
-        let injections = &mut self.injections;
-        self.published.retain(|&(pid, context), published| {
-            let keep = *published != owner;
-            if !keep {
-                injections.push(TraceInjection::Withdraw { pid, context });
+        };
+        for key in keys {
+            // A key published again since for another request is that one's now.
+            if self.published.get(&key) == Some(&owner) {
+                self.published.remove(&key);
+                self.injections.push(TraceInjection::Withdraw {
+                    pid: key.0,
+                    context: key.1,
+                });
             }
-            keep
-        });
+        }
     }
 
     /// A process is gone: its publications go with it.
     pub(super) fn withdraw_process(&mut self, pid: u32) {
-        let injections = &mut self.injections;
-        self.published.retain(|&(owner_pid, context), _| {
-            let keep = owner_pid != pid;
-            if !keep {
-                injections.push(TraceInjection::Withdraw { pid, context });
-            }
-            keep
-        });
+        let owners: Vec<SpanId> = self
+            .published
+            .iter()
+            .filter(|((owner_pid, _), _)| *owner_pid == pid)
+            .map(|(_, owner)| *owner)
+            .collect();
+        for owner in owners {
+            self.withdraw_traces(owner);
+        }
     }
 
     /// Takes the changes made since the last call.

@@ -307,6 +307,8 @@ pub struct Stitcher {
     session_expiry: VecDeque<(Instant, (u32, Token))>,
     /// Handler groups whose trace the kernel was given, and the request each serves.
     published: HashMap<(u32, u64), SpanId>,
+    /// The same, by request: what its end withdraws, without a scan of them all.
+    published_by_owner: HashMap<SpanId, Vec<(u32, u64)>>,
     /// Changes to the published traces not yet taken by the driver.
     injections: Vec<injection::TraceInjection>,
     pub counters: StitchCounters,
@@ -370,6 +372,7 @@ impl Stitcher {
             sessions: HashMap::new(),
             session_expiry: VecDeque::new(),
             published: HashMap::new(),
+            published_by_owner: HashMap::new(),
             injections: Vec::new(),
             counters: StitchCounters::default(),
         }
