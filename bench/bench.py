@@ -1134,7 +1134,7 @@ def parse_args(argv):
     args.warmup = 1 if quick else 2
     args.step_duration = 3 if quick else 5
     args.saturation_connections = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
-    args.scale_connections = [500] if quick else [1000, 5000]
+    args.scale_connections = [500] if quick else [1000, 5000, 16384]
     args.tax_repeats = 3 if quick else 5
     args.tax_iterations = 50_000 if quick else 200_000
     args.ctx_requests = 5_000 if quick else 40_000

@@ -428,7 +428,7 @@ pub struct RunArgs {
     /// HTTP): past it a new connection is not followed, counted as
     /// sockets_untracked_map_full (and its transfers as transfers_on_unknown_sockets). Each
     /// connection costs 2 × 96 bytes of kernel memory whether used or not (12 MiB at the
-    /// default) and, while open, ~2 KiB of agent memory (16,384 idle connections: ~70 MiB
+    /// default) and, while open, ~2 KiB of agent memory (16,384 idle connections: ~80 MiB
     /// agent RSS in all).
     #[arg(
         long,

@@ -13,7 +13,7 @@ pub mod replay;
 #[cfg(test)]
 pub mod testing;
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::net::SocketAddr;
 use std::time::Instant;
 

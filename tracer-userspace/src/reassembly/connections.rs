@@ -3,7 +3,9 @@
 //! A connection is keyed by process and fd and carries the kernel's `conn_id` (its open
 //! time), so a data record for a reused fd can never be mixed into an older connection.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 use std::net::SocketAddr;
 
 use crate::kernel::events::{ConnOpen, DataTransfer, Direction, KernelEvent};

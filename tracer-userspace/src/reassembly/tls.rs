@@ -19,7 +19,9 @@
 //! writes first, a server answers the request it read. Until its connection is known, what an
 //! `SSL*` reported is held, bounded in records, bytes and time; what is given up is counted.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::HashMap;
 
 use crate::kernel::events::{DataTransfer, Direction, TaskContext, TlsTransfer};
 use crate::model::counters::counters;

@@ -2,7 +2,7 @@
 //! stable HTTP server histogram and Gym's `gym.*` instruments, each dimensioned by
 //! `nemo.gym.server.name` (Gym records the `gym.*` ones without attributes).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::time::Duration;
 

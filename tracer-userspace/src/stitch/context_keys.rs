@@ -14,7 +14,7 @@
 //! from them would key each call by that short-lived context, whose address the next call
 //! reuses. Until a response of that loop was seen, its calls have no key.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use crate::model::context::{ContextChain, MAX_CONTEXT_DEPTH};
 

@@ -25,7 +25,11 @@ pub mod context_keys;
 pub mod injection;
 
 use crate::model::counters::counters;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// foldhash, seeded per process like std's SipHash but a fraction of its cost: the hot-path
+// maps (here, the connection table, the pipeline, metrics) were 7 % of the agent's CPU on SipHash.
+use foldhash::{HashMap, HashMapExt};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
