@@ -301,16 +301,17 @@ impl Agent {
         for change in self.pipeline.stitcher.take_injections() {
             self.apply_injection(probes, change);
         }
-        for pid in std::mem::take(&mut self.pipeline.output.tls_opened) {
-            self.tls_probes.tls_opened(pid, probes);
-        }
+        let mut exited = Vec::new();
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
                 Lifecycle::NotAdopted(pid) => {
                     probes.untrace_pid(pid);
                     self.context_reads.forget(pid, probes);
                 }
-                Lifecycle::Exited(pid) => self.forget(probes, pid),
+                Lifecycle::Exited(pid) => {
+                    exited.push(pid);
+                    self.forget(probes, pid);
+                }
                 Lifecycle::Execd(pid) => {
                     // A new program: its runtime and TLS library, if any, are looked at afresh
                     // on the rescan (or when it opens a TLS connection).
@@ -318,6 +319,14 @@ impl Agent {
                     self.tls_probes.forget(pid, probes);
                     log_exec(pid, &self.pipeline);
                 }
+            }
+        }
+        // After the exec'd processes are forgotten: a batch that holds an exec and then the
+        // new program's first TLS connection must not judge that program twice. A process
+        // that exited is not looked at.
+        for pid in std::mem::take(&mut self.pipeline.output.tls_opened) {
+            if !exited.contains(&pid) {
+                self.tls_probes.tls_opened(pid, probes);
             }
         }
     }
