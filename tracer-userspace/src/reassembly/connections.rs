@@ -4,9 +4,9 @@
 //! time), so a data record for a reused fd can never be mixed into an older connection.
 
 use std::collections::VecDeque;
+use std::net::SocketAddr;
 
 use foldhash::{HashMap, HashMapExt};
-use std::net::SocketAddr;
 
 use crate::kernel::events::{ConnOpen, DataTransfer, Direction, KernelEvent};
 
