@@ -160,6 +160,26 @@ def test_rejected_spans_are_dropped_and_counted_at_once(server_factory, collecto
     assert summary["spans_dropped_undelivered_at_shutdown"] == 0, "nothing was kept for retry"
 
 
+def test_spans_a_collector_rejects_in_a_partial_success_are_counted(server_factory, collector, agents):
+    """OTLP/HTTP only: over gRPC the SDK's exporter reads the answer and only logs it."""
+    server = server_factory()
+    receiver = collector()
+    receiver.mode = "partial"  # HTTP 200 with partial_success.rejected_spans = 1
+    receiver.start()
+    agent = start_agent(agents, server, receiver, "http/protobuf")
+    sent = send_verify(server, 5) + send_verify(server, 5, pause_s=0.2)
+    message = agent.wait_for_stderr("rejected 1 of its spans")
+    assert "one span too old" in message and "spans_dropped_rejected" in message, message
+    time.sleep(1)
+    summary = stopped(agent)
+    partial_answers = receiver.partial_answers
+    assert summary["spans_queued"] == sent * SPANS_PER_VERIFY
+    assert summary["spans_dropped_rejected"] == partial_answers > 0, agent.stderr()
+    assert summary["spans_exported"] == summary["spans_queued"] - partial_answers, agent.stderr()
+    assert len(receiver.received.span_ids()) == summary["spans_queued"], "every span was sent"
+    assert sum("rejected 1 of its spans" in line for line in agent.log_messages()) == 1, "logged once"
+
+
 def health_metrics(agent):
     message = agent.wait_for_stderr("serving /healthz and /metrics on http://")
     port = int(re.search(r":(\d+)$", message).group(1))

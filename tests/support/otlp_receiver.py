@@ -231,12 +231,16 @@ class OtlpReceiver:
     def __init__(self, tls=None, grpc_gzip=True):
         self.received = Received()
         self.tls, self.grpc_gzip = tls, grpc_gzip
-        # "accept", "refuse" (retryable) or "reject" (permanent); read by every export request.
+        # "accept", "refuse" (retryable), "reject" (permanent) or "partial" (traces over HTTP:
+        # taken, with a partial success rejecting one span of each request); read by every
+        # export request.
         self.mode = "accept"
         # Seconds every export request waits before it is answered.
         self.delay_s = 0.0
         # Export requests refused or rejected, by mode.
         self.refusals = {"refuse": 0, "reject": 0}
+        # Trace exports answered with a partial success.
+        self.partial_answers = 0
         self.grpc_port, self.http_port = _free_port(), _free_port()
         scheme = "https" if tls else "http"
         self.grpc_endpoint = f"{scheme}://127.0.0.1:{self.grpc_port}"
@@ -307,7 +311,13 @@ class OtlpReceiver:
                     request = trace_service_pb2.ExportTraceServiceRequest()
                     request.ParseFromString(body)
                     received.add_traces(request)
-                    reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                    reply = trace_service_pb2.ExportTraceServiceResponse()
+                    if mode == "partial":
+                        with received.lock:
+                            receiver.partial_answers += 1
+                        reply.partial_success.rejected_spans = 1
+                        reply.partial_success.error_message = "test receiver: one span too old"
+                    reply = reply.SerializeToString()
                 elif self.path == "/v1/metrics":
                     request = metrics_service_pb2.ExportMetricsServiceRequest()
                     request.ParseFromString(body)

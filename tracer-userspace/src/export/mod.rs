@@ -210,7 +210,9 @@ impl SpanPipeline {
         let queued = spans.len();
         if queued > 0 {
             self.queued.fetch_add(queued, Ordering::Relaxed);
-            if let Err(unsent) = self.sender.send(std::mem::take(spans)) {
+            // The next batch is likely as large: it starts with room for as many.
+            let batch = std::mem::replace(spans, Vec::with_capacity(queued));
+            if let Err(unsent) = self.sender.send(batch) {
                 // The export task is gone (it only stops at shutdown).
                 self.queued.fetch_sub(queued, Ordering::Relaxed);
                 return (0, dropped + unsent.0.len());

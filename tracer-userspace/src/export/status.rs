@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub enum SpanDrop {
     /// The retry buffer (`--export-buffer-spans`) was full during an outage: the oldest went.
     ExportBufferFull,
-    /// The collector refused them for good (or stdout could not be written).
+    /// The collector refused them for good, or said in a partial success that it rejected
+    /// them (or stdout could not be written).
     Rejected,
     /// Still undelivered when `--shutdown-timeout` ran out.
     UndeliveredAtShutdown,

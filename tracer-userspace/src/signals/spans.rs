@@ -245,17 +245,23 @@ pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
 
 /// What SERVER and CLIENT spans both say about the request.
 fn request_attributes(request: &RequestHead) -> Attributes {
-    vec![
-        (
-            attr::HTTP_REQUEST_METHOD,
-            AttributeValue::Str(request.method.clone()),
-        ),
-        (
-            attr::NETWORK_PROTOCOL_VERSION,
-            AttributeValue::Str(format!("1.{}", request.version_minor)),
-        ),
-    ]
+    // Room for what a span of a model call carries, so that the list is allocated once.
+    let mut attributes = Attributes::with_capacity(SPAN_ATTRIBUTES_CAPACITY);
+    attributes.push((
+        attr::HTTP_REQUEST_METHOD,
+        AttributeValue::Str(request.method.clone()),
+    ));
+    attributes.push((
+        attr::NETWORK_PROTOCOL_VERSION,
+        AttributeValue::Str(format!("1.{}", request.version_minor)),
+    ));
+    attributes
 }
+
+/// Attributes a SERVER or CLIENT span is allocated room for: a plain request's (about a
+/// dozen) and what the stitcher adds; what growing from two would end at anyway. A
+/// model call's span carries more and grows once.
+const SPAN_ATTRIBUTES_CAPACITY: usize = 16;
 
 /// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
 fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanStatus {

@@ -1,8 +1,10 @@
 //! Export over OTLP, gRPC or HTTP/protobuf: the option types, the transports, the span sink
 //! with its retry buffer, and the metric exporter.
 
+pub mod encode;
 pub mod environment;
 pub mod failure;
+pub mod http_spans;
 pub mod metrics;
 pub mod options;
 pub mod outage;

@@ -1,5 +1,5 @@
-//! The OTLP span sink: batches go through the retry buffer to the SDK's span exporter, one
-//! traced process (one resource) per request.
+//! The OTLP span sink: batches go through the retry buffer to the collector, one traced
+//! process (one resource) per request.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -11,10 +11,11 @@ use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use tokio::sync::watch;
 
+use super::http_spans::{Accepted, EncodedSpans};
 use super::options::OtlpOptions;
 use super::outage::{FailureStreak, outage_totals};
 use super::retry::{Backoff, FailureKind, PendingBatch, RetryBuffer, classify};
-use super::transport::otlp_span_exporter;
+use super::transport::{SpanTransport, otlp_span_transport};
 use crate::export::status::{ExportStatus, SpanDrop};
 use crate::export::{ExportTotals, SpanSink};
 use crate::model::service::ServiceIdentity;
@@ -27,7 +28,9 @@ use crate::model::span::SpanStatus;
 /// so that a collector that is down, slow or refusing costs bounded memory, and what fit is
 /// delivered, oldest first, when it is back.
 pub struct OtlpSpanSink {
-    exporter: opentelemetry_otlp::SpanExporter,
+    exporter: SpanTransport,
+    /// A partial success was logged: later ones are only counted.
+    partial_success_logged: bool,
     buffer: RetryBuffer<Arc<ServiceIdentity>, SpanRecord>,
     backoff: Backoff,
     streak: FailureStreak,
@@ -46,7 +49,8 @@ impl OtlpSpanSink {
         shutdown: watch::Receiver<Option<Instant>>,
     ) -> Result<Self> {
         Ok(Self {
-            exporter: otlp_span_exporter(options)?,
+            exporter: otlp_span_transport(options)?,
+            partial_success_logged: false,
             buffer: RetryBuffer::new(buffer_spans),
             backoff: Backoff::default(),
             streak: FailureStreak::default(),
@@ -57,18 +61,39 @@ impl OtlpSpanSink {
 
     /// Puts a batch in the retry buffer, one entry per traced process.
     fn enqueue(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
+        let delayed = self.streak.failing();
+        // The processes first, so that each one's list is allocated once at its size; a
+        // batch of one process is passed on as it is.
         let mut by_service: Vec<PendingBatch<Arc<ServiceIdentity>, SpanRecord>> = Vec::new();
-        for span in batch {
-            match by_service
-                .iter_mut()
-                .find(|pending| pending.service.pid == span.service.pid)
+        for span in &batch {
+            if !by_service
+                .iter()
+                .any(|pending| pending.service.pid == span.service.pid)
             {
-                Some(pending) => pending.spans.push(span),
-                None => by_service.push(PendingBatch {
+                by_service.push(PendingBatch {
                     service: span.service.clone(),
-                    spans: vec![span],
-                    delayed: self.streak.failing(),
-                }),
+                    spans: Vec::new(),
+                    delayed,
+                });
+            }
+        }
+        if let [only] = &mut by_service[..] {
+            only.spans = batch;
+        } else {
+            for pending in &mut by_service {
+                let count = batch
+                    .iter()
+                    .filter(|span| span.service.pid == pending.service.pid)
+                    .count();
+                pending.spans = Vec::with_capacity(count);
+            }
+            for span in batch {
+                if let Some(pending) = by_service
+                    .iter_mut()
+                    .find(|pending| pending.service.pid == span.service.pid)
+                {
+                    pending.spans.push(span);
+                }
             }
         }
         for pending in by_service {
@@ -97,9 +122,10 @@ impl OtlpSpanSink {
                 break;
             };
             let count = pending.spans.len() as u64;
-            self.exporter.set_resource(&pending.service.resource);
-            let data = pending.spans.iter().map(span_data).collect();
-            let attempt = tokio::time::timeout(timeout, self.exporter.export(data));
+            let attempt = tokio::time::timeout(
+                timeout,
+                self.exporter.send(&pending.service, &pending.spans),
+            );
             let shutdown = &mut self.shutdown;
             let result = tokio::select! {
                 result = attempt => match result {
@@ -117,8 +143,13 @@ impl OtlpSpanSink {
                 }
             };
             match result {
-                Ok(()) => {
-                    status.record_success(count, pending.delayed);
+                Ok(accepted) => {
+                    let rejected = accepted.rejected.min(count);
+                    status.record_success(count - rejected, pending.delayed);
+                    if rejected > 0 {
+                        status.record_dropped(SpanDrop::Rejected, rejected);
+                        self.log_partial_success(&accepted);
+                    }
                     self.backoff.succeeded();
                     if let Some(message) = self.streak.succeeded(self.buffer.len()) {
                         tracing::info!("{message}");
@@ -159,6 +190,19 @@ impl OtlpSpanSink {
         }
     }
 
+    fn log_partial_success(&mut self, accepted: &Accepted) {
+        if std::mem::replace(&mut self.partial_success_logged, true) {
+            return;
+        }
+        tracing::warn!(
+            spans = accepted.rejected,
+            "the collector took an export but rejected {} of its spans: {:?} (counted as \
+             spans_dropped_rejected; later partial rejections are counted, not logged)",
+            accepted.rejected,
+            accepted.message
+        );
+    }
+
     fn buffer_capacity(&self) -> usize {
         self.buffer.capacity()
     }
@@ -190,7 +234,44 @@ impl OtlpSpanSink {
                  collector did not take them (spans_dropped_undelivered_at_shutdown)"
             );
         }
-        let _ = self.exporter.shutdown();
+        if let SpanTransport::Grpc(exporter) = &mut self.exporter {
+            let _ = exporter.shutdown();
+        }
+    }
+}
+
+impl SpanTransport {
+    /// One attempt at sending `spans` of `service`. The future owns what it sends, so that
+    /// the batch can go back to the retry buffer while it is pending.
+    fn send(
+        &mut self,
+        service: &ServiceIdentity,
+        spans: &[SpanRecord],
+    ) -> impl Future<Output = Result<Accepted, String>> + use<'_> {
+        enum Payload<'a> {
+            Grpc(&'a opentelemetry_otlp::SpanExporter, Vec<SpanData>),
+            Http(&'a super::http_spans::HttpSpanPoster, EncodedSpans),
+        }
+        let payload = match self {
+            SpanTransport::Grpc(exporter) => {
+                exporter.set_resource(&service.resource);
+                Payload::Grpc(exporter, spans.iter().map(span_data).collect())
+            }
+            SpanTransport::Http(poster) => {
+                let body = poster.encode(service, spans);
+                Payload::Http(poster, body)
+            }
+        };
+        async move {
+            match payload {
+                Payload::Grpc(exporter, data) => exporter
+                    .export(data)
+                    .await
+                    .map(|()| Accepted::default())
+                    .map_err(|error| error.to_string()),
+                Payload::Http(poster, body) => poster.post(body).await,
+            }
+        }
     }
 }
 
@@ -229,7 +310,8 @@ fn key_value(key: &'static str, value: &AttributeValue) -> KeyValue {
     }
 }
 
-fn span_data(span: &SpanRecord) -> SpanData {
+/// The SDK's form of a span, for its gRPC exporter.
+pub(super) fn span_data(span: &SpanRecord) -> SpanData {
     let time = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
     SpanData {
         span_context: SpanContext::new(

@@ -14,6 +14,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicCo
 use super::Signal;
 use super::environment::check_sdk_environment;
 use super::failure::{error_chain, failure_hint};
+use super::http_spans::HttpSpanPoster;
 use super::options::{
     HeaderList, OtlpCompression, OtlpEndpoint, OtlpOptions, OtlpProtocol, printable_endpoint,
 };
@@ -103,6 +104,20 @@ impl OtlpTransport {
     }
 
     fn http<B: WithExportConfig + WithHttpConfig>(&self, builder: B, signal: Signal) -> Result<B> {
+        let mut builder = builder
+            .with_endpoint(self.endpoint.http_url(signal))
+            .with_protocol(Protocol::HttpBinary)
+            .with_timeout(self.timeout)
+            .with_headers(http_builder_headers(&self.headers))
+            .with_http_client(self.http_client()?);
+        if let Some(compression) = self.compression {
+            builder = builder.with_compression(compression);
+        }
+        Ok(builder)
+    }
+
+    /// The reqwest client for OTLP/HTTP, with the TLS files applied.
+    fn http_client(&self) -> Result<ExplainedHttpClient> {
         let mut client = reqwest::Client::builder().timeout(self.timeout);
         if let Some(pem) = &self.ca_pem {
             let roots = reqwest::Certificate::from_pem_bundle(pem)
@@ -114,20 +129,10 @@ impl OtlpTransport {
                 .context("--otlp-client-cert / --otlp-client-key do not parse as a PEM identity")?;
             client = client.identity(identity);
         }
-        let client = client.build().context("building the HTTP client")?;
-        let mut builder = builder
-            .with_endpoint(self.endpoint.http_url(signal))
-            .with_protocol(Protocol::HttpBinary)
-            .with_timeout(self.timeout)
-            .with_headers(http_builder_headers(&self.headers))
-            .with_http_client(ExplainedHttpClient {
-                client,
-                failing: AtomicBool::new(false),
-            });
-        if let Some(compression) = self.compression {
-            builder = builder.with_compression(compression);
-        }
-        Ok(builder)
+        Ok(ExplainedHttpClient {
+            client: client.build().context("building the HTTP client")?,
+            failing: AtomicBool::new(false),
+        })
     }
 }
 
@@ -135,7 +140,7 @@ impl OtlpTransport {
 /// transport failure as "network error" (the cause goes to its debug log), which hides, say,
 /// a collector certificate that is not trusted. Logged once per run of failures.
 #[derive(Debug)]
-struct ExplainedHttpClient {
+pub(super) struct ExplainedHttpClient {
     client: reqwest::Client,
     failing: AtomicBool,
 }
@@ -275,8 +280,7 @@ macro_rules! build_otlp_exporter {
     }};
 }
 
-/// One attempt per export: the span pipeline retries itself, with a buffer and backoff
-/// that outlast an outage (the SDK's retries give up within the export timeout).
+/// The SDK's span exporter, without its retries (see [`otlp_span_transport`]).
 pub fn otlp_span_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::SpanExporter> {
     build_otlp_exporter!(
         SpanExporter,
@@ -284,6 +288,39 @@ pub fn otlp_span_exporter(options: &OtlpOptions) -> Result<opentelemetry_otlp::S
         options,
         opentelemetry_otlp::RetryPolicy::disabled()
     )
+}
+
+/// Where spans go: over gRPC the SDK's exporter; over OTLP/HTTP a request encoded from the
+/// records and posted over the client the metric exporter is built with.
+pub enum SpanTransport {
+    Grpc(opentelemetry_otlp::SpanExporter),
+    Http(HttpSpanPoster),
+}
+
+/// One attempt per export: the span pipeline retries itself, with a buffer and backoff
+/// that outlast an outage (the SDK's retries give up within the export timeout).
+pub fn otlp_span_transport(options: &OtlpOptions) -> Result<SpanTransport> {
+    match options.protocol {
+        OtlpProtocol::Grpc => otlp_span_exporter(options).map(SpanTransport::Grpc),
+        OtlpProtocol::HttpProtobuf => {
+            let build = || -> Result<HttpSpanPoster> {
+                let transport = OtlpTransport::load(options)?;
+                let url = transport.endpoint.http_url(Signal::Traces);
+                let url = url
+                    .parse::<http::Uri>()
+                    .with_context(|| format!("the endpoint `{url}` is not a valid URL"))?;
+                Ok(HttpSpanPoster::new(
+                    transport.http_client()?,
+                    url,
+                    transport.headers.clone(),
+                    transport.compression.is_some(),
+                ))
+            };
+            build()
+                .map(SpanTransport::Http)
+                .map_err(|error| build_error(&error, Signal::Traces, options.endpoint.url()))
+        }
+    }
 }
 
 /// The SDK's recommended retries, within the export timeout: metrics are cumulative, so an
@@ -410,6 +447,7 @@ mod tests {
             for protocol in [OtlpProtocol::Grpc, OtlpProtocol::HttpProtobuf] {
                 let options = otlp_options(endpoint, protocol);
                 otlp_span_exporter(&options).unwrap();
+                otlp_span_transport(&options).unwrap();
                 otlp_metric_exporter(&options).unwrap();
             }
         }
