@@ -105,7 +105,11 @@ fn client_span(
     clock: WallClock,
 ) -> SpanRecord {
     let request = &exchange.request;
-    let mut attributes = request_attributes(request);
+    let capacity = match exchange.model_call {
+        Some(_) => SPAN_ATTRIBUTES_CAPACITY + MODEL_CALL_ATTRIBUTES,
+        None => SPAN_ATTRIBUTES_CAPACITY,
+    };
+    let mut attributes = request_attributes(request, capacity);
     let scheme = url_scheme(exchange);
     attributes.push((attr::URL_SCHEME, AttributeValue::Str(scheme.into())));
     if let Some(peer) = exchange.peer {
@@ -244,9 +248,9 @@ pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
 }
 
 /// What SERVER and CLIENT spans both say about the request.
-fn request_attributes(request: &RequestHead) -> Attributes {
-    // Room for what a span of a model call carries, so that the list is allocated once.
-    let mut attributes = Attributes::with_capacity(SPAN_ATTRIBUTES_CAPACITY);
+/// `capacity`: room for the span's attributes, so that the list is allocated once.
+fn request_attributes(request: &RequestHead, capacity: usize) -> Attributes {
+    let mut attributes = Attributes::with_capacity(capacity);
     attributes.push((
         attr::HTTP_REQUEST_METHOD,
         AttributeValue::Str(request.method.clone()),
@@ -259,9 +263,11 @@ fn request_attributes(request: &RequestHead) -> Attributes {
 }
 
 /// Attributes a SERVER or CLIENT span is allocated room for: a plain request's (about a
-/// dozen) and what the stitcher adds; what growing from two would end at anyway. A
-/// model call's span carries more and grows once.
+/// dozen) and what the stitcher adds; what growing from two would end at anyway.
 const SPAN_ATTRIBUTES_CAPACITY: usize = 16;
+/// ... and what a model call adds to its CLIENT span: the GenAI attributes (6) and the
+/// OpenInference ones (5).
+const MODEL_CALL_ATTRIBUTES: usize = 11;
 
 /// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
 fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanStatus {
@@ -307,7 +313,7 @@ fn server_span(
     clock: WallClock,
 ) -> SpanRecord {
     let request = &exchange.request;
-    let mut attributes = request_attributes(request);
+    let mut attributes = request_attributes(request, SPAN_ATTRIBUTES_CAPACITY);
     attributes.push((attr::URL_PATH, AttributeValue::Str(request.path.clone())));
     attributes.push((
         attr::URL_SCHEME,
@@ -620,6 +626,69 @@ mod tests {
             kind_calling(Some(ServerType::Agent)).as_deref(),
             Some("AGENT")
         );
+    }
+
+    /// The attribute lists are allocated once: the fullest spans (a model call with every
+    /// GenAI field, a server span with every field) fit their room, with two to spare for
+    /// what the stitcher adds (the rollout id, an unjoined parent).
+    #[test]
+    fn attribute_lists_are_allocated_at_their_final_size() {
+        use crate::model::exchange::ModelCall;
+        use crate::model::genai::{GenAiOperation, TokenUsage};
+        let mut call = testing::exchange(
+            1,
+            Role::Client,
+            RequestHead {
+                host: Some("api.openai.com".into()),
+                ..testing::request("POST", "/v1/responses")
+            },
+            testing::response(503),
+        );
+        call.peer = Some("10.0.0.9:443".parse().unwrap());
+        call.model_call = Some(Box::new(ModelCall {
+            request_model: Some("m".into()),
+            response_model: Some("m-1".into()),
+            usage: TokenUsage {
+                input_tokens: Some(3),
+                output_tokens: Some(4),
+            },
+            ..ModelCall::new(GenAiOperation::Responses)
+        }));
+        let peer = Peer {
+            name: "policy_model".into(),
+            server_type: Some(ServerType::Model),
+        };
+        let view = RequestView {
+            exchange: &call,
+            service: &gym_service(),
+            meaning: &verify_meaning(),
+            semantic_span_id: None,
+            peer: Some(&peer),
+        };
+        let mut out = Vec::new();
+        request_spans(
+            &view,
+            "all".parse().unwrap(),
+            WallClock::measure(),
+            &mut out,
+        );
+        let mut server = exchange(testing::response(503), None);
+        server.peer = Some("10.0.0.8:5000".parse().unwrap());
+        out.extend(spans(&server, &verify_meaning(), "server"));
+        for span in &out {
+            let capacity = span.attributes.capacity();
+            assert!(
+                span.attributes.len() + 2 <= capacity
+                    && [
+                        SPAN_ATTRIBUTES_CAPACITY,
+                        SPAN_ATTRIBUTES_CAPACITY + MODEL_CALL_ATTRIBUTES
+                    ]
+                    .contains(&capacity),
+                "{}: {} attributes in room for {capacity}",
+                span.name,
+                span.attributes.len()
+            );
+        }
     }
 
     #[test]
