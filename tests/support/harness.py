@@ -4,6 +4,7 @@ and the real gym-tracer agent; and the one way every test waits for something.""
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,10 +71,46 @@ def interrupt(process, timeout):
         return False
 
 
+# Listening ports are chosen from here up to the kernel's ephemeral range.
+LISTEN_PORTS_FROM = 10000
+
+
+def ephemeral_ports_from():
+    """The first port of `net.ipv4.ip_local_port_range`."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n):
+    """n distinct ports nothing listens on, below the kernel's ephemeral range. A port the
+    kernel hands out for bind(0) is ephemeral: any outgoing connection (wrk, a /run fan-out,
+    an exporter) may take it between this check and the server's own bind, which failed runs
+    with "address already in use" under load. Below the range, only another listener can."""
+    high = ephemeral_ports_from()
+    if high - LISTEN_PORTS_FROM < 1000:
+        raise RuntimeError(f"ip_local_port_range starts at {high}: no room for listening ports below it")
+    chosen, held = [], []
+    try:
+        while len(chosen) < n:
+            port = random.randrange(LISTEN_PORTS_FROM, high)
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            chosen.append(port)
+        return chosen
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def agent_binary():

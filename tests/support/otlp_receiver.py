@@ -10,7 +10,6 @@ export (`mode`: "refuse" is gRPC UNAVAILABLE / HTTP 503, "reject" is gRPC INVALI
 HTTP 400)."""
 
 import gzip
-import socket
 import ssl
 import sys
 import threading
@@ -22,6 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from harness import free_port
 
 KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -193,9 +194,7 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _read(path):

@@ -59,7 +59,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -68,6 +67,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# tests/support, for the ports helper (also when this file is run as a script).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import free_ports  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,18 +87,6 @@ API_KEY = "sk-canned-upstream-5ecret-0f-the-yaml-7f3a9c"
 EXAMPLE_DATA = "resources_servers/example_single_tool_call/data/example.jsonl"
 # Filler for `rollout_body(pad_to=...)`: plain ASCII (no JSON escapes), a prompt-like sentence.
 PADDING = " Prefer concise answers; the padded-prompt-filler says weather questions need the get_weather tool."
-
-
-def free_ports(n):
-    """n distinct free ports (all held until every one is chosen)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def default_venv():

@@ -493,8 +493,14 @@ mod tests {
 
     fn gym_server(name: &str) -> Arc<ServiceIdentity> {
         let mut attributes = BTreeMap::new();
-        attributes.insert("service.name", AttributeValue::Str(format!("nemo/{name}")));
-        attributes.insert("nemo.gym.server.name", AttributeValue::Str(name.into()));
+        attributes.insert(
+            "service.name",
+            AttributeValue::Str(format!("nemo/{name}").into()),
+        );
+        attributes.insert(
+            "nemo.gym.server.name",
+            AttributeValue::Str(name.to_owned().into()),
+        );
         Arc::new(ServiceIdentity {
             pid: 1,
             labels: GymLabels::default(),
@@ -516,7 +522,7 @@ mod tests {
         ) -> Self {
             Span(SpanRecord {
                 service: gym_server(server),
-                name: name.into(),
+                name: name.to_owned().into(),
                 kind,
                 trace_id: TRACE,
                 span_id: SpanId([id; 8]),
@@ -544,7 +550,7 @@ mod tests {
         fn attr(mut self, key: &'static str, value: &str) -> Self {
             self.0
                 .attributes
-                .push((key, AttributeValue::Str(value.into())));
+                .push((key, AttributeValue::Str(value.to_owned().into())));
             self
         }
         fn trace(mut self, byte: u8) -> Self {

@@ -14,6 +14,10 @@ pub const TELEMETRY_DISTRO_NAME: &str = "telemetry.distro.name";
 pub const TELEMETRY_DISTRO_VERSION: &str = "telemetry.distro.version";
 
 // HTTP spans and metrics.
+/// The methods HTTP's semantic conventions register (`http.request.method`).
+pub const REGISTERED_METHODS: [&str; 9] = [
+    "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
+];
 pub const HTTP_REQUEST_METHOD: &str = "http.request.method";
 pub const HTTP_RESPONSE_STATUS_CODE: &str = "http.response.status_code";
 pub const HTTP_ROUTE: &str = "http.route";

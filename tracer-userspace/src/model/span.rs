@@ -1,5 +1,6 @@
 //! A finished span as every exporter receives it.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::ids::{SpanId, TraceId};
@@ -39,7 +40,9 @@ impl SpanStatus {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttributeValue {
-    Str(String),
+    /// Borrowed for the values spans share (methods, schemes, kinds): most of a span's
+    /// attributes then cost no allocation.
+    Str(Cow<'static, str>),
     Int(i64),
 }
 
@@ -49,7 +52,8 @@ pub type Attributes = Vec<(&'static str, AttributeValue)>;
 #[derive(Clone, Debug)]
 pub struct SpanRecord {
     pub service: Arc<ServiceIdentity>,
-    pub name: String,
+    /// Borrowed where spans share it (`gym.verify`, `HTTP POST`).
+    pub name: Cow<'static, str>,
     pub kind: SpanKind,
     pub trace_id: TraceId,
     pub span_id: SpanId,

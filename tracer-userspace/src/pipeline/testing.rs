@@ -94,7 +94,7 @@ pub fn start(
 pub fn span(name: &str, kind: SpanKind, span_id: SpanId) -> SpanRecord {
     SpanRecord {
         service: Arc::new(ServiceIdentity::for_test("svc")),
-        name: name.into(),
+        name: name.to_owned().into(),
         kind,
         trace_id: TraceId([0; 16]),
         span_id,

@@ -38,7 +38,7 @@ impl ServiceIdentity {
         let agent_service_name = agent.service_name.as_deref();
         let executable =
             read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
-        let text = |s: &str| AttributeValue::Str(s.to_string());
+        let text = |s: &str| AttributeValue::Str(s.to_owned().into());
         let mut attributes = BTreeMap::new();
         match &labels.server_name {
             Some(server_name) => {
@@ -122,7 +122,10 @@ impl ServiceIdentity {
     #[cfg(test)]
     pub fn for_test(name: &str) -> Self {
         let mut attributes = BTreeMap::new();
-        attributes.insert(attr::SERVICE_NAME, AttributeValue::Str(name.to_string()));
+        attributes.insert(
+            attr::SERVICE_NAME,
+            AttributeValue::Str(name.to_string().into()),
+        );
         Self::from_attributes(1, GymLabels::default(), attributes)
     }
 }
@@ -133,7 +136,7 @@ mod tests {
 
     fn text(identity: &ServiceIdentity, key: &str) -> Option<String> {
         match identity.attributes.get(key) {
-            Some(AttributeValue::Str(s)) => Some(s.clone()),
+            Some(AttributeValue::Str(s)) => Some(s.to_string()),
             _ => None,
         }
     }

@@ -4,11 +4,12 @@
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, MeterProvider};
+use opentelemetry::metrics::{Histogram, Meter, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::export::status::ExportStatus;
@@ -28,10 +29,7 @@ use crate::signals::spans::url_scheme;
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
 fn method_attribute(method: &str) -> KeyValue {
-    const KNOWN: [&str; 9] = [
-        "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
-    ];
-    let method = KNOWN
+    let method = attr::REGISTERED_METHODS
         .into_iter()
         .find(|known| *known == method)
         .unwrap_or("_OTHER");
@@ -192,14 +190,65 @@ struct ServiceMetrics {
     client_duration: Histogram<f64>,
     rollout_duration: Histogram<f64>,
     verify_duration: Histogram<f64>,
-    verify_success_rate: Gauge<f64>,
-    verify_calls: Counter<u64>,
     gen_ai_duration: Histogram<f64>,
     gen_ai_tokens: Histogram<u64>,
-    /// Verify calls seen since attach, and how many succeeded: the success rate is the
-    /// cumulative fraction, as Gym defines it (per process, since it started).
-    verify_total: u64,
-    verify_succeeded: u64,
+    /// Read by the observable `gym.verify.calls` and `gym.verify.success_rate`.
+    verify_tally: Arc<VerifyTally>,
+}
+
+/// /verify calls seen since attach, and how many succeeded: the success rate is the
+/// cumulative fraction, as Gym defines it (per process, since it started). Counted here and
+/// read by observable instruments when metrics are collected, so that a /verify costs two
+/// increments instead of two more SDK calls.
+#[derive(Debug, Default)]
+struct VerifyTally {
+    total: AtomicU64,
+    succeeded: AtomicU64,
+}
+
+impl VerifyTally {
+    fn counts(&self) -> (u64, u64) {
+        // `succeeded` first: never more than the `total` read after it.
+        let succeeded = self.succeeded.load(Ordering::Relaxed);
+        (self.total.load(Ordering::Relaxed).max(succeeded), succeeded)
+    }
+}
+
+/// `gym.verify.success_rate` and `gym.verify.calls`, observed from `tally` with the
+/// process's `server_name` (nothing before the first /verify, as the synchronous
+/// instruments they replace).
+fn register_verify_instruments(
+    meter: &Meter,
+    tally: &Arc<VerifyTally>,
+    server_name: Option<&KeyValue>,
+) {
+    let attributes: Vec<KeyValue> = server_name.into_iter().cloned().collect();
+    let (rate_tally, rate_attributes) = (tally.clone(), attributes.clone());
+    meter
+        .f64_observable_gauge(VERIFY_SUCCESS_RATE.name)
+        .with_description(VERIFY_SUCCESS_RATE.description)
+        .with_callback(move |observer| {
+            let (total, succeeded) = rate_tally.counts();
+            if total > 0 {
+                observer.observe(succeeded as f64 / total as f64, &rate_attributes);
+            }
+        })
+        .build();
+    let calls_tally = tally.clone();
+    meter
+        .u64_observable_counter(VERIFY_CALLS.name)
+        .with_description(VERIFY_CALLS.description)
+        .with_callback(move |observer| {
+            let (total, succeeded) = calls_tally.counts();
+            for (count, outcome) in [(succeeded, true), (total - succeeded, false)] {
+                if count > 0 {
+                    let mut with_outcome = attributes.clone();
+                    with_outcome.push(KeyValue::new("succeeded", outcome));
+                    observer.observe(count, &with_outcome);
+                }
+            }
+        })
+        .build();
 }
 
 /// Where the per-request metrics go: the agent's OTel instruments, or nothing (the fuzzer).
@@ -288,14 +337,6 @@ impl Metrics {
             .with_unit(VERIFY_DURATION.unit)
             .with_description(VERIFY_DURATION.description)
             .build();
-        let verify_success_rate = meter
-            .f64_gauge(VERIFY_SUCCESS_RATE.name)
-            .with_description(VERIFY_SUCCESS_RATE.description)
-            .build();
-        let verify_calls = meter
-            .u64_counter(VERIFY_CALLS.name)
-            .with_description(VERIFY_CALLS.description)
-            .build();
         let gen_ai_duration = meter
             .f64_histogram(GEN_AI_DURATION.name)
             .with_unit(GEN_AI_DURATION.unit)
@@ -308,23 +349,23 @@ impl Metrics {
             .with_description(GEN_AI_TOKENS.description)
             .with_boundaries(GEN_AI_TOKEN_BOUNDARIES.to_vec())
             .build();
+        let server_name = service
+            .server_name()
+            .map(|name| KeyValue::new(attr::GYM_SERVER_NAME, Arc::<str>::from(name)));
+        let verify_tally = Arc::new(VerifyTally::default());
+        register_verify_instruments(&meter, &verify_tally, server_name.as_ref());
         self.services.insert(
             service.pid,
             ServiceMetrics {
                 provider,
-                server_name: service
-                    .server_name()
-                    .map(|name| KeyValue::new(attr::GYM_SERVER_NAME, Arc::<str>::from(name))),
+                server_name,
                 server_duration,
                 client_duration,
                 rollout_duration,
                 verify_duration,
-                verify_success_rate,
-                verify_calls,
                 gen_ai_duration,
                 gen_ai_tokens,
-                verify_total: 0,
-                verify_succeeded: 0,
+                verify_tally,
             },
         );
         Ok(())
@@ -396,16 +437,12 @@ impl Metrics {
                     &exchange.outcome,
                     Outcome::Response(response) if response.status < 500
                 );
-                service.verify_total += 1;
-                service.verify_succeeded += u64::from(succeeded);
+                let tally = &service.verify_tally;
+                tally.total.fetch_add(1, Ordering::Relaxed);
+                tally
+                    .succeeded
+                    .fetch_add(u64::from(succeeded), Ordering::Relaxed);
                 service.verify_duration.record(elapsed_ns / 1e6, attributes);
-                service.verify_success_rate.record(
-                    service.verify_succeeded as f64 / service.verify_total as f64,
-                    attributes,
-                );
-                attributes.push(KeyValue::new("succeeded", succeeded));
-                service.verify_calls.add(1, attributes);
-                attributes.pop();
             }
             _ => {}
         }

@@ -62,7 +62,7 @@ pub fn tool_attributes(route: &str, attributes: &mut Attributes) {
     attributes.push(OpenInferenceKind::Tool.attribute());
     attributes.push((
         attr::TOOL_NAME,
-        AttributeValue::Str(route.trim_start_matches('/').to_string()),
+        AttributeValue::Str(route.trim_start_matches('/').to_owned().into()),
     ));
 }
 
@@ -70,7 +70,10 @@ pub fn tool_attributes(route: &str, attributes: &mut Attributes) {
 pub fn llm_attributes(call: &ModelCall, attributes: &mut Attributes) {
     attributes.push(OpenInferenceKind::Llm.attribute());
     if let Some(model) = call.response_model.as_ref().or(call.request_model.as_ref()) {
-        attributes.push((attr::LLM_MODEL_NAME, AttributeValue::Str(model.clone())));
+        attributes.push((
+            attr::LLM_MODEL_NAME,
+            AttributeValue::Str(model.clone().into()),
+        ));
     }
     let count = |tokens: u64| AttributeValue::Int(i64::try_from(tokens).unwrap_or(i64::MAX));
     let usage = &call.usage;

@@ -1,6 +1,7 @@
 //! Spans built from HTTP exchanges: names, kinds, ids, timing and OTel HTTP semantic-convention
 //! attributes. The exporters turn a [`SpanRecord`] into JSON lines or OTLP.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::gym::ServerType;
@@ -68,7 +69,7 @@ pub fn request_spans(
         .filter(|semantic| groups.contains(semantic.group))
         .map(|semantic| SpanRecord {
             service: service.clone(),
-            name: semantic.name.to_string(),
+            name: semantic.name.into(),
             kind: SpanKind::Internal,
             trace_id: server.trace_id,
             span_id: semantic_span_id.unwrap_or_else(SpanId::random),
@@ -116,16 +117,19 @@ fn client_span(
         // The query string was never kept: `path` has none.
         attributes.push((
             attr::URL_FULL,
-            AttributeValue::Str(format!("{scheme}://{peer}{}", request.path)),
+            AttributeValue::Str(format!("{scheme}://{peer}{}", request.path).into()),
         ));
         attributes.push((
             attr::SERVER_ADDRESS,
-            AttributeValue::Str(peer.ip().to_string()),
+            AttributeValue::Str(peer.ip().to_string().into()),
         ));
         attributes.push((attr::SERVER_PORT, AttributeValue::Int(peer.port() as i64)));
     }
     if let Some(peer) = peer {
-        attributes.push((attr::PEER_SERVICE, AttributeValue::Str(peer.name.clone())));
+        attributes.push((
+            attr::PEER_SERVICE,
+            AttributeValue::Str(peer.name.clone().into()),
+        ));
     }
     if let Some(call) = &exchange.model_call {
         model_call_attributes(call, request, &mut attributes);
@@ -143,12 +147,12 @@ fn client_span(
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
             attr::GYM_ROLLOUT_ID,
-            AttributeValue::Str(id.as_str().into()),
+            AttributeValue::Str(id.as_str().to_owned().into()),
         ));
     }
     SpanRecord {
         service: service.clone(),
-        name: format!("HTTP {}", request.method),
+        name: client_span_name(&request.method),
         kind: SpanKind::Client,
         trace_id: TraceId::random(),
         span_id: exchange.span_id,
@@ -161,15 +165,40 @@ fn client_span(
     }
 }
 
+/// `HTTP {method}`, as Gym names a CLIENT span; shared for the registered methods.
+fn client_span_name(method: &str) -> Cow<'static, str> {
+    const NAMES: [&str; 9] = [
+        "HTTP GET",
+        "HTTP POST",
+        "HTTP PUT",
+        "HTTP DELETE",
+        "HTTP PATCH",
+        "HTTP HEAD",
+        "HTTP OPTIONS",
+        "HTTP CONNECT",
+        "HTTP TRACE",
+    ];
+    match attr::REGISTERED_METHODS
+        .into_iter()
+        .position(|known| known == method)
+    {
+        Some(index) => Cow::Borrowed(NAMES[index]),
+        None => Cow::Owned(format!("HTTP {method}")),
+    }
+}
+
 /// The GenAI semantic conventions' attributes of a model call, where its bodies named them.
 fn model_call_attributes(call: &ModelCall, request: &RequestHead, attributes: &mut Attributes) {
-    let text = |value: &str| AttributeValue::Str(value.to_string());
+    let text = |value: &str| AttributeValue::Str(value.to_owned().into());
     attributes.push((
         attr::GEN_AI_OPERATION_NAME,
-        text(call.operation.operation_name()),
+        AttributeValue::Str(call.operation.operation_name().into()),
     ));
     if let Some(provider) = request.host.as_deref().and_then(provider_name) {
-        attributes.push((attr::GEN_AI_PROVIDER_NAME, text(provider)));
+        attributes.push((
+            attr::GEN_AI_PROVIDER_NAME,
+            AttributeValue::Str(provider.into()),
+        ));
     }
     if let Some(model) = &call.request_model {
         attributes.push((attr::GEN_AI_REQUEST_MODEL, text(model)));
@@ -205,7 +234,7 @@ pub fn opaque_tls_span(
     if let Some(server) = server {
         attributes.push((
             attr::SERVER_ADDRESS,
-            AttributeValue::Str(server.ip().to_string()),
+            AttributeValue::Str(server.ip().to_string().into()),
         ));
         attributes.push((
             attr::SERVER_PORT,
@@ -215,7 +244,7 @@ pub fn opaque_tls_span(
     if let Some(client) = client {
         attributes.push((
             attr::CLIENT_ADDRESS,
-            AttributeValue::Str(client.ip().to_string()),
+            AttributeValue::Str(client.ip().to_string().into()),
         ));
     }
     let bytes = |count: u64| AttributeValue::Int(i64::try_from(count).unwrap_or(i64::MAX));
@@ -251,14 +280,20 @@ pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
 /// `capacity`: room for the span's attributes, so that the list is allocated once.
 fn request_attributes(request: &RequestHead, capacity: usize) -> Attributes {
     let mut attributes = Attributes::with_capacity(capacity);
-    attributes.push((
-        attr::HTTP_REQUEST_METHOD,
-        AttributeValue::Str(request.method.clone()),
-    ));
-    attributes.push((
-        attr::NETWORK_PROTOCOL_VERSION,
-        AttributeValue::Str(format!("1.{}", request.version_minor)),
-    ));
+    let method = match attr::REGISTERED_METHODS
+        .into_iter()
+        .find(|known| *known == request.method)
+    {
+        Some(known) => Cow::Borrowed(known),
+        None => Cow::Owned(request.method.clone()),
+    };
+    attributes.push((attr::HTTP_REQUEST_METHOD, AttributeValue::Str(method)));
+    let version = match request.version_minor {
+        0 => Cow::Borrowed("1.0"),
+        1 => Cow::Borrowed("1.1"),
+        minor => Cow::Owned(format!("1.{minor}")),
+    };
+    attributes.push((attr::NETWORK_PROTOCOL_VERSION, AttributeValue::Str(version)));
     attributes
 }
 
@@ -280,10 +315,7 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
     }
     match outcome.error_type {
         Some(error) => {
-            attributes.push((
-                attr::ERROR_TYPE,
-                AttributeValue::Str(error.value().into_owned()),
-            ));
+            attributes.push((attr::ERROR_TYPE, AttributeValue::Str(error.value())));
             SpanStatus::Error
         }
         None => SpanStatus::Unset,
@@ -294,12 +326,15 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
 fn gym_attributes(service: &ServiceIdentity, meaning: &RequestMeaning) -> Attributes {
     let mut attributes = Attributes::new();
     if let Some(name) = service.server_name() {
-        attributes.push((attr::GYM_SERVER_NAME, AttributeValue::Str(name.into())));
+        attributes.push((
+            attr::GYM_SERVER_NAME,
+            AttributeValue::Str(name.to_owned().into()),
+        ));
     }
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
             attr::GYM_ROLLOUT_ID,
-            AttributeValue::Str(id.as_str().into()),
+            AttributeValue::Str(id.as_str().to_owned().into()),
         ));
     }
     attributes
@@ -314,7 +349,10 @@ fn server_span(
 ) -> SpanRecord {
     let request = &exchange.request;
     let mut attributes = request_attributes(request, SPAN_ATTRIBUTES_CAPACITY);
-    attributes.push((attr::URL_PATH, AttributeValue::Str(request.path.clone())));
+    attributes.push((
+        attr::URL_PATH,
+        AttributeValue::Str(request.path.clone().into()),
+    ));
     attributes.push((
         attr::URL_SCHEME,
         AttributeValue::Str(url_scheme(exchange).into()),
@@ -322,7 +360,10 @@ fn server_span(
     // A guessed template is fine for a name, not for `http.route`, which dashboards group
     // by: that must be the server's own.
     if let Some(route) = meaning.route.http_route() {
-        attributes.push((attr::HTTP_ROUTE, AttributeValue::Str(route.to_string())));
+        attributes.push((
+            attr::HTTP_ROUTE,
+            AttributeValue::Str(route.to_string().into()),
+        ));
     }
     let name = meaning.route.span_name(&request.method);
     // server.address is the host the client asked for (the Host header), else the local
@@ -338,7 +379,7 @@ fn server_span(
         ),
     };
     if let Some(host) = host {
-        attributes.push((attr::SERVER_ADDRESS, AttributeValue::Str(host)));
+        attributes.push((attr::SERVER_ADDRESS, AttributeValue::Str(host.into())));
     }
     if let Some(port) = port {
         attributes.push((attr::SERVER_PORT, AttributeValue::Int(port as i64)));
@@ -346,7 +387,7 @@ fn server_span(
     if let Some(peer) = exchange.peer {
         attributes.push((
             attr::CLIENT_ADDRESS,
-            AttributeValue::Str(peer.ip().to_string()),
+            AttributeValue::Str(peer.ip().to_string().into()),
         ));
         attributes.push((
             attr::NETWORK_PEER_PORT,
@@ -356,7 +397,7 @@ fn server_span(
     if let Some(agent) = &request.user_agent {
         attributes.push((
             attr::USER_AGENT_ORIGINAL,
-            AttributeValue::Str(agent.clone()),
+            AttributeValue::Str(agent.clone().into()),
         ));
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
@@ -369,7 +410,7 @@ fn server_span(
     let parent = request.traceparent.as_deref().and_then(parse_traceparent);
     SpanRecord {
         service: service.clone(),
-        name,
+        name: name.into(),
         kind: SpanKind::Server,
         trace_id: parent
             .map(|(trace, _)| trace)
@@ -442,7 +483,7 @@ mod tests {
             .iter()
             .map(|span| {
                 (
-                    span.name.as_str(),
+                    span.name.as_ref(),
                     str_attr(span, "openinference.span.kind"),
                 )
             })
@@ -569,7 +610,7 @@ mod tests {
         let names = |groups| -> Vec<String> {
             spans(&exchange, &verify_meaning(), groups)
                 .into_iter()
-                .map(|s| s.name)
+                .map(|s| s.name.into_owned())
                 .collect()
         };
         assert_eq!(names("default"), ["POST /verify"]);
@@ -689,6 +730,14 @@ mod tests {
                 span.attributes.len()
             );
         }
+    }
+
+    #[test]
+    fn client_span_names_are_http_and_the_method() {
+        for method in attr::REGISTERED_METHODS.into_iter().chain(["PROPFIND"]) {
+            assert_eq!(client_span_name(method), format!("HTTP {method}"));
+        }
+        assert!(matches!(client_span_name("POST"), Cow::Borrowed(_)));
     }
 
     #[test]

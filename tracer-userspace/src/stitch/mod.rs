@@ -881,7 +881,7 @@ impl Stitcher {
                     self.counters.cross_host_unjoined += 1;
                     span.attributes.push((
                         attr::GYM_TRACER_PARENT_UNJOINED,
-                        AttributeValue::Str(UNJOINED_REASON.to_string()),
+                        AttributeValue::Str(UNJOINED_REASON.into()),
                     ));
                 }
                 None => {}
@@ -905,7 +905,7 @@ impl Stitcher {
         {
             span.attributes.push((
                 attr::GYM_ROLLOUT_ID,
-                AttributeValue::Str(rollout.as_str().to_string()),
+                AttributeValue::Str(rollout.as_str().to_owned().into()),
             ));
         }
         self.fix_trace(id, trace);

@@ -228,7 +228,7 @@ mod tests {
     fn span(service: &Arc<ServiceIdentity>, n: u8) -> SpanRecord {
         SpanRecord {
             service: service.clone(),
-            name: format!("POST /verify{}", "x".repeat(n as usize * 20)),
+            name: format!("POST /verify{}", "x".repeat(n as usize * 20)).into(),
             kind: [SpanKind::Server, SpanKind::Client, SpanKind::Internal][n as usize % 3],
             trace_id: TraceId([n; 16]),
             span_id: SpanId([n + 1; 8]),
@@ -240,8 +240,8 @@ mod tests {
                 ("http.request.method", AttributeValue::Str("POST".into())),
                 ("http.response.status_code", AttributeValue::Int(200)),
                 ("negative", AttributeValue::Int(-3)),
-                ("empty", AttributeValue::Str(String::new())),
-                ("long", AttributeValue::Str("y".repeat(300))),
+                ("empty", AttributeValue::Str("".into())),
+                ("long", AttributeValue::Str("y".repeat(300).into())),
             ],
             status: if n.is_multiple_of(3) {
                 SpanStatus::Error

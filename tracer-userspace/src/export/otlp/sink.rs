@@ -1,7 +1,6 @@
 //! The OTLP span sink: batches go through the retry buffer to the collector, one traced
 //! process (one resource) per request.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
@@ -331,7 +330,7 @@ pub(super) fn span_data(span: &SpanRecord) -> SpanData {
             SpanKind::Client => opentelemetry::trace::SpanKind::Client,
             SpanKind::Internal => opentelemetry::trace::SpanKind::Internal,
         },
-        name: Cow::Owned(span.name.clone()),
+        name: span.name.clone(),
         start_time: time(span.start_unix_ns),
         end_time: time(span.end_unix_ns),
         attributes: span
