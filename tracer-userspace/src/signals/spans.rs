@@ -533,6 +533,33 @@ mod tests {
         out
     }
 
+    /// Every span of an outbound `call` to the Gym server `peer_name`.
+    fn call_spans(
+        call: &HttpExchange,
+        peer_name: &str,
+        server_type: Option<ServerType>,
+    ) -> Vec<SpanRecord> {
+        let peer = Peer {
+            name: peer_name.into(),
+            server_type,
+        };
+        let view = RequestView {
+            exchange: call,
+            service: &gym_service(),
+            meaning: &verify_meaning(),
+            semantic_span_id: None,
+            peer: Some(&peer),
+        };
+        let mut out = Vec::new();
+        request_spans(
+            &view,
+            "all".parse().unwrap(),
+            WallClock::measure(),
+            &mut out,
+        );
+        out
+    }
+
     fn attr<'a>(span: &'a SpanRecord, key: &str) -> Option<&'a AttributeValue> {
         span.attributes
             .iter()
@@ -634,24 +661,7 @@ mod tests {
         );
         call.model_call = Some(Box::new(ModelCall::new(GenAiOperation::Responses)));
         let kind_calling = |server_type| {
-            let peer = Peer {
-                name: "callee".into(),
-                server_type,
-            };
-            let view = RequestView {
-                exchange: &call,
-                service: &gym_service(),
-                meaning: &verify_meaning(),
-                semantic_span_id: None,
-                peer: Some(&peer),
-            };
-            let mut out = Vec::new();
-            request_spans(
-                &view,
-                "all".parse().unwrap(),
-                WallClock::measure(),
-                &mut out,
-            );
+            let out = call_spans(&call, "callee", server_type);
             str_attr(&out[0], "openinference.span.kind").map(String::from)
         };
         assert_eq!(
@@ -695,24 +705,7 @@ mod tests {
             },
             ..ModelCall::new(GenAiOperation::Responses)
         }));
-        let peer = Peer {
-            name: "policy_model".into(),
-            server_type: Some(ServerType::Model),
-        };
-        let view = RequestView {
-            exchange: &call,
-            service: &gym_service(),
-            meaning: &verify_meaning(),
-            semantic_span_id: None,
-            peer: Some(&peer),
-        };
-        let mut out = Vec::new();
-        request_spans(
-            &view,
-            "all".parse().unwrap(),
-            WallClock::measure(),
-            &mut out,
-        );
+        let mut out = call_spans(&call, "policy_model", Some(ServerType::Model));
         let mut server = exchange(testing::response(503), None);
         server.peer = Some("10.0.0.8:5000".parse().unwrap());
         out.extend(spans(&server, &verify_meaning(), "server"));
