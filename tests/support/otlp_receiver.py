@@ -193,10 +193,6 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
-def _free_port():
-    return free_port()
-
-
 def _read(path):
     with open(path, "rb") as f:
         return f.read()
@@ -240,7 +236,7 @@ class OtlpReceiver:
         self.refusals = {"refuse": 0, "reject": 0}
         # Trace exports answered with a partial success.
         self.partial_answers = 0
-        self.grpc_port, self.http_port = _free_port(), _free_port()
+        self.grpc_port, self.http_port = free_port(), free_port()
         scheme = "https" if tls else "http"
         self.grpc_endpoint = f"{scheme}://127.0.0.1:{self.grpc_port}"
         self.http_endpoint = f"{scheme}://127.0.0.1:{self.http_port}"

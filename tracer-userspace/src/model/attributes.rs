@@ -18,6 +18,13 @@ pub const TELEMETRY_DISTRO_VERSION: &str = "telemetry.distro.version";
 pub const REGISTERED_METHODS: [&str; 9] = [
     "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
 ];
+
+/// `method` as a `'static` string when it is one of [`REGISTERED_METHODS`].
+pub fn registered_method(method: &str) -> Option<&'static str> {
+    REGISTERED_METHODS
+        .into_iter()
+        .find(|known| *known == method)
+}
 pub const HTTP_REQUEST_METHOD: &str = "http.request.method";
 pub const HTTP_RESPONSE_STATUS_CODE: &str = "http.response.status_code";
 pub const HTTP_ROUTE: &str = "http.route";

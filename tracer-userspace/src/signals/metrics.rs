@@ -29,10 +29,7 @@ use crate::signals::spans::url_scheme;
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
 fn method_attribute(method: &str) -> KeyValue {
-    let method = attr::REGISTERED_METHODS
-        .into_iter()
-        .find(|known| *known == method)
-        .unwrap_or("_OTHER");
+    let method = attr::registered_method(method).unwrap_or("_OTHER");
     KeyValue::new(attr::HTTP_REQUEST_METHOD, method)
 }
 

@@ -178,11 +178,11 @@ fn client_span_name(method: &str) -> Cow<'static, str> {
         "HTTP CONNECT",
         "HTTP TRACE",
     ];
-    match attr::REGISTERED_METHODS
+    match NAMES
         .into_iter()
-        .position(|known| known == method)
+        .find(|name| name["HTTP ".len()..] == *method)
     {
-        Some(index) => Cow::Borrowed(NAMES[index]),
+        Some(name) => Cow::Borrowed(name),
         None => Cow::Owned(format!("HTTP {method}")),
     }
 }
@@ -280,10 +280,7 @@ pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
 /// `capacity`: room for the span's attributes, so that the list is allocated once.
 fn request_attributes(request: &RequestHead, capacity: usize) -> Attributes {
     let mut attributes = Attributes::with_capacity(capacity);
-    let method = match attr::REGISTERED_METHODS
-        .into_iter()
-        .find(|known| *known == request.method)
-    {
+    let method = match attr::registered_method(&request.method) {
         Some(known) => Cow::Borrowed(known),
         None => Cow::Owned(request.method.clone()),
     };

@@ -11,14 +11,9 @@ use opentelemetry_proto::tonic::common::v1::InstrumentationScope;
 use opentelemetry_proto::tonic::resource::v1::Resource as ProtoResource;
 use opentelemetry_proto::transform::common::tonic::ResourceAttributesWithSchema;
 use prost::Message;
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
-
-/// Protobuf wire types.
-const VARINT: u32 = 0;
-const FIXED64: u32 = 1;
-const LENGTH_DELIMITED: u32 = 2;
-const FIXED32: u32 = 5;
 
 /// `SpanFlags`: the W3C sampled flag, and whether the parent is remote is known (and if so,
 /// that it is), as the SDK sets them.
@@ -26,14 +21,13 @@ const FLAG_SAMPLED: u32 = 0x01;
 const FLAG_HAS_IS_REMOTE: u32 = 0x100;
 const FLAG_IS_REMOTE: u32 = 0x200;
 
-/// Encodes one request carrying `spans`, all of one process whose resource is `resource`,
-/// into `out` (cleared first, so one buffer serves every request).
+/// Appends to `out` one request carrying `spans`, all of one process whose resource is
+/// `resource`.
 pub fn encode_trace_request(
     resource: &opentelemetry_sdk::Resource,
     spans: &[SpanRecord],
     out: &mut Vec<u8>,
 ) {
-    out.clear();
     let resource = ResourceAttributesWithSchema::from(resource);
     let mut writer = Writer(out);
     // ExportTraceServiceRequest.resource_spans = 1
@@ -44,14 +38,14 @@ pub fn encode_trace_request(
             dropped_attributes_count: 0,
             entity_refs: Vec::new(),
         };
-        w.key(1, LENGTH_DELIMITED);
+        w.key(1, WireType::LengthDelimited);
         proto
             .encode_length_delimited(w.0)
             .expect("a Vec grows as needed");
         // ResourceSpans.scope_spans = 2
         w.nested_sized(2, 3, |w| {
             // ScopeSpans.scope = 1
-            w.key(1, LENGTH_DELIMITED);
+            w.key(1, WireType::LengthDelimited);
             scope()
                 .encode_length_delimited(w.0)
                 .expect("a Vec grows as needed");
@@ -89,11 +83,11 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
         SpanKind::Server => 2,
         SpanKind::Client => 3,
     };
-    w.key(6, VARINT);
+    w.key(6, WireType::Varint);
     w.varint(kind);
-    w.key(7, FIXED64);
+    w.key(7, WireType::SixtyFourBit);
     w.0.extend_from_slice(&span.start_unix_ns.to_le_bytes());
-    w.key(8, FIXED64);
+    w.key(8, WireType::SixtyFourBit);
     w.0.extend_from_slice(&span.end_unix_ns.to_le_bytes());
     for (key, value) in &span.attributes {
         // Span.attributes = 9: KeyValue { key = 1, value = 2: AnyValue }
@@ -102,13 +96,13 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
             w.nested(2, |w| match value {
                 AttributeValue::Str(s) => {
                     // AnyValue.string_value = 1, written even when empty (a oneof)
-                    w.key(1, LENGTH_DELIMITED);
+                    w.key(1, WireType::LengthDelimited);
                     w.varint(s.len() as u64);
                     w.0.extend_from_slice(s.as_bytes());
                 }
                 AttributeValue::Int(i) => {
                     // AnyValue.int_value = 3
-                    w.key(3, VARINT);
+                    w.key(3, WireType::Varint);
                     w.varint(*i as u64);
                 }
             });
@@ -117,7 +111,7 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
     // Span.status = 15: Status { code = 3 } (the message stays empty), always present.
     w.nested(15, |w| {
         if span.status == SpanStatus::Error {
-            w.key(3, VARINT);
+            w.key(3, WireType::Varint);
             w.varint(2);
         }
     });
@@ -126,7 +120,7 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
     } else {
         0
     };
-    w.key(16, FIXED32);
+    w.key(16, WireType::ThirtyTwoBit);
     w.0.extend_from_slice(&(FLAG_SAMPLED | FLAG_HAS_IS_REMOTE | remote).to_le_bytes());
 }
 
@@ -134,16 +128,12 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
 struct Writer<'a>(&'a mut Vec<u8>);
 
 impl Writer<'_> {
-    fn key(&mut self, field: u32, wire_type: u32) {
-        self.varint(u64::from(field << 3 | wire_type));
+    fn key(&mut self, field: u32, wire_type: WireType) {
+        encode_key(field, wire_type, self.0);
     }
 
-    fn varint(&mut self, mut value: u64) {
-        while value >= 0x80 {
-            self.0.push(value as u8 | 0x80);
-            value >>= 7;
-        }
-        self.0.push(value as u8);
+    fn varint(&mut self, value: u64) {
+        encode_varint(value, self.0);
     }
 
     /// A `string` or `bytes` field; proto3 leaves an empty one out.
@@ -151,7 +141,7 @@ impl Writer<'_> {
         if bytes.is_empty() {
             return;
         }
-        self.key(field, LENGTH_DELIMITED);
+        self.key(field, WireType::LengthDelimited);
         self.varint(bytes.len() as u64);
         self.0.extend_from_slice(bytes);
     }
@@ -169,31 +159,22 @@ impl Writer<'_> {
     /// and moved only if the length turns out to need another width (a span takes two
     /// bytes, 128 B to 16 KiB; a batch's envelopes three, up to 2 MiB).
     fn nested_sized(&mut self, field: u32, width_guess: usize, body: impl FnOnce(&mut Writer<'_>)) {
-        self.key(field, LENGTH_DELIMITED);
+        self.key(field, WireType::LengthDelimited);
         let length_at = self.0.len();
         self.0.resize(length_at + width_guess, 0);
         body(self);
         let body_at = length_at + width_guess;
-        let length = self.0.len() - body_at;
-        let mut prefix = [0u8; 10];
-        let mut width = 0;
-        let mut value = length as u64;
-        while value >= 0x80 {
-            prefix[width] = value as u8 | 0x80;
-            value >>= 7;
-            width += 1;
-        }
-        prefix[width] = value as u8;
-        width += 1;
+        let length = (self.0.len() - body_at) as u64;
+        let width = encoded_len_varint(length);
         if width != width_guess {
             let end = self.0.len();
             if width > width_guess {
                 self.0.resize(end + width - width_guess, 0);
             }
             self.0.copy_within(body_at..end, length_at + width);
-            self.0.truncate(length_at + width + length);
+            self.0.truncate(length_at + width + (end - body_at));
         }
-        self.0[length_at..length_at + width].copy_from_slice(&prefix[..width]);
+        encode_varint(length, &mut &mut self.0[length_at..length_at + width]);
     }
 }
 

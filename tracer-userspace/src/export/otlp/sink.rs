@@ -61,40 +61,41 @@ impl OtlpSpanSink {
     /// Puts a batch in the retry buffer, one entry per traced process.
     fn enqueue(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
         let delayed = self.streak.failing();
-        // The processes first, so that each one's list is allocated once at its size; a
-        // batch of one process is passed on as it is.
-        let mut by_service: Vec<PendingBatch<Arc<ServiceIdentity>, SpanRecord>> = Vec::new();
+        // Each process's span count first, so that each list is allocated once at its size;
+        // a batch of one process is passed on as it is.
+        let mut counts: Vec<(Arc<ServiceIdentity>, usize)> = Vec::new();
         for span in &batch {
-            if !by_service
-                .iter()
-                .any(|pending| pending.service.pid == span.service.pid)
+            match counts
+                .iter_mut()
+                .find(|(service, _)| service.pid == span.service.pid)
             {
-                by_service.push(PendingBatch {
-                    service: span.service.clone(),
-                    spans: Vec::new(),
-                    delayed,
-                });
+                Some((_, count)) => *count += 1,
+                None => counts.push((span.service.clone(), 1)),
             }
         }
-        if let [only] = &mut by_service[..] {
-            only.spans = batch;
+        let pending = |service, spans| PendingBatch {
+            service,
+            spans,
+            delayed,
+        };
+        let by_service = if counts.len() == 1 {
+            let (service, _) = counts.pop().expect("one process");
+            vec![pending(service, batch)]
         } else {
-            for pending in &mut by_service {
-                let count = batch
-                    .iter()
-                    .filter(|span| span.service.pid == pending.service.pid)
-                    .count();
-                pending.spans = Vec::with_capacity(count);
-            }
+            let mut by_service: Vec<_> = counts
+                .into_iter()
+                .map(|(service, count)| pending(service, Vec::with_capacity(count)))
+                .collect();
             for span in batch {
-                if let Some(pending) = by_service
+                if let Some(group) = by_service
                     .iter_mut()
-                    .find(|pending| pending.service.pid == span.service.pid)
+                    .find(|group| group.service.pid == span.service.pid)
                 {
-                    pending.spans.push(span);
+                    group.spans.push(span);
                 }
             }
-        }
+            by_service
+        };
         for pending in by_service {
             let dropped = self.buffer.push(pending);
             status.record_dropped(SpanDrop::ExportBufferFull, dropped as u64);
