@@ -474,6 +474,31 @@ def build_tax_program(out_dir):
     return binary
 
 
+PIPELINE_REQUESTS = 200_000
+PIPELINE_REPEATS = 3
+
+
+def pipeline_cost(binary, quick):
+    """The agent's user space alone (tracer-userspace/src/pipeline/cost.rs): Gym-shaped kernel
+    records through the pipeline core and the OTLP encoder, on the idle server CPU. Compute-bound
+    and single-threaded, so it moves far less between runs than the whole-system figures."""
+    requests, repeats = (PIPELINE_REQUESTS // 10, 1) if quick else (PIPELINE_REQUESTS, PIPELINE_REPEATS)
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(["taskset", "-c", str(SERVER_CPU), str(binary), str(requests)],
+                             capture_output=True, text=True, check=True, timeout=600)
+        runs.append([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
+    workloads = {}
+    for row in runs[0]:
+        name = row["workload"]
+        rows = [r for run in runs for r in run if r["workload"] == name]
+        workloads[name] = {key: statistics.median(r[key] for r in rows)
+                           for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span")}
+        workloads[name].update(spans_per_request=row["spans"] / row["requests"],
+                               stitched_per_request=row["stitched"] / row["requests"])
+    return {"requests": requests, "repeats": repeats, "workloads": workloads}
+
+
 def host_tax(params, binary, receiver):
     """Alternating without/with the agent (attached to an idle `sleep`, so nothing it sees is
     traced); the loop runs on the server CPU, now idle. Median ns per syscall of each."""
@@ -1035,6 +1060,15 @@ def render(report):
                      + f" per syscall; traced {t['traced_delta_ns']:+.0f} ns ({t['kernel_ns_per_syscall']:.0f} ns of "
                      f"it in the agent's eBPF programs), agent attached elsewhere {t['untraced_delta_ns']:+.0f} ns; "
                      f"records lost while traced: {t['events_lost']}")
+    if report.get("pipeline_cost"):
+        c = report["pipeline_cost"]
+        lines.append("")
+        lines.append(f"agent user space alone (pipeline core + OTLP encoding of Gym-shaped kernel records, no kernel, no "
+                     f"metrics; {c['requests']} requests on CPU {SERVER_CPU}, median of {c['repeats']}):")
+        for name, w in c["workloads"].items():
+            lines.append(f"  {name:14} {w['pipeline_ns_per_request'] / 1000:6.2f} µs per request in the pipeline "
+                         f"({w['spans_per_request']:.0f} spans), encoding {w['encode_ns_per_span']:.0f} ns per span: "
+                         f"{w['ns_per_span'] / 1000:.2f} µs per span")
     if report.get("context_reads"):
         c = report["context_reads"]
         lines.append("")
@@ -1110,7 +1144,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "saturation", "connections", "tax", "traced-tax", "ctx", "tls")
+SECTIONS = ("verify", "run", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
 
 
 def parse_args(argv):
@@ -1126,6 +1160,8 @@ def parse_args(argv):
                         help="HTTPS calls per run of the tls section (default 3000, quick 500)")
     parser.add_argument("--tls-repeats", type=int,
                         help="runs per mode of the tls section, interleaved (default 9, quick 3)")
+    parser.add_argument("--pipeline-cost", type=Path,
+                        help="the pipeline_cost example binary (cargo xtask bench builds it): the pipeline section")
     parser.add_argument("--only", help=f"comma list of sections to run: {','.join(SECTIONS)} (default all)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1161,6 +1197,14 @@ def preflight(args):
                                                   capture_output=True).returncode != 0:
         raise BenchError("openssl is not on PATH (the tls section makes its certificate with it): install it "
                          "(`apt-get install -y openssl`) and retry")
+    if "pipeline" in args.sections and not (args.pipeline_cost and args.pipeline_cost.exists()):
+        if args.only:
+            raise BenchError("the pipeline section runs the pipeline_cost example: build it with `cargo build --release "
+                             "-p tracer-userspace --example pipeline_cost` and pass --pipeline-cost "
+                             "target/release/examples/pipeline_cost (`cargo xtask bench` does both)")
+        print("bench: the pipeline section is skipped: no --pipeline-cost binary (`cargo xtask bench` passes one)",
+              file=sys.stderr)
+        args.sections = tuple(s for s in args.sections if s != "pipeline")
     if not args.agent.exists():
         raise BenchError(f"{args.agent} does not exist: build it with `cargo xtask build --release`")
     os.environ["GYM_TRACER_BIN"] = str(args.agent.resolve())
@@ -1171,7 +1215,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     report = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(),
-              "machine": machine(), "parameters": {k: v for k, v in vars(args).items() if k not in ("agent", "out_dir")},
+              "machine": machine(), "parameters": {k: v for k, v in vars(args).items() if k not in ("agent", "out_dir", "pipeline_cost")},
               "runs": [], "table": {}, "headline": {}}
     report["parameters"]["sections"] = list(args.sections)
     try:
@@ -1211,6 +1255,8 @@ def main(argv=None):
             report["traced_tax"] = traced_tax(args, build_tax_program(args.out_dir), receiver)
         if "ctx" in args.sections:
             report["context_reads"] = context_reads(args, receiver)
+        if "pipeline" in args.sections:
+            report["pipeline_cost"] = pipeline_cost(args.pipeline_cost, args.quick)
         if "tls" in args.sections:
             report["tls_calls"] = tls_calls(args, receiver)
         if args.soak:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, agent_binary
+from harness import ROOT, agent_binary, pipeline_cost_binary
 
 pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (cargo xtask bench installs it)")
 
@@ -103,3 +103,26 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     for mode in ("traced, --no-tls", "untraced, agent --no-tls"):
         [off] = counters[mode]
         assert off["tls_libraries_probed"] == 0 and off["tls_records"] == 0, (mode, off)
+
+
+def test_quick_bench_prices_the_agent_user_space_alone(tmp_path):
+    """The pipeline section, shortest form: the pipeline_cost example's Gym-shaped records
+    through the real pipeline core, every request yielding its spans (SERVER + gym.verify per
+    /verify; CLIENT, SERVER and gym.model per model call, each SERVER span stitched under its
+    CLIENT span) and a cost per request and per span."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
+         "--quick", "--only", "pipeline", "--pipeline-cost", str(pipeline_cost_binary())],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "agent user space alone" in out.stdout, out.stdout
+    cost = json.loads((tmp_path / "latest.json").read_text())["pipeline_cost"]
+    workloads = cost["workloads"]
+    assert set(workloads) == {"verify", "cross-process"}, workloads
+    assert workloads["verify"]["spans_per_request"] == 2 and workloads["verify"]["stitched_per_request"] == 0
+    assert workloads["cross-process"]["spans_per_request"] == 3
+    assert workloads["cross-process"]["stitched_per_request"] == 1
+    for figures in workloads.values():
+        for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span"):
+            assert figures[key] > 0, (key, figures)

@@ -120,6 +120,15 @@ def agent_binary():
     return path
 
 
+def pipeline_cost_binary():
+    """The pipeline_cost example (`cargo xtask test` builds it): the bench's pipeline section."""
+    path = Path(os.environ.get("GYM_PIPELINE_COST_BIN", ROOT / "target" / "release" / "examples" / "pipeline_cost"))
+    if not path.exists():
+        raise RuntimeError(f"{path} does not exist: build it with "
+                           "`cargo build --release -p tracer-userspace --example pipeline_cost`")
+    return path
+
+
 class UvicornServer:
     """One uvicorn process serving `app` (module:attr under support/servers); `extra_args` go
     to uvicorn (e.g. a `--backlog` for a flood of connections)."""

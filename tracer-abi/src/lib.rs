@@ -384,6 +384,15 @@ pub const INJECT_SCAN_BYTES: usize = 1024;
 /// fit is reported (processes_not_traced).
 pub const MAX_TRACED_PIDS: u32 = 8192;
 
+/// Words of each of the PID filter's bitmaps: one bit for every pid Linux can hand out
+/// (`PID_MAX_LIMIT`, 2^22 on 64-bit), 512 KiB each.
+pub const PID_BITMAP_WORDS: u32 = (1 << 22) / 64;
+
+/// The word of a PID filter bitmap that holds `pid`'s bit, and the bit.
+pub const fn pid_bit(pid: u32) -> (u32, u64) {
+    (pid / 64, 1 << (pid % 64))
+}
+
 /// Values of the PID filter map: why a process is traced.
 pub const TRACED_BY_USER: u8 = 1;
 pub const TRACED_AS_CHILD: u8 = 2;
@@ -437,6 +446,8 @@ pub struct PendingCall {
 }
 
 /// Argument shapes the exit program understands.
+/// A thread's entry whose call has been handled by its exit.
+pub const CALL_NONE: u32 = 0;
 pub const CALL_READ_BUFFER: u32 = 1;
 pub const CALL_WRITE_BUFFER: u32 = 2;
 pub const CALL_READ_IOVEC: u32 = 3;
@@ -449,8 +460,9 @@ pub const CALL_CONNECT: u32 = 8;
 /// bytes) as [`UNTRACKED_UNKNOWN_SOCKET_TRANSFER`].
 pub const CALL_ON_UNKNOWN_SOCKET: u32 = 9;
 
-/// Threads of traced processes inside a socket call at once (`PENDING_CALLS`); a call that
-/// does not fit is counted as [`UNTRACKED_PENDING_CALLS_FULL`].
+/// Threads of traced processes that have made a socket call (`PENDING_CALLS` keeps each one's
+/// entry until it exits), and that are inside an OpenSSL call at once (`TLS_CALLS`); a call
+/// that does not fit is counted as [`UNTRACKED_PENDING_CALLS_FULL`].
 pub const MAX_PENDING_CALLS: u32 = 16384;
 
 /// Slots of the kernel's `UNTRACKED` per-CPU counter map: why the kernel did not follow a

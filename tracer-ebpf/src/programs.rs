@@ -5,11 +5,14 @@
 //! What each program checks first, so that an untraced process pays as little as the
 //! kernel allows:
 //! - `enter_*` (read, write, their vectored and msghdr forms, accept, connect): the PID
-//!   filter, one hash lookup on the tgid. A read or write then looks its fd up in `SOCKETS`
-//!   and goes no further unless the fd is a tracked TCP socket; only then are its arguments
-//!   remembered for the exit. Nothing is copied on enter.
-//! - `exit_call` (every `sys_exit_*`): the thread's entry in `PENDING_CALLS`, which exists
-//!   only when its enter passed the filter (so not the PID filter itself). An accept or
+//!   filter: the tgid's bit in two array words (`USER_PID_BITS`, `CHILD_PID_BITS`), which
+//!   the verifier inlines into a few instructions, and only for a set bit a hash lookup
+//!   (`TRACED_PIDS`). A read or write then looks its fd up in `SOCKETS` and goes no further
+//!   unless the fd is a tracked TCP socket; only then are its arguments remembered for the
+//!   exit. Nothing is copied on enter.
+//! - `exit_call` (every `sys_exit_*`): the bitmaps, then the thread's entry in
+//!   `PENDING_CALLS`, which exists only for threads of traced processes whose enter passed
+//!   the filter, and holds a call only between such an enter and its exit. An accept or
 //!   connect then walks the socket with the BTF offsets; a transfer looks up `SOCKETS` again
 //!   and copies at most the message's remaining capture budget from user memory. A write that
 //!   starts an HTTP message also looks the thread up in `PYTHON_THREADS` (one lookup; a
@@ -29,7 +32,8 @@
 //!   then `clone_flags`: a new thread (`CLONE_THREAD`) is counted and skipped, so only a new
 //!   process enters the filter.
 //! - `process_exit`, `process_exec`: the PID filter; `process_exit` then deletes the exiting
-//!   thread's `PYTHON_THREADS` entry (one hash delete per thread exit of a traced process).
+//!   thread's `PYTHON_THREADS` and `PENDING_CALLS` entries (two hash deletes per thread exit
+//!   of a traced process).
 //! - `ssl_write`, `ssl_write_ex`, `ssl_read`, `ssl_read_ex` (uprobes on OpenSSL, hit by
 //!   every process that maps the library file): the PID filter; a traced call's arguments
 //!   are remembered in `TLS_CALLS`. `ssl_return` (their uretprobe): the thread's `TLS_CALLS`
@@ -39,6 +43,7 @@
 //! (`TRACEPOINT_LAYOUT`), the socket walk's from BTF (`KERNEL_OFFSETS`), both set by user
 //! space at load time. Parsing happens in user space.
 
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use core::ptr;
 
 use aya_ebpf::{
@@ -48,24 +53,25 @@ use aya_ebpf::{
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, tracepoint, uprobe, uretprobe},
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
 };
 use tracer_abi::{
-    AF_INET, AF_INET6, ArmedInjection, CALL_ACCEPT, CALL_CONNECT, CALL_ON_UNKNOWN_SOCKET,
-    CALL_READ_BUFFER, CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER, CALL_WRITE_IOVEC,
-    CALL_WRITE_MSGHDR, CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST,
-    CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN,
-    ConnOpenEvent, DATA_SEQ_KNOWN, DEFAULT_CAPTURE_BYTES, DIRECTION_READ, DIRECTION_WRITE,
-    DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, INJECT_CARRIED,
-    INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE, INJECT_NOT_DELIVERED, INJECT_OUTCOMES,
+    AF_INET, AF_INET6, ArmedInjection, CALL_ACCEPT, CALL_CONNECT, CALL_NONE,
+    CALL_ON_UNKNOWN_SOCKET, CALL_READ_BUFFER, CALL_READ_IOVEC, CALL_READ_MSGHDR, CALL_WRITE_BUFFER,
+    CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ,
+    CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES, CONTEXT_READ_FAILED,
+    CONTEXT_THREAD_UNKNOWN, ConnOpenEvent, DATA_SEQ_KNOWN, DEFAULT_CAPTURE_BYTES, DIRECTION_READ,
+    DIRECTION_WRITE, DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT,
+    INJECT_CARRIED, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE, INJECT_NOT_DELIVERED, INJECT_OUTCOMES,
     INJECT_OWNER_DONE, INJECT_SCAN_BYTES, IPPROTO_TCP, InjectKey, InjectTrace, KernelOffsets,
     MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH, MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS,
-    MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PendingCall, PendingTlsCall,
-    ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
-    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE, TaskContextEvent,
-    TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL,
-    UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+    MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PID_BITMAP_WORDS, PendingCall,
+    PendingTlsCall, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER,
+    SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE,
+    TaskContextEvent, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout,
+    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
+    UNTRACKED_UNKNOWN_SOCKET_TRANSFER, pid_bit,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -110,10 +116,29 @@ static TRACEPOINT_LAYOUT: TracepointLayout = TracepointLayout {
 #[map]
 static TRACED_PIDS: HashMap<u32, u8> = HashMap::with_max_entries(MAX_TRACED_PIDS, 0);
 
-/// Arguments of a socket call between its enter and exit, per thread. A plain hash, like
-/// `SOCKETS` and for the same reason: an LRU would evict the entry of a thread blocked in a
-/// long call, and its connection or transfer would be lost uncounted. User space deletes the
-/// entries of processes and threads that are gone.
+/// The PID filter's first step: one bit per pid that user space traces (`TRACED_BY_USER`),
+/// written by user space alone. An array lookup is inlined by the verifier into a few
+/// instructions, where a hash lookup costs an untraced syscall ~100 ns at each of its enter
+/// and exit; a process whose bit is clear in both bitmaps is not traced, one whose bit is set
+/// is looked up in `TRACED_PIDS`, which stays the truth.
+#[map]
+static USER_PID_BITS: Array<u64> = Array::with_max_entries(PID_BITMAP_WORDS, 0);
+
+/// The same for the children `new_task` adds (`TRACED_AS_CHILD`), written by the kernel
+/// alone: set at the fork, cleared at the process's exit, each with an atomic add of a bit
+/// known to be in the other state (a pid is forked once before it exits, so no two programs
+/// change one bit at once; the add keeps the word's other bits). Two bitmaps, so that no bit
+/// has two writers that cannot share a lock.
+#[map]
+static CHILD_PID_BITS: Array<u64> = Array::with_max_entries(PID_BITMAP_WORDS, 0);
+
+/// Arguments of a socket call between its enter and exit, per thread. The entry stays from the
+/// thread's first socket call to its exit (`process_exit` deletes it), marked [`CALL_NONE`]
+/// between calls: the enter writes it in place and the exit clears one field, where an
+/// insert and a delete per syscall cost about 250 ns. A plain hash, like `SOCKETS` and for
+/// the same reason: an LRU would evict the entry of a thread blocked in a long call, and its
+/// connection or transfer would be lost uncounted. User space deletes the entries of
+/// processes that are gone.
 #[map]
 static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
 
@@ -220,13 +245,46 @@ const ARG1: usize = 24;
 const ARG2: usize = 32;
 const RET: usize = 16;
 
+/// Whether `tgid` may be traced: false means it is not (see [`USER_PID_BITS`]).
+#[inline(always)]
+fn may_be_traced(tgid: u32) -> bool {
+    let (word, bit) = pid_bit(tgid);
+    let user = USER_PID_BITS.get(word).copied();
+    let child = CHILD_PID_BITS.get(word).copied();
+    match (user, child) {
+        (Some(user), Some(child)) => (user | child) & bit != 0,
+        // A pid past the bitmaps (none on Linux today): the hash decides.
+        _ => true,
+    }
+}
+
 #[inline(always)]
 pub(crate) fn traced_tgid() -> Option<(u64, u32)> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
+    if !may_be_traced(tgid) {
+        return None;
+    }
     // SAFETY: the value is only tested for presence.
     unsafe { TRACED_PIDS.get(&tgid) }?;
     Some((pid_tgid, tgid))
+}
+
+/// Sets (`set`) or clears a pid's bit in [`CHILD_PID_BITS`] if it is in the other state.
+#[inline(always)]
+fn mark_child(pid: u32, set: bool) {
+    let (word, bit) = pid_bit(pid);
+    let Some(value) = CHILD_PID_BITS.get_ptr_mut(word) else {
+        return;
+    };
+    // SAFETY: a map value; its only writers are this function's calls, on distinct bits.
+    unsafe {
+        let is_set = ptr::read_volatile(value) & bit != 0;
+        if is_set != set {
+            let delta = if set { bit } else { bit.wrapping_neg() };
+            let _ = atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(value, delta);
+        }
+    }
 }
 
 #[inline(always)]
@@ -330,13 +388,25 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         seq: seq.unwrap_or(0),
         seq_known: u32::from(seq.is_some()),
     };
-    if PENDING_CALLS
-        .insert(&pid_tgid, &pending, BPF_ANY as u64)
+    remember_pending(pid_tgid, &pending);
+    0
+}
+
+/// Writes the thread's pending call into its entry, which stays (marked [`CALL_NONE`] by the
+/// exit) until the thread exits: an in-place write and a flag instead of a hash update at
+/// every enter and a delete at every exit, the two costliest steps of a traced syscall.
+#[inline(always)]
+fn remember_pending(pid_tgid: u64, pending: &PendingCall) {
+    if let Some(slot) = PENDING_CALLS.get_ptr_mut(&pid_tgid) {
+        // SAFETY: the entry is only written by its own thread's programs (and deleted at
+        // that thread's exit).
+        unsafe { *slot = *pending };
+    } else if PENDING_CALLS
+        .insert(&pid_tgid, pending, BPF_ANY as u64)
         .is_err()
     {
         count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
     }
-    0
 }
 
 #[inline(always)]
@@ -475,6 +545,7 @@ pub fn new_task(ctx: TracePointContext) -> u32 {
         count_lost();
         return 0;
     }
+    mark_child(child_pid, true);
     emit(&ProcessForkEvent {
         header: header(EventKind::ProcessFork, pid_tgid, -1, 0),
         child_pid,
@@ -494,6 +565,7 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     // Every thread's exit passes here: its context-read entry goes with it (a no-op for
     // threads that have none).
     let _ = PYTHON_THREADS.remove(&(pid_tgid as u32));
+    let _ = PENDING_CALLS.remove(&pid_tgid);
     let layout = tracepoint_layout();
     let process_ends = if layout.exit_group_dead == FIELD_ABSENT {
         pid_tgid as u32 == tgid
@@ -506,6 +578,7 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
         }
     };
     if process_ends {
+        mark_child(tgid, false);
         emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
     }
     0
@@ -529,11 +602,22 @@ pub fn process_exec(_ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn exit_call(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // SAFETY: copied out before removal.
-    let Some(call) = (unsafe { PENDING_CALLS.get(&pid_tgid) }).copied() else {
+    // Only threads of traced processes have entries: the others stop at the bitmaps.
+    if !may_be_traced((pid_tgid >> 32) as u32) {
+        return 0;
+    }
+    let Some(slot) = PENDING_CALLS.get_ptr_mut(&pid_tgid) else {
         return 0;
     };
-    let _ = PENDING_CALLS.remove(&pid_tgid);
+    // SAFETY: the thread's own entry (see `remember_pending`), copied out, then marked done.
+    let call = unsafe {
+        let call = *slot;
+        (*slot).call = CALL_NONE;
+        call
+    };
+    if call.call == CALL_NONE {
+        return 0;
+    }
     if is_write_call(call.call) && injecting() && INJECT_ARMED.remove(&(pid_tgid as u32)).is_ok() {
         // The `sk_msg` program takes what it uses: what is left never reached it.
         count_at(&INJECTIONS, INJECT_NOT_DELIVERED);

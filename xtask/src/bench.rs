@@ -24,7 +24,7 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     soak: Option<u32>,
     /// Only these sections, comma-separated: verify, run, saturation, connections, tax, traced-tax,
-    /// ctx, tls.
+    /// ctx, tls, pipeline.
     #[arg(long)]
     only: Option<String>,
 }
@@ -57,6 +57,7 @@ pub(crate) fn run(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
     require_root("the bench loads", "bench")?;
     setup::machine(ctx, false)?;
     let bin = build::agent(ctx, true)?;
+    let pipeline_cost = build::pipeline_cost(ctx)?;
     println!("xtask: running the benchmark against {}", bin.display());
     let mut cmd = Command::new(ctx.venv_python());
     cmd.env("PATH", &ctx.path)
@@ -67,6 +68,8 @@ pub(crate) fn run(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
         .arg(&bin)
         .arg("--out-dir")
         .arg(ctx.root.join("target/bench"))
+        .arg("--pipeline-cost")
+        .arg(&pipeline_cost)
         .args(args.driver_args());
     run_checked(&mut cmd, "the benchmark failed: see its output above")?;
     println!("xtask: benchmark finished; results in target/bench/latest.json");

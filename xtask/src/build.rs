@@ -21,6 +21,26 @@ pub(crate) fn run(ctx: &Ctx, args: &BuildArgs) -> Result<()> {
 }
 
 /// Builds tracer-userspace (its build.rs builds the eBPF object) and returns the binary.
+/// The release build of the `pipeline_cost` example: the agent's user space alone, priced by
+/// the bench's pipeline section.
+pub(crate) fn pipeline_cost(ctx: &Ctx) -> Result<PathBuf> {
+    println!("xtask: building the pipeline_cost example (release)");
+    let mut cmd = ctx.cmd("cargo");
+    cmd.args([
+        "build",
+        "-p",
+        "tracer-userspace",
+        "--release",
+        "--example",
+        "pipeline_cost",
+    ]);
+    run_checked(
+        &mut cmd,
+        "the pipeline_cost example failed to build: fix the errors above",
+    )?;
+    Ok(ctx.root.join("target/release/examples/pipeline_cost"))
+}
+
 pub(crate) fn agent(ctx: &Ctx, release: bool) -> Result<PathBuf> {
     let profile = if release { "release" } else { "debug" };
     println!("xtask: building gym-tracer ({profile})");

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
     programs::{
         TracePoint, UProbe,
         uprobe::{UProbeLinkId, UProbeScope},
@@ -941,13 +941,35 @@ impl LoadedProbes {
     pub fn trace_pid(&mut self, pid: u32) -> Result<()> {
         self.traced_pids()?
             .insert(pid, tracer_abi::TRACED_BY_USER, 0)
-            .with_context(|| format!("adding pid {pid} to the PID filter"))
+            .with_context(|| format!("adding pid {pid} to the PID filter"))?;
+        self.set_user_pid_bit(pid, true)
+            .with_context(|| format!("adding pid {pid} to the PID filter's bitmap"))
     }
 
     pub fn untrace_pid(&mut self, pid: u32) {
+        let _ = self.set_user_pid_bit(pid, false);
         if let Ok(mut map) = self.traced_pids() {
             let _ = map.remove(&pid);
         }
+    }
+
+    /// Sets or clears `pid`'s bit in `USER_PID_BITS`, the kernel's first PID filter step.
+    /// Read-modify-write is safe: this agent is the bitmap's only writer (the kernel's own
+    /// additions go to `CHILD_PID_BITS`).
+    fn set_user_pid_bit(&mut self, pid: u32, set: bool) -> Result<()> {
+        let (word, bit) = tracer_abi::pid_bit(pid);
+        let map = self
+            .ebpf
+            .map_mut("USER_PID_BITS")
+            .context("USER_PID_BITS map missing")?;
+        let mut bits: Array<&mut MapData, u64> =
+            Array::try_from(map).context("USER_PID_BITS has the wrong type")?;
+        let old = bits.get(&word, 0)?;
+        let new = if set { old | bit } else { old & !bit };
+        if new != old {
+            bits.set(word, new, 0)?;
+        }
+        Ok(())
     }
 
     fn python_threads(&mut self) -> Result<BpfHashMap<&mut MapData, u32, PythonThread>> {

@@ -5,7 +5,7 @@ use std::fmt;
 
 use opentelemetry_sdk::Resource;
 
-use crate::gym::ServerKind;
+use crate::gym::{ServerKind, ServerType};
 
 use super::span::AttributeValue;
 
@@ -17,6 +17,18 @@ pub struct GymLabels {
     pub server_kind: Option<ServerKind>,
     /// The traced process's own `OTEL_SERVICE_NAME`.
     pub service_group: Option<String>,
+}
+
+impl GymLabels {
+    /// A server of a known type named as Gym's examples name them (`resources_server`): what
+    /// the fuzz replay and the cost benchmark attach their made-up processes as.
+    pub fn example_server(server_type: ServerType) -> Self {
+        Self {
+            server_name: Some(format!("{}_server", server_type.short_name())),
+            server_kind: Some(ServerKind::Known(server_type)),
+            ..Self::default()
+        }
+    }
 }
 
 /// What the agent's configuration adds to every traced process's resource.

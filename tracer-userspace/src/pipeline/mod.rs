@@ -8,6 +8,7 @@
 //! the request; at an end, `signals` gives it its meaning, metrics and spans, which the
 //! stitcher holds until their parents and trace ids are decided, then releases.
 
+pub mod cost;
 pub mod replay;
 
 #[cfg(test)]

@@ -36,8 +36,8 @@ use tracer_abi::{
     TlsDataHeader,
 };
 
+use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
-use crate::gym::{ServerKind, ServerType};
 use crate::kernel::events::{DataTransfer, KernelEvent};
 use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
@@ -239,7 +239,7 @@ fn addresses(socket: SocketId, role: Role) -> (SocketAddr, SocketAddr) {
 }
 
 /// The bytes of a `#[repr(C)]` ABI record, as the kernel writes it to the ring buffer.
-fn record_bytes<T: Copy>(record: &T) -> Vec<u8> {
+pub(crate) fn record_bytes<T: Copy>(record: &T) -> Vec<u8> {
     // SAFETY: the ABI structs are plain old data whose padding is explicit `_pad` fields
     // (tracer-abi asserts their sizes), so every byte is initialised.
     unsafe { std::slice::from_raw_parts(std::ptr::from_ref(record).cast::<u8>(), size_of::<T>()) }
@@ -423,14 +423,9 @@ impl Replay {
             (PIDS[0], ServerType::Agent),
             (PIDS[1], ServerType::Resources),
         ] {
-            pipeline.processes.attach(
-                pid,
-                GymLabels {
-                    server_name: Some(format!("{}_server", server_type.short_name())),
-                    server_kind: Some(ServerKind::Known(server_type)),
-                    ..GymLabels::default()
-                },
-            );
+            pipeline
+                .processes
+                .attach(pid, GymLabels::example_server(server_type));
         }
         Self {
             pipeline,

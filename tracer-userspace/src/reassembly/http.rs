@@ -683,14 +683,16 @@ struct Framing {
 impl Framing {
     fn of(headers: &[httparse::Header<'_>]) -> Self {
         let mut framing = Framing::default();
+        // Names first: only two of a head's headers are read, so only theirs are decoded.
         for header in headers {
-            let Ok(value) = std::str::from_utf8(header.value) else {
-                continue;
-            };
             if header.name.eq_ignore_ascii_case("transfer-encoding") {
-                framing.chunked = value.trim_end().to_ascii_lowercase().ends_with("chunked");
+                let value = header.value.trim_ascii_end();
+                framing.chunked =
+                    value.len() >= 7 && value[value.len() - 7..].eq_ignore_ascii_case(b"chunked");
             } else if header.name.eq_ignore_ascii_case("content-length") {
-                framing.content_length = value.trim().parse().ok();
+                framing.content_length = std::str::from_utf8(header.value.trim_ascii())
+                    .ok()
+                    .and_then(|value| value.parse().ok());
             }
         }
         framing
@@ -800,27 +802,43 @@ fn request_head(
     truncated: bool,
 ) -> RequestHead {
     let path = target.split(['?', '#']).next().unwrap_or("").to_string();
-    let header = |name: &str| {
-        headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case(name))
-            .and_then(|h| std::str::from_utf8(h.value).ok())
+    // One pass over the headers; the first of each name counts, as for any header read.
+    let (mut host, mut user_agent, mut traceparent, mut expect) = (None, None, None, None);
+    let mut cookies = Vec::new();
+    for header in headers {
+        let slot = match header.name.len() {
+            4 if header.name.eq_ignore_ascii_case("host") => &mut host,
+            10 if header.name.eq_ignore_ascii_case("user-agent") => &mut user_agent,
+            11 if header.name.eq_ignore_ascii_case("traceparent") => &mut traceparent,
+            6 if header.name.eq_ignore_ascii_case("expect") => &mut expect,
+            6 if header.name.eq_ignore_ascii_case("cookie") => {
+                let room = MAX_TOKENS_PER_REQUEST.saturating_sub(cookies.len());
+                cookies.extend(cookie_tokens(header.value).into_iter().take(room));
+                continue;
+            }
+            _ => continue,
+        };
+        if slot.is_none() {
+            *slot = Some(header.value);
+        }
+    }
+    let text = |value: Option<&[u8]>| {
+        value
+            .and_then(|v| std::str::from_utf8(v).ok())
             .map(|v| v.trim().to_string())
     };
+    let expects_continue = expect
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("100-continue"));
     RequestHead {
         method: method.to_string(),
         path,
         version_minor,
-        host: header("host"),
-        user_agent: header("user-agent"),
-        traceparent: header("traceparent"),
-        expects_continue: header("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue")),
-        cookies: headers
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("cookie"))
-            .flat_map(|h| cookie_tokens(h.value))
-            .take(MAX_TOKENS_PER_REQUEST)
-            .collect(),
+        host: text(host),
+        user_agent: text(user_agent),
+        traceparent: text(traceparent),
+        expects_continue,
+        cookies,
         truncated,
     }
 }

@@ -897,11 +897,13 @@ impl Stitcher {
         span.parent_span_id = parent;
         span.parent_is_remote = remote;
         span.trace_id = trace;
-        if !span
-            .attributes
-            .iter()
-            .any(|(k, _)| *k == attr::GYM_ROLLOUT_ID)
-            && let Some(rollout) = self.effective_rollout(id).cloned()
+        // The rollout first: most spans of a request without one stop there, before the
+        // scan of their attributes.
+        if let Some(rollout) = self.effective_rollout(id).cloned()
+            && !span
+                .attributes
+                .iter()
+                .any(|(k, _)| *k == attr::GYM_ROLLOUT_ID)
         {
             span.attributes.push((
                 attr::GYM_ROLLOUT_ID,

@@ -1,0 +1,318 @@
+//! The agent's user-space cost per request, without the kernel, the machine's other
+//! processes or the network: Gym-shaped traffic made of the records the kernel would write,
+//! driven through the pipeline core as the agent drives it, the released spans encoded as
+//! the OTLP/HTTP exporter encodes them. On a noisy machine the whole-system figures of
+//! `cargo xtask bench` move by ±20 % between runs; this one is single-threaded and
+//! compute-bound, so a change to the pipeline shows in it (run by `cargo xtask bench`, and
+//! under `valgrind --tool=callgrind` for instruction counts).
+//!
+//! Metrics are left out (the SDK's histograms need an exporter and a runtime); everything
+//! else a request costs the agent's hot thread and its export thread is in.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use tracer_abi::{
+    AF_INET, ConnOpenEvent, DATA_SEQ_KNOWN, DIRECTION_READ, DIRECTION_WRITE, DataEventHeader,
+    EventHeader, EventKind, ROLE_CLIENT, ROLE_SERVER,
+};
+
+use crate::export::otlp::encode::encode_trace_request;
+use crate::gym::ServerType;
+use crate::gym::span_groups::SpanGroups;
+use crate::model::service::{AgentResource, GymLabels};
+use crate::pipeline::replay::record_bytes;
+use crate::pipeline::{Pipeline, PipelineConfig};
+use crate::stitch::StitchConfig;
+
+/// The traffic one run drives.
+#[derive(Clone, Copy, Debug)]
+pub enum Workload {
+    /// A resources server's `/verify`, called by an untraced client over keep-alive
+    /// connections: its SERVER span and its `gym.verify` span.
+    Verify,
+    /// An agent server's calls to a model server's `/v1/responses`, both traced, over
+    /// loopback: a CLIENT span, and a SERVER span (with its `gym.model` span) stitched under
+    /// it across the processes by the requests' TCP sequence numbers.
+    CrossProcess,
+}
+
+/// What one run measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Cost {
+    pub requests: u64,
+    pub spans: u64,
+    /// Time in the pipeline core (records in, spans released), per request.
+    pub pipeline_ns_per_request: f64,
+    /// Time encoding the released spans, per span.
+    pub encode_ns_per_span: f64,
+    /// SERVER spans placed under their caller's CLIENT span.
+    pub stitched: u64,
+}
+
+impl Cost {
+    pub fn ns_per_span(&self) -> f64 {
+        let spans_per_request = self.spans as f64 / self.requests.max(1) as f64;
+        self.pipeline_ns_per_request / spans_per_request.max(1.0) + self.encode_ns_per_span
+    }
+}
+
+const AGENT: u32 = 7_000_001;
+const MODEL: u32 = 7_000_002;
+const RESOURCES: u32 = 7_000_003;
+const SERVER_PORT: u16 = 8000;
+/// Keep-alive connections the requests go round (the bench's wrk uses 32).
+const CONNECTIONS: u32 = 32;
+/// The request rate the traffic's timestamps say: the bench's /verify rate.
+const REQUEST_INTERVAL: Duration = Duration::from_micros(500);
+/// How often the agent releases held spans (its drain timer).
+const RELEASE_EVERY: u64 = 20;
+
+const VERIFY: &[u8] = b"POST /verify HTTP/1.1\r\nhost: 127.0.0.1:8000\r\naccept: */*\r\naccept-encoding: gzip, deflate\r\nconnection: keep-alive\r\nuser-agent: python-httpx/0.28.1\r\ncontent-type: application/json\r\ncontent-length: 86\r\n\r\n{\"responses_create_params\": {\"input\": []}, \"response\": {\"output\": [], \"id\": \"resp_1\"}}";
+const VERIFIED: &[u8] = b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 07:00:00 GMT\r\nserver: uvicorn\r\ncontent-length: 59\r\ncontent-type: application/json\r\n\r\n{\"reward\": 1.0, \"response\": {\"output\": [], \"id\": \"resp_1\"}}";
+const RESPONSES: &[u8] = b"POST /v1/responses HTTP/1.1\r\nhost: 127.0.0.1:8000\r\naccept: */*\r\naccept-encoding: gzip, deflate\r\nconnection: keep-alive\r\nuser-agent: python-httpx/0.28.1\r\ncontent-type: application/json\r\ncontent-length: 38\r\n\r\n{\"input\": [], \"model\": \"policy-model\"}";
+const RESPONDED: &[u8] = b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 07:00:00 GMT\r\nserver: uvicorn\r\ncontent-length: 45\r\ncontent-type: application/json\r\n\r\n{\"id\": \"resp_1\", \"output\": [], \"usage\": null}";
+
+/// Drives `requests` requests of `workload` through a fresh pipeline.
+pub fn measure(workload: Workload, requests: u64) -> Cost {
+    let mut traffic = Traffic::new(workload);
+    let mut pipeline = Pipeline::new(
+        PipelineConfig {
+            max_connections: 65_536,
+            routes: Vec::new(),
+            agent_resource: AgentResource::new(Some("gym".to_string()), Vec::new()),
+            groups: SpanGroups::ALL,
+            stitch: StitchConfig {
+                delay: Duration::from_millis(500),
+                max_pending: 100_000,
+                max_nodes: 400_000,
+                inject_traces: false,
+            },
+        },
+        (),
+    );
+    for (pid, server_type) in [
+        (AGENT, ServerType::Agent),
+        (MODEL, ServerType::Model),
+        (RESOURCES, ServerType::Resources),
+    ] {
+        pipeline
+            .processes
+            .attach(pid, GymLabels::example_server(server_type));
+    }
+    let resource = opentelemetry_sdk::Resource::builder_empty()
+        .with_service_name("gym")
+        .build();
+    let epoch = Instant::now();
+    let mut body = Vec::with_capacity(1 << 20);
+    let (mut pipeline_time, mut encode_time, mut spans) = (Duration::ZERO, Duration::ZERO, 0);
+    let mut records = traffic.opens();
+    for request in 0..requests + 1 {
+        // The last round only lets the held spans go.
+        let last = request == requests;
+        if !last {
+            records.extend(traffic.request(request));
+        }
+        let now = epoch + traffic.now();
+        let started = Instant::now();
+        for record in &records {
+            pipeline.handle_record(record, now, &mut ());
+        }
+        if last {
+            pipeline.release_all();
+        } else if request % RELEASE_EVERY == 0 {
+            pipeline.release(now);
+        }
+        pipeline_time += started.elapsed();
+        records.clear();
+        let released = &mut pipeline.output.released;
+        if !released.is_empty() {
+            let started = Instant::now();
+            body.clear();
+            encode_trace_request(&resource, released, &mut body);
+            encode_time += started.elapsed();
+            spans += released.len() as u64;
+            released.clear();
+        }
+        pipeline.output.untrack.clear();
+        pipeline.output.lifecycle.clear();
+    }
+    Cost {
+        requests,
+        spans,
+        pipeline_ns_per_request: pipeline_time.as_nanos() as f64 / requests.max(1) as f64,
+        encode_ns_per_span: encode_time.as_nanos() as f64 / spans.max(1) as f64,
+        stitched: pipeline.stitcher.counters.cross_process_links,
+    }
+}
+
+/// The records the kernel would write for the workload, with its clock and the
+/// connections' sequence numbers.
+struct Traffic {
+    workload: Workload,
+    now_ns: u64,
+    /// Per connection: the next request byte's and response byte's sequence numbers.
+    seq: Vec<(u32, u32)>,
+}
+
+impl Traffic {
+    fn new(workload: Workload) -> Self {
+        Self {
+            workload,
+            now_ns: 1_000_000_000,
+            seq: (0..CONNECTIONS)
+                .map(|c| (c.wrapping_mul(0x9E37_79B9), c.wrapping_mul(0x85EB_CA6B)))
+                .collect(),
+        }
+    }
+
+    fn now(&self) -> Duration {
+        Duration::from_nanos(self.now_ns)
+    }
+
+    /// The connections, opened once and kept alive.
+    fn opens(&mut self) -> Vec<Vec<u8>> {
+        let mut records = Vec::new();
+        for connection in 0..CONNECTIONS {
+            let fd = 10 + connection as i32;
+            let client = loopback(40_000 + connection as u16);
+            let server = loopback(SERVER_PORT);
+            match self.workload {
+                Workload::Verify => {
+                    records.push(open(
+                        RESOURCES,
+                        fd,
+                        ROLE_SERVER,
+                        server,
+                        client,
+                        self.now_ns,
+                    ));
+                }
+                Workload::CrossProcess => {
+                    records.push(open(AGENT, fd, ROLE_CLIENT, client, server, self.now_ns));
+                    records.push(open(MODEL, fd, ROLE_SERVER, server, client, self.now_ns));
+                }
+            }
+        }
+        records
+    }
+
+    /// One request and its response, on connection `request % CONNECTIONS`.
+    fn request(&mut self, request: u64) -> Vec<Vec<u8>> {
+        self.now_ns += REQUEST_INTERVAL.as_nanos() as u64;
+        let connection = (request % u64::from(CONNECTIONS)) as usize;
+        let fd = 10 + connection as i32;
+        let (request_seq, response_seq) = self.seq[connection];
+        let (ask, answer) = match self.workload {
+            Workload::Verify => (VERIFY, VERIFIED),
+            Workload::CrossProcess => (RESPONSES, RESPONDED),
+        };
+        self.seq[connection] = (
+            request_seq.wrapping_add(ask.len() as u32),
+            response_seq.wrapping_add(answer.len() as u32),
+        );
+        let t = self.now_ns;
+        match self.workload {
+            Workload::Verify => vec![
+                data(RESOURCES, fd, DIRECTION_READ, ask, request_seq, t),
+                data(
+                    RESOURCES,
+                    fd,
+                    DIRECTION_WRITE,
+                    answer,
+                    response_seq,
+                    t + 300_000,
+                ),
+            ],
+            Workload::CrossProcess => vec![
+                data(AGENT, fd, DIRECTION_WRITE, ask, request_seq, t),
+                data(MODEL, fd, DIRECTION_READ, ask, request_seq, t + 20_000),
+                data(
+                    MODEL,
+                    fd,
+                    DIRECTION_WRITE,
+                    answer,
+                    response_seq,
+                    t + 300_000,
+                ),
+                data(AGENT, fd, DIRECTION_READ, answer, response_seq, t + 320_000),
+            ],
+        }
+    }
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)
+}
+
+fn header(kind: EventKind, pid: u32, fd: i32, timestamp_ns: u64) -> EventHeader {
+    EventHeader {
+        kind: kind as u8,
+        tgid: pid,
+        tid: pid,
+        fd,
+        timestamp_ns,
+        conn_id: (u64::from(pid) << 16) | fd as u64,
+        ..EventHeader::default()
+    }
+}
+
+fn open(
+    pid: u32,
+    fd: i32,
+    role: u8,
+    local: SocketAddr,
+    peer: SocketAddr,
+    timestamp_ns: u64,
+) -> Vec<u8> {
+    let mut event = ConnOpenEvent {
+        header: header(EventKind::ConnOpen, pid, fd, timestamp_ns),
+        role,
+        family: AF_INET,
+        local_port: local.port(),
+        peer_port: peer.port(),
+        ..ConnOpenEvent::default()
+    };
+    event.local_addr[..4].copy_from_slice(&[127, 0, 0, 1]);
+    event.peer_addr[..4].copy_from_slice(&[127, 0, 0, 1]);
+    record_bytes(&event)
+}
+
+fn data(pid: u32, fd: i32, direction: u8, bytes: &[u8], seq: u32, timestamp_ns: u64) -> Vec<u8> {
+    let mut record = record_bytes(&DataEventHeader {
+        header: header(EventKind::Data, pid, fd, timestamp_ns),
+        direction,
+        flags: DATA_SEQ_KNOWN,
+        captured_len: bytes.len() as u32,
+        total_len: bytes.len() as u64,
+        seq,
+        ..DataEventHeader::default()
+    });
+    record.extend_from_slice(bytes);
+    record
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_request_of_each_workload_yields_its_spans() {
+        let verify = measure(Workload::Verify, 200);
+        assert_eq!(
+            verify.spans, 400,
+            "a SERVER and a gym.verify span per /verify"
+        );
+        let cross = measure(Workload::CrossProcess, 200);
+        assert_eq!(
+            cross.spans, 600,
+            "a CLIENT, a SERVER and a gym.model span per call"
+        );
+        assert_eq!(
+            cross.stitched, 200,
+            "each SERVER span under its CLIENT span"
+        );
+        assert_eq!(verify.stitched, 0);
+        assert!(verify.pipeline_ns_per_request > 0.0 && cross.encode_ns_per_span > 0.0);
+    }
+}
