@@ -609,15 +609,14 @@ pub fn exit_call(ctx: TracePointContext) -> u32 {
     let Some(slot) = PENDING_CALLS.get_ptr_mut(&pid_tgid) else {
         return 0;
     };
-    // SAFETY: the thread's own entry (see `remember_pending`), copied out, then marked done.
-    let call = unsafe {
-        let call = *slot;
-        (*slot).call = CALL_NONE;
-        call
-    };
+    // SAFETY: the thread's own entry (see `remember_pending`), copied out, then marked done;
+    // an entry already done (a traced thread's syscall that is no socket call) is not written.
+    let call = unsafe { *slot };
     if call.call == CALL_NONE {
         return 0;
     }
+    // SAFETY: as above.
+    unsafe { (*slot).call = CALL_NONE };
     if is_write_call(call.call) && injecting() && INJECT_ARMED.remove(&(pid_tgid as u32)).is_ok() {
         // The `sk_msg` program takes what it uses: what is left never reached it.
         count_at(&INJECTIONS, INJECT_NOT_DELIVERED);

@@ -20,8 +20,9 @@ use tracer_abi::{
 use crate::export::otlp::encode::encode_trace_request;
 use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
+use crate::model::exchange::SocketId;
 use crate::model::service::{AgentResource, GymLabels};
-use crate::pipeline::replay::record_bytes;
+use crate::pipeline::replay::{self, record_bytes};
 use crate::pipeline::{Pipeline, PipelineConfig};
 use crate::stitch::StitchConfig;
 
@@ -171,7 +172,7 @@ impl Traffic {
     }
 
     /// The connections, opened once and kept alive.
-    fn opens(&mut self) -> Vec<Vec<u8>> {
+    fn opens(&self) -> Vec<Vec<u8>> {
         let mut records = Vec::new();
         for connection in 0..CONNECTIONS {
             let fd = 10 + connection as i32;
@@ -245,16 +246,11 @@ fn loopback(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port)
 }
 
+/// A record's header from process `pid`'s socket `fd` (one connection per fd: its id is
+/// derived from both).
 fn header(kind: EventKind, pid: u32, fd: i32, timestamp_ns: u64) -> EventHeader {
-    EventHeader {
-        kind: kind as u8,
-        tgid: pid,
-        tid: pid,
-        fd,
-        timestamp_ns,
-        conn_id: (u64::from(pid) << 16) | fd as u64,
-        ..EventHeader::default()
-    }
+    let conn_id = (u64::from(pid) << 16) | fd as u64;
+    replay::header(kind, SocketId { pid, fd }, conn_id, timestamp_ns)
 }
 
 fn open(
@@ -273,8 +269,11 @@ fn open(
         peer_port: peer.port(),
         ..ConnOpenEvent::default()
     };
-    event.local_addr[..4].copy_from_slice(&[127, 0, 0, 1]);
-    event.peer_addr[..4].copy_from_slice(&[127, 0, 0, 1]);
+    for (field, address) in [(&mut event.local_addr, local), (&mut event.peer_addr, peer)] {
+        if let IpAddr::V4(v4) = address.ip() {
+            field[..4].copy_from_slice(&v4.octets());
+        }
+    }
     record_bytes(&event)
 }
 

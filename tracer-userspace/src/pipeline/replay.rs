@@ -246,7 +246,12 @@ pub(crate) fn record_bytes<T: Copy>(record: &T) -> Vec<u8> {
         .to_vec()
 }
 
-fn header(kind: EventKind, socket: SocketId, conn_id: u64, timestamp_ns: u64) -> EventHeader {
+pub(crate) fn header(
+    kind: EventKind,
+    socket: SocketId,
+    conn_id: u64,
+    timestamp_ns: u64,
+) -> EventHeader {
     EventHeader {
         kind: kind as u8,
         tgid: socket.pid,

@@ -307,7 +307,7 @@ fn ip_text(ip: IpAddr) -> Cow<'static, str> {
                 if index > 0 {
                     text.push('.');
                 }
-                push_decimal(&mut text, octet);
+                push_decimal(&mut text, octet.into());
             }
             Cow::Owned(text)
         }
@@ -315,14 +315,12 @@ fn ip_text(ip: IpAddr) -> Cow<'static, str> {
     }
 }
 
-fn push_decimal(text: &mut String, value: u8) {
-    if value >= 100 {
-        text.push(char::from(b'0' + value / 100));
-    }
+/// Appends `value` in decimal (an octet or a port).
+fn push_decimal(text: &mut String, value: u32) {
     if value >= 10 {
-        text.push(char::from(b'0' + value / 10 % 10));
+        push_decimal(text, value / 10);
     }
-    text.push(char::from(b'0' + value % 10));
+    text.push(char::from(b'0' + (value % 10) as u8));
 }
 
 /// `{scheme}://{address}{path}`, as `format!` with the address's `Display` would write it.
@@ -345,19 +343,7 @@ fn url_full(scheme: &str, address: SocketAddr, path: &str) -> String {
         }
     }
     url.push(':');
-    let port = address.port();
-    let mut digits = [0u8; 5];
-    let mut at = digits.len();
-    let mut rest = port;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    url.extend(digits[at..].iter().map(|&d| char::from(d)));
+    push_decimal(&mut url, address.port().into());
     url.push_str(path);
     url
 }
