@@ -114,13 +114,26 @@ pub fn rollout_id_from_run_body(captured: &[u8], complete: bool) -> Option<Rollo
 /// byte. Gym's rule is then applied to that run as if it were the whole object: a Gym body
 /// names its rollout there or nowhere. A run that names none of the fields gives `None`.
 pub fn rollout_id_from_body_tail(tail: &[u8]) -> Option<RolloutId> {
-    (0..tail.len())
-        .filter(|&at| tail[at] == b',')
-        .find_map(|at| {
-            let text = std::str::from_utf8(&tail[at + 1..]).ok()?;
-            let mut fields = RunFields::default();
-            trailing_members(text, &mut fields).then_some(fields)
-        })
+    fn members_after(text: &str) -> Option<RunFields<'_>> {
+        let mut fields = RunFields::default();
+        trailing_members(text, &mut fields).then_some(fields)
+    }
+    // The tail may begin inside a character: it is validated once from the first character
+    // boundary (a comma is ASCII, so every comma of valid text starts a valid suffix); a
+    // tail with invalid bytes further in is validated per suffix instead.
+    let boundary = tail
+        .iter()
+        .position(|&byte| byte & 0xc0 != 0x80)
+        .unwrap_or(tail.len());
+    let found = match std::str::from_utf8(&tail[boundary..]) {
+        Ok(text) => (0..text.len())
+            .filter(|&at| text.as_bytes()[at] == b',')
+            .find_map(|at| members_after(&text[at + 1..])),
+        Err(_) => (0..tail.len())
+            .filter(|&at| tail[at] == b',')
+            .find_map(|at| members_after(std::str::from_utf8(&tail[at + 1..]).ok()?)),
+    };
+    found
         .filter(|fields| !fields.repeated && fields.names_a_rollout())
         .and_then(|fields| fields.rollout_id(true))
 }
@@ -596,6 +609,18 @@ impl<'a> Scanner<'a> {
         let start = self.pos;
         let mut escaped = false;
         loop {
+            // Plain characters in one pass, up to a quote, an escape or a control character.
+            let rest = &self.bytes()[self.pos..];
+            match rest
+                .iter()
+                .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
+            {
+                Some(plain) => self.pos += plain,
+                None => {
+                    self.pos = self.text.len();
+                    return Err(Stop::Truncated);
+                }
+            }
             match self.peek()? {
                 b'"' => break,
                 b'\\' => {
@@ -641,6 +666,19 @@ mod tests {
         let bytes = body.as_bytes();
         rollout_id_from_body_tail(&bytes[bytes.len().saturating_sub(tail_bytes)..])
             .map(|id| id.as_str().to_string())
+    }
+
+    #[test]
+    fn a_tail_cut_inside_a_character_or_with_invalid_bytes_still_names_its_rollout() {
+        let members = r#", "_ng_task_index": 3, "_ng_rollout_index": 1}"#;
+        let id = |tail: Vec<u8>| rollout_id_from_body_tail(&tail).map(|id| id.as_str().to_owned());
+        // "é" is two bytes: the tail begins at its second.
+        let cut = [&"é".as_bytes()[1..], b"x\"", members.as_bytes()].concat();
+        assert_eq!(id(cut), some("3-1"));
+        let invalid = [b"\"a\xff\xfe\"".as_slice(), members.as_bytes()].concat();
+        assert_eq!(id(invalid), some("3-1"));
+        let invalid_after = [members.as_bytes(), b"\xff"].concat();
+        assert_eq!(id(invalid_after), None, "the object must end the tail");
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub struct SocketId {
 }
 
 /// Why an exchange ended without a response.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AbortReason {
     /// The connection closed before the response was complete.
     ConnectionClosed,

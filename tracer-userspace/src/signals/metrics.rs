@@ -3,13 +3,15 @@
 //! `nemo.gym.server.name` (Gym records the `gym.*` ones without attributes).
 
 use foldhash::{HashMap, HashMapExt};
+use std::hash::Hash;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Histogram, Meter, MeterProvider};
+use opentelemetry::metrics::{BoundHistogram, Histogram, Meter, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::export::status::ExportStatus;
@@ -17,8 +19,8 @@ use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
 use crate::model::attributes as attr;
-use crate::model::exchange::Outcome;
 use crate::model::exchange::Role;
+use crate::model::exchange::{AbortReason, Outcome};
 use crate::model::exchange::{HttpExchange, ModelCall};
 use crate::model::genai::provider_name;
 use crate::model::service::ServiceIdentity;
@@ -29,8 +31,10 @@ use crate::signals::spans::url_scheme;
 /// `http.request.method` as the HTTP semantic conventions dimension it: a method outside the
 /// registered set is `_OTHER`, so a peer that invents methods cannot grow the series.
 fn method_attribute(method: &str) -> KeyValue {
-    let method = attr::registered_method(method).unwrap_or("_OTHER");
-    KeyValue::new(attr::HTTP_REQUEST_METHOD, method)
+    KeyValue::new(
+        attr::HTTP_REQUEST_METHOD,
+        registered_method_or_other(method),
+    )
 }
 
 /// `http.response.status_code`, and `error.type` for 5xx and aborts.
@@ -44,6 +48,91 @@ fn push_outcome(outcome: &Outcome, attributes: &mut Vec<KeyValue>) {
     }
     if let Some(error) = outcome.error_type {
         attributes.push(KeyValue::new(attr::ERROR_TYPE, error.value()));
+    }
+}
+
+/// How many attribute sets of one instrument a process keeps bound. Past it a request
+/// records through the SDK's attribute lookup (which caps series itself), so that peers
+/// that vary their statuses or ports cannot grow the agent.
+const MAX_BOUND_SERIES: usize = 256;
+
+/// What sets a request's `http.response.status_code` and `error.type`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum OutcomeKey {
+    Status(u16),
+    Aborted(AbortReason),
+}
+
+impl OutcomeKey {
+    fn of(outcome: &Outcome) -> Self {
+        match outcome {
+            Outcome::Response(response) => Self::Status(response.status),
+            Outcome::Aborted(reason) => Self::Aborted(*reason),
+        }
+    }
+}
+
+/// The attributes of one `http.server.request.duration` series as a map key: a histogram
+/// bound to them records without building, sorting and hashing `KeyValue`s per request.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ServerSeries {
+    method: &'static str,
+    tls: bool,
+    http_1_0: bool,
+    route: Option<Arc<str>>,
+    outcome: OutcomeKey,
+}
+
+/// ... and of one `http.client.request.duration` series (`peer.service` aside: see
+/// [`ClientSeriesGroup`]).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ClientSeries {
+    method: &'static str,
+    peer: Option<SocketAddr>,
+    outcome: OutcomeKey,
+}
+
+/// The client series of one key by `peer.service`: one name per peer address in practice,
+/// so a short list, looked up without allocating the name.
+type ClientSeriesGroup = Vec<(Option<Box<str>>, BoundHistogram<f64>)>;
+
+/// Histograms bound per series, at most [`MAX_BOUND_SERIES`].
+struct BoundSeries<K> {
+    by_key: HashMap<K, BoundHistogram<f64>>,
+}
+
+impl<K> Default for BoundSeries<K> {
+    fn default() -> Self {
+        Self {
+            by_key: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Hash + Eq> BoundSeries<K> {
+    /// Records `value` in `key`'s series. The attributes are built (by `fill`, into
+    /// `scratch`) only for a series seen the first time, or past the cap.
+    fn record(
+        &mut self,
+        histogram: &Histogram<f64>,
+        key: K,
+        value: f64,
+        scratch: &mut Vec<KeyValue>,
+        fill: impl FnOnce(&mut Vec<KeyValue>),
+    ) {
+        if let Some(bound) = self.by_key.get(&key) {
+            bound.record(value);
+            return;
+        }
+        scratch.clear();
+        fill(scratch);
+        if self.by_key.len() < MAX_BOUND_SERIES {
+            let bound = histogram.bind(scratch);
+            bound.record(value);
+            self.by_key.insert(key, bound);
+        } else {
+            histogram.record(value, scratch);
+        }
     }
 }
 
@@ -191,6 +280,110 @@ struct ServiceMetrics {
     gen_ai_tokens: Histogram<u64>,
     /// Read by the observable `gym.verify.calls` and `gym.verify.success_rate`.
     verify_tally: Arc<VerifyTally>,
+    /// The `gym.*` durations bound to `server_name`, from the first request of each.
+    rollout_bound: Option<BoundHistogram<f64>>,
+    verify_bound: Option<BoundHistogram<f64>>,
+    server_series: BoundSeries<ServerSeries>,
+    client_series: HashMap<ClientSeries, ClientSeriesGroup>,
+}
+
+impl ServiceMetrics {
+    /// A `gym.*` duration (ms), bound to the process's server name on first use (an
+    /// instrument never recorded exports nothing, as Gym's).
+    fn record_group(&mut self, group: SpanGroup, elapsed_ms: f64) {
+        let (histogram, bound) = match group {
+            SpanGroup::Rollout => (&self.rollout_duration, &mut self.rollout_bound),
+            SpanGroup::Verify => (&self.verify_duration, &mut self.verify_bound),
+            _ => return,
+        };
+        let server_name: Vec<KeyValue> = match bound {
+            Some(bound) => return bound.record(elapsed_ms),
+            None => self.server_name.iter().cloned().collect(),
+        };
+        bound
+            .insert(histogram.bind(&server_name))
+            .record(elapsed_ms);
+    }
+
+    /// `http.client.request.duration` of one call.
+    fn record_client(
+        &mut self,
+        exchange: &HttpExchange,
+        peer_service: Option<&str>,
+        elapsed_s: f64,
+        scratch: &mut Vec<KeyValue>,
+    ) {
+        let key = ClientSeries {
+            method: registered_method_or_other(&exchange.request.method),
+            peer: exchange.peer,
+            outcome: OutcomeKey::of(&exchange.outcome),
+        };
+        let bound_series: usize = self.client_series.values().map(Vec::len).sum();
+        let group = match self.client_series.get_mut(&key) {
+            Some(group) => group,
+            None if bound_series < MAX_BOUND_SERIES => self.client_series.entry(key).or_default(),
+            None => {
+                client_attributes(exchange, peer_service, scratch);
+                return self.client_duration.record(elapsed_s, scratch);
+            }
+        };
+        if let Some((_, bound)) = group
+            .iter()
+            .find(|(name, _)| name.as_deref() == peer_service)
+        {
+            return bound.record(elapsed_s);
+        }
+        client_attributes(exchange, peer_service, scratch);
+        if bound_series < MAX_BOUND_SERIES {
+            let bound = self.client_duration.bind(scratch);
+            bound.record(elapsed_s);
+            group.push((peer_service.map(Box::from), bound));
+        } else {
+            self.client_duration.record(elapsed_s, scratch);
+        }
+    }
+}
+
+fn registered_method_or_other(method: &str) -> &'static str {
+    attr::registered_method(method).unwrap_or("_OTHER")
+}
+
+/// The attributes of `http.client.request.duration`, into `attributes` (cleared first).
+fn client_attributes(
+    exchange: &HttpExchange,
+    peer_service: Option<&str>,
+    attributes: &mut Vec<KeyValue>,
+) {
+    attributes.clear();
+    attributes.push(method_attribute(&exchange.request.method));
+    if let Some(peer) = exchange.peer {
+        attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
+        attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
+    }
+    if let Some(name) = peer_service {
+        attributes.push(KeyValue::new(attr::PEER_SERVICE, name.to_string()));
+    }
+    push_outcome(&exchange.outcome, attributes);
+}
+
+/// The attributes of `http.server.request.duration` after the server name.
+fn server_attributes(exchange: &HttpExchange, route: &RouteName, attributes: &mut Vec<KeyValue>) {
+    attributes.extend([
+        method_attribute(&exchange.request.method),
+        KeyValue::new(attr::URL_SCHEME, url_scheme(exchange)),
+        KeyValue::new(
+            attr::NETWORK_PROTOCOL_VERSION,
+            if exchange.request.version_minor == 0 {
+                "1.0"
+            } else {
+                "1.1"
+            },
+        ),
+    ]);
+    if let RouteName::Template(route) = route {
+        attributes.push(KeyValue::new(attr::HTTP_ROUTE, route.clone()));
+    }
+    push_outcome(&exchange.outcome, attributes);
 }
 
 /// /verify calls seen since attach, and how many succeeded: the success rate is the
@@ -363,6 +556,10 @@ impl Metrics {
                 gen_ai_duration,
                 gen_ai_tokens,
                 verify_tally,
+                rollout_bound: None,
+                verify_bound: None,
+                server_series: BoundSeries::default(),
+                client_series: HashMap::new(),
             },
         );
         Ok(())
@@ -402,32 +599,18 @@ impl Metrics {
             return;
         };
         let elapsed_ns = exchange.end_ns.saturating_sub(exchange.start_ns) as f64;
-        // Attributes are built in a reused vector from shared or static strings: this runs
-        // once per request on the hot path.
+        // Once per request on the hot path: a series seen before records into its bound
+        // histogram; attributes are built only for a new one.
         let attributes = &mut self.scratch;
-        attributes.clear();
         if exchange.role == Role::Client {
-            attributes.push(method_attribute(&exchange.request.method));
-            if let Some(peer) = exchange.peer {
-                attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
-                attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
-            }
-            if let Some(name) = peer_service {
-                attributes.push(KeyValue::new(attr::PEER_SERVICE, name.to_string()));
-            }
-            push_outcome(&exchange.outcome, attributes);
-            service.client_duration.record(elapsed_ns / 1e9, attributes);
+            service.record_client(exchange, peer_service, elapsed_ns / 1e9, attributes);
             if let Some(call) = &exchange.model_call {
                 record_model_call(service, exchange, call, elapsed_ns / 1e9, attributes);
             }
             return;
         }
-        attributes.extend(service.server_name.iter().cloned());
-        match meaning.semantic.map(|semantic| semantic.group) {
-            Some(SpanGroup::Rollout) => service
-                .rollout_duration
-                .record(elapsed_ns / 1e6, attributes),
-            Some(SpanGroup::Verify) => {
+        if let Some(group) = meaning.semantic.map(|semantic| semantic.group) {
+            if group == SpanGroup::Verify {
                 // Succeeded = the handler completed: a reward of 0 is a success, a 5xx or a
                 // dropped connection is not.
                 let succeeded = matches!(
@@ -439,27 +622,30 @@ impl Metrics {
                 tally
                     .succeeded
                     .fetch_add(u64::from(succeeded), Ordering::Relaxed);
-                service.verify_duration.record(elapsed_ns / 1e6, attributes);
             }
-            _ => {}
+            service.record_group(group, elapsed_ns / 1e6);
         }
-        attributes.extend([
-            method_attribute(&exchange.request.method),
-            KeyValue::new(attr::URL_SCHEME, url_scheme(exchange)),
-            KeyValue::new(
-                attr::NETWORK_PROTOCOL_VERSION,
-                if exchange.request.version_minor == 0 {
-                    "1.0"
-                } else {
-                    "1.1"
-                },
-            ),
-        ]);
-        if let RouteName::Template(route) = &meaning.route {
-            attributes.push(KeyValue::new(attr::HTTP_ROUTE, route.clone()));
-        }
-        push_outcome(&exchange.outcome, attributes);
-        service.server_duration.record(elapsed_ns / 1e9, attributes);
+        let key = ServerSeries {
+            method: registered_method_or_other(&exchange.request.method),
+            tls: exchange.tls,
+            http_1_0: exchange.request.version_minor == 0,
+            route: match &meaning.route {
+                RouteName::Template(route) => Some(route.clone()),
+                _ => None,
+            },
+            outcome: OutcomeKey::of(&exchange.outcome),
+        };
+        let server_name = &service.server_name;
+        service.server_series.record(
+            &service.server_duration,
+            key,
+            elapsed_ns / 1e9,
+            attributes,
+            |attributes| {
+                attributes.extend(server_name.iter().cloned());
+                server_attributes(exchange, &meaning.route, attributes);
+            },
+        );
     }
 
     /// Exports every provider's final values and stops them, within `timeout`.
@@ -482,5 +668,81 @@ impl RequestMetrics for Metrics {
 
     fn remove_service(&mut self, pid: u32) {
         self.remove_service_now(pid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use opentelemetry::Value;
+    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader};
+
+    use super::*;
+
+    /// (status attribute, count) of every point of the one histogram `exporter` holds.
+    fn points(exporter: &InMemoryMetricExporter) -> Vec<(i64, u64)> {
+        let exported = exporter
+            .get_finished_metrics()
+            .expect("metrics were exported");
+        let last = exported.last().expect("one export");
+        let metric = last
+            .scope_metrics()
+            .next()
+            .unwrap()
+            .metrics()
+            .next()
+            .unwrap();
+        let AggregatedMetrics::F64(MetricData::Histogram(histogram)) = metric.data() else {
+            panic!("not an f64 histogram");
+        };
+        let mut points: Vec<(i64, u64)> = histogram
+            .data_points()
+            .map(|point| {
+                let status = point
+                    .attributes()
+                    .find(|kv| kv.key.as_str() == "status")
+                    .map(|kv| match &kv.value {
+                        Value::I64(status) => *status,
+                        other => panic!("status is {other:?}"),
+                    })
+                    .expect("every point has the status");
+                (status, point.count())
+            })
+            .collect();
+        points.sort();
+        points
+    }
+
+    #[test]
+    fn bound_series_record_each_series_once_bound_and_past_the_cap_through_the_sdk() {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        let histogram = provider.meter("test").f64_histogram("duration").build();
+        let mut series = BoundSeries::default();
+        let mut scratch = Vec::new();
+        let mut filled = 0;
+        let statuses = (0..MAX_BOUND_SERIES as i64 + 2).chain([0, 1, MAX_BOUND_SERIES as i64]);
+        for status in statuses {
+            series.record(&histogram, status, 0.5, &mut scratch, |attributes| {
+                filled += 1;
+                attributes.push(KeyValue::new("status", status));
+            });
+        }
+        // Attributes were built for each new series and for each request past the cap.
+        assert_eq!(filled, MAX_BOUND_SERIES + 2 + 1);
+        assert_eq!(series.by_key.len(), MAX_BOUND_SERIES);
+        provider.force_flush().unwrap();
+        let points = points(&exporter);
+        assert_eq!(points.len(), MAX_BOUND_SERIES + 2, "one point per series");
+        for (status, count) in points {
+            let expected = if [0, 1, MAX_BOUND_SERIES as i64].contains(&status) {
+                2
+            } else {
+                1
+            };
+            assert_eq!(count, expected, "status {status}");
+        }
     }
 }
