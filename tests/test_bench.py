@@ -83,8 +83,11 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     assert runs["traced, uprobes"] > runs["traced, --no-tls"], runs
     assert runs["untraced, uprobes per library"] > runs["untraced, agent --no-tls"], runs
     # Per process (the default), an untraced client never reaches them: what it runs of the
-    # agent's programs is what an agent without uprobes runs (the syscall tracepoints).
-    assert abs(runs["untraced, uprobes per process"] - runs["untraced, agent --no-tls"]) < 0.5, runs
+    # agent's programs is what an agent without uprobes runs (the syscall tracepoints). The
+    # runs are counted host-wide (the agent's own reads of /proc and ELF files included), so
+    # the bound is a fraction of what the uprobes add per library file, not zero.
+    by_library = runs["untraced, uprobes per library"] - runs["untraced, agent --no-tls"]
+    assert abs(runs["untraced, uprobes per process"] - runs["untraced, agent --no-tls"]) < by_library / 4, runs
     # Costs are differences of noisy figures: present and finite, not necessarily positive.
     for cost in ("uprobes_cost", "attached_cost", "attached_uprobes_cost", "process_scope_cost", "traced_cost"):
         for key in ("us", "least_us", "ratio", "least_ratio", "kernel_ns", "program_runs"):
