@@ -303,6 +303,17 @@ def test_each_rollout_is_one_trace(gym, tracer):
     assert len(traces) == len(bodies) + 1 + len(PROXY_PATHS)
     assert len(sent) == len(bodies) + 1 + len(PROXY_PATHS)
 
+    # The client duration histogram counts the calls the CLIENT spans show, series by series
+    # (peer, its Gym name, outcome): each series bound once, its calls all recorded in it.
+    def series(attributes):
+        return tuple(attributes.get(key) for key in ("server.port", "peer.service", "http.response.status_code"))
+    calls = collections.Counter(series(s["attributes"]) for s in spans if s["kind"] == "CLIENT")
+    recorded = collections.Counter()
+    for point in agent.metric_points("http.client.request.duration"):
+        recorded[series(point["attributes"])] += point["count"]
+    assert recorded == calls, f"{recorded} != {calls}{context}"
+    assert {name for _, name, _ in calls} == {run.model.name, run.resources.name}
+
 
 # ---- test b: side by side with the in-process telemetry ----
 

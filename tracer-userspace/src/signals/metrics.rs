@@ -285,6 +285,8 @@ struct ServiceMetrics {
     verify_bound: Option<BoundHistogram<f64>>,
     server_series: BoundSeries<ServerSeries>,
     client_series: HashMap<ClientSeries, ClientSeriesGroup>,
+    /// How many histograms `client_series` holds, over all its groups.
+    client_series_bound: usize,
 }
 
 impl ServiceMetrics {
@@ -318,26 +320,21 @@ impl ServiceMetrics {
             peer: exchange.peer,
             outcome: OutcomeKey::of(&exchange.outcome),
         };
-        let bound_series: usize = self.client_series.values().map(Vec::len).sum();
-        let group = match self.client_series.get_mut(&key) {
-            Some(group) => group,
-            None if bound_series < MAX_BOUND_SERIES => self.client_series.entry(key).or_default(),
-            None => {
-                client_attributes(exchange, peer_service, scratch);
-                return self.client_duration.record(elapsed_s, scratch);
-            }
-        };
-        if let Some((_, bound)) = group
-            .iter()
-            .find(|(name, _)| name.as_deref() == peer_service)
-        {
+        let bound = self.client_series.get(&key).and_then(|group| {
+            group
+                .iter()
+                .find(|(name, _)| name.as_deref() == peer_service)
+        });
+        if let Some((_, bound)) = bound {
             return bound.record(elapsed_s);
         }
         client_attributes(exchange, peer_service, scratch);
-        if bound_series < MAX_BOUND_SERIES {
+        if self.client_series_bound < MAX_BOUND_SERIES {
             let bound = self.client_duration.bind(scratch);
             bound.record(elapsed_s);
+            let group = self.client_series.entry(key).or_default();
             group.push((peer_service.map(Box::from), bound));
+            self.client_series_bound += 1;
         } else {
             self.client_duration.record(elapsed_s, scratch);
         }
@@ -560,6 +557,7 @@ impl Metrics {
                 verify_bound: None,
                 server_series: BoundSeries::default(),
                 client_series: HashMap::new(),
+                client_series_bound: 0,
             },
         );
         Ok(())
