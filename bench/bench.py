@@ -883,7 +883,7 @@ def soak(params, receiver, scripts):
             samples.append({"seconds": round(time.monotonic() - start, 1),
                             "agent_rss_kib": status_kib(agent.process.pid, "VmRSS"),
                             **{name: gauges[f"gym_tracer_{name}"] for name in
-                               ("connections_tracked", "spans_pending", "processes_traced")}})
+                               ("connections_tracked", "spans_pending", "spans_buffered", "processes_traced")}})
             print(f"  soak: {samples[-1]}", flush=True)
             try:
                 load.wait(interval)
@@ -1122,7 +1122,10 @@ def render(report):
         lines.append("")
         lines.append(f"soak ({s['seconds']} s of /verify, {fmt(s['requests'], 'd', '?')} requests): agent RSS "
                      f"{first / 1024:.1f} -> {last / 1024:.1f} MiB, slope over the second half "
-                     f"{fmt(s['slope_kib_per_min'], '+.1f')} KiB/min")
+                     f"{fmt(s['slope_kib_per_min'], '+.1f')} KiB/min; at most "
+                     f"{max(x['spans_pending'] for x in s['samples']):.0f} spans held for stitching, "
+                     f"{fmt(max((x['spans_buffered'] for x in s['samples'] if 'spans_buffered' in x), default=None), '.0f', '?')} "
+                     "buffered for export")
     return "\n".join(lines)
 
 

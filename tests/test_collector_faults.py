@@ -9,10 +9,11 @@ Also the agent's self-telemetry: its own counters arrive as `gym_tracer.*` metri
 import re
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import post_verify, wait_until
+from harness import post_verify, rss_kib, wait_until
 
 PROTOCOLS = ["grpc", "http/protobuf"]
 
@@ -219,6 +220,30 @@ def test_a_full_buffer_drops_the_oldest_and_counts_them_exactly(server_factory, 
     received = sorted(int(span["attributes"]["user_agent.original"].removeprefix("verify-"))
                       for span in receiver.received.spans)
     assert received == list(range(sent - exported, sent)), received
+
+
+def test_the_memory_an_outage_took_is_given_back_once_delivered(server_factory, collector, agents):
+    """Spans held through an outage are freed once delivered; the agent gives the freed heap
+    back to the kernel (glibc kept it in its arenas: a DaemonSet's RSS stayed at the outage's
+    high-water mark)."""
+    server = server_factory()
+    receiver = collector()
+    agent = start_agent(agents, server, receiver, "http/protobuf", "--health-listen", "0")
+    sent = send_verify(server, 200)
+    before = rss_kib(agent.process.pid, "RssAnon")
+    with ThreadPoolExecutor(8) as pool:  # ~16 MiB of spans held while the collector is down
+        sent += sum(pool.map(lambda _: send_verify(server, 2000), range(8)))
+    wait_until(lambda: health_metrics(agent)["gym_tracer_spans_buffered"] == sent, 30, "every span is held")
+    peak = rss_kib(agent.process.pid, "RssAnon")
+    assert peak - before > 8 * 1024, f"the held spans took {peak - before} KiB: too few to tell"
+
+    receiver.start()
+    outage_over(agent)
+    wait_until(lambda: health_metrics(agent)["gym_tracer_spans_buffered"] == 0, 60, "every span is delivered")
+    wait_until(lambda: rss_kib(agent.process.pid, "RssAnon") < before + (peak - before) / 2, 30,
+               f"the agent's heap ({before} KiB before the outage, {peak} KiB at its peak) shrinks back")
+    summary = stopped(agent)
+    assert_everything_delivered(agent, receiver, summary, sent)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -48,6 +48,8 @@ const KERNEL_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 const RELEASE_TICK: Duration = Duration::from_millis(100);
 /// How often the counters behind /metrics and the self-telemetry are refreshed.
 const HEALTH_PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often freed heap is given back to the kernel ([`trim_heap`]).
+const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(10);
 /// The final export of the agent's own metrics, after the spans' and the servers' metrics'
 /// (each bounded by --shutdown-timeout): one attempt's worth.
 const SELF_TELEMETRY_SHUTDOWN: Duration = Duration::from_secs(1);
@@ -243,6 +245,7 @@ impl Agent {
         let mut rescan = every(DISCOVERY_INTERVAL);
         let mut sweep = every(KERNEL_SWEEP_INTERVAL);
         let mut python_rescan = every(context_reads::RESCAN_INTERVAL);
+        let mut heap_trim = every(HEAP_TRIM_INTERVAL);
         // The kernel wakes the agent only when a lot is waiting (RING_WAKEUP_BYTES); otherwise
         // the ring is drained on a short timer. Waking per record was most of the agent's CPU.
         let mut drain = every(Duration::from_millis(tracer_abi::RING_DRAIN_INTERVAL_MS));
@@ -265,6 +268,7 @@ impl Agent {
                     self.context_reads.rescan(traced.iter().copied(), probes);
                     self.tls_probes.rescan(traced, probes);
                 }
+                _ = heap_trim.tick() => trim_heap(),
                 Some(result) = harvest_results.recv() => self.harvested(result),
                 _ = interrupt.recv() => break,
                 _ = terminate.recv() => break,
@@ -696,6 +700,18 @@ fn write_summary(path: &Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> 
     std::fs::write(&partial, format!("{summary}\n"))
         .and_then(|()| std::fs::rename(&partial, path))
         .with_context(|| format!("writing the summary file {}", path.display()))
+}
+
+/// Gives the pages of freed heap back to the kernel. glibc keeps what a burst freed (spans
+/// buffered while the collector was slow, a spike of requests in the graph) in its arenas,
+/// so without this the agent's RSS, and its cgroup's memory charge, stay at the burst's
+/// high-water mark.
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim takes no pointers; it locks each arena while it trims it.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// The agent's resident set size (VmRSS), 0 if /proc cannot say.

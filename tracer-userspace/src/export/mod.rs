@@ -314,7 +314,7 @@ async fn run_span_export<S: SpanSink>(
     batch_size: usize,
     status: Arc<ExportStatus>,
 ) -> ExportTotals {
-    let mut batch = Vec::with_capacity(batch_size);
+    let mut batch = Vec::new();
     loop {
         let deadline = tokio::time::sleep(BATCH_DELAY);
         tokio::pin!(deadline);
@@ -323,7 +323,13 @@ async fn run_span_export<S: SpanSink>(
                 received = queue.receiver.recv() => match received {
                     Some(spans) => {
                         queue.queued.fetch_sub(spans.len(), Ordering::Relaxed);
-                        batch.extend(spans);
+                        if batch.is_empty() {
+                            // Taken whole: copying every span record into the batch was
+                            // as many memory moves as encoding them.
+                            batch = spans;
+                        } else {
+                            batch.extend(spans);
+                        }
                         if batch.len() >= batch_size {
                             break true;
                         }
