@@ -90,7 +90,7 @@ impl serde::Serialize for SpanJson<'_> {
         use serde::ser::SerializeMap;
         let span = self.0;
         let mut map = serializer.serialize_map(Some(10))?;
-        map.serialize_entry("name", &span.name)?;
+        map.serialize_entry("name", span.name.as_str())?;
         map.serialize_entry("kind", span.kind.as_str())?;
         map.serialize_entry("trace_id", &hex(&span.trace_id.0))?;
         map.serialize_entry("span_id", &hex(&span.span_id.0))?;

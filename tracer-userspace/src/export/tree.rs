@@ -249,7 +249,7 @@ pub fn render_trace(trace_id: TraceId, spans: &[SpanRecord], incomplete: bool) -
         (
             s.start_unix_ns,
             Reverse(s.end_unix_ns),
-            &s.name,
+            s.name.as_str(),
             s.span_id.0,
         )
     });

@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 /// Longest id accepted, in bytes. Gym stores use the id as a file name component
 /// (`nemo_gym/rollout_correlation.py:36`), and Linux's `NAME_MAX` is 255: an id Gym can
@@ -13,7 +14,7 @@ pub const MAX_ROLLOUT_ID_BYTES: usize = 255;
 /// A rollout id matching Gym's `ROLLOUT_ID_PATTERN`, `^[A-Za-z0-9][A-Za-z0-9._-]*$`
 /// (`nemo_gym/rollout_correlation.py:38`), at most [`MAX_ROLLOUT_ID_BYTES`] long.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct RolloutId(String);
+pub struct RolloutId(Arc<str>);
 
 impl RolloutId {
     /// Python's `re.match(r"...$")` also accepts one trailing `\n`; an id that needs it is
@@ -24,12 +25,16 @@ impl RolloutId {
         let rest_ok = bytes
             .iter()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        (first_ok && rest_ok && bytes.len() <= MAX_ROLLOUT_ID_BYTES)
-            .then(|| RolloutId(text.to_owned()))
+        (first_ok && rest_ok && bytes.len() <= MAX_ROLLOUT_ID_BYTES).then(|| RolloutId(text.into()))
     }
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The id as every span of its rollout carries it: one allocation for all of them.
+    pub fn shared(&self) -> Arc<str> {
+        self.0.clone()
     }
 }
 
@@ -215,7 +220,7 @@ impl<'a> RunFields<'a> {
             known(&self.capture_rollout_id, closed)?
         };
         let mut id = match explicit {
-            Some(Value::Str(s)) => RolloutId::parse(&s.decode()?)?.0,
+            Some(Value::Str(s)) => RolloutId::parse(&s.decode()?)?.as_str().to_owned(),
             Some(_) => return None,
             None => {
                 let task = python_str(known(&self.task_index, closed)??)?;
@@ -351,6 +356,33 @@ enum Stop {
 }
 
 type Step<T> = Result<T, Stop>;
+
+/// Where the first byte that ends a string's plain run is (a quote, a backslash or a
+/// control character), eight bytes at a time: a request's last bytes are mostly string
+/// contents, and this scan was most of the time the agent spent on them.
+fn plain_run(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    // A high bit in each byte that is zero (exact for the lowest such byte, which is all
+    // that is read: a borrow only carries towards higher bytes).
+    let zero_bytes = |word: u64| word.wrapping_sub(ONES) & !word & HIGHS;
+    let mut chunks = bytes.chunks_exact(8);
+    let mut at = 0;
+    for chunk in &mut chunks {
+        let word = u64::from_le_bytes(chunk.try_into().expect("a chunk of 8"));
+        let stops = zero_bytes(word ^ (ONES * u64::from(b'"')))
+            | zero_bytes(word ^ (ONES * u64::from(b'\\')))
+            | (word.wrapping_sub(ONES * 0x20) & !word & HIGHS);
+        if stops != 0 {
+            return Some(at + stops.trailing_zeros() as usize / 8);
+        }
+        at += 8;
+    }
+    let rest = chunks.remainder();
+    rest.iter()
+        .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
+        .map(|index| at + index)
+}
 
 /// Deeper nesting is refused rather than recursed into; Gym's bodies are a few levels deep.
 const MAX_DEPTH: usize = 128;
@@ -610,11 +642,7 @@ impl<'a> Scanner<'a> {
         let mut escaped = false;
         loop {
             // Plain characters in one pass, up to a quote, an escape or a control character.
-            let rest = &self.bytes()[self.pos..];
-            match rest
-                .iter()
-                .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
-            {
+            match plain_run(&self.bytes()[self.pos..]) {
                 Some(plain) => self.pos += plain,
                 None => {
                     self.pos = self.text.len();
@@ -1097,5 +1125,37 @@ mod tests {
             rollout_id_from_run_body(&body.as_bytes()[..cut], true),
             None
         );
+    }
+
+    #[test]
+    fn the_plain_run_scan_stops_where_a_byte_by_byte_scan_does() {
+        let naive = |bytes: &[u8]| {
+            bytes
+                .iter()
+                .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
+        };
+        // Every stop byte and its neighbours, at every offset of words and remainders,
+        // among plain ASCII and the high bytes of UTF-8.
+        let fillers = [
+            b'a', b'!', 0x7f, 0x80, 0x9f, 0xa0, 0xdf, 0xff, b'#', b'[', b']',
+        ];
+        let stops = [b'"', b'\\', 0x00, 0x01, 0x1f, 0x20, 0x21, 0x5b, 0x5d];
+        for len in 0..40 {
+            for &filler in &fillers {
+                let plain = vec![filler; len];
+                assert_eq!(plain_run(&plain), naive(&plain));
+                for at in 0..len {
+                    for &stop in &stops {
+                        let mut bytes = plain.clone();
+                        bytes[at] = stop;
+                        // A second stop further on must not hide the first.
+                        if at + 3 < len {
+                            bytes[at + 3] = b'"';
+                        }
+                        assert_eq!(plain_run(&bytes), naive(&bytes), "{bytes:?}");
+                    }
+                }
+            }
+        }
     }
 }

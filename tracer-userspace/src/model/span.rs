@@ -1,6 +1,8 @@
 //! A finished span as every exporter receives it.
 
 use std::borrow::Cow;
+use std::fmt;
+use std::ops::Deref;
 use std::sync::Arc;
 
 use super::ids::{SpanId, TraceId};
@@ -38,11 +40,127 @@ impl SpanStatus {
     }
 }
 
+/// A span's name or attribute text, held so that most of a span costs no allocation: the
+/// values every span shares (methods, schemes, `gym.verify`) are static, the values many
+/// spans repeat (a route, a server's name, a rollout id) are one shared allocation.
+#[derive(Clone)]
+pub enum Text {
+    Static(&'static str),
+    Shared(Arc<str>),
+    Owned(String),
+}
+
+impl Text {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Text::Static(text) => text,
+            Text::Shared(text) => text,
+            Text::Owned(text) => text,
+        }
+    }
+}
+
+impl Deref for Text {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl PartialEq for Text {
+    fn eq(&self, other: &Text) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Text {}
+
+impl PartialEq<str> for Text {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for Text {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl PartialEq<String> for Text {
+    fn eq(&self, other: &String) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl fmt::Debug for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl fmt::Display for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<&'static str> for Text {
+    fn from(text: &'static str) -> Text {
+        Text::Static(text)
+    }
+}
+
+impl From<String> for Text {
+    fn from(text: String) -> Text {
+        Text::Owned(text)
+    }
+}
+
+impl From<Arc<str>> for Text {
+    fn from(text: Arc<str>) -> Text {
+        Text::Shared(text)
+    }
+}
+
+impl From<&Arc<str>> for Text {
+    fn from(text: &Arc<str>) -> Text {
+        Text::Shared(text.clone())
+    }
+}
+
+impl From<Cow<'static, str>> for Text {
+    fn from(text: Cow<'static, str>) -> Text {
+        match text {
+            Cow::Borrowed(text) => Text::Static(text),
+            Cow::Owned(text) => Text::Owned(text),
+        }
+    }
+}
+
+impl From<Text> for Cow<'static, str> {
+    fn from(text: Text) -> Cow<'static, str> {
+        match text {
+            Text::Static(text) => Cow::Borrowed(text),
+            Text::Shared(text) => Cow::Owned(text.as_ref().to_owned()),
+            Text::Owned(text) => Cow::Owned(text),
+        }
+    }
+}
+
+impl From<&Text> for opentelemetry::StringValue {
+    fn from(text: &Text) -> opentelemetry::StringValue {
+        match text {
+            Text::Static(text) => (*text).into(),
+            Text::Shared(text) => text.clone().into(),
+            Text::Owned(text) => text.clone().into(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttributeValue {
-    /// Borrowed for the values spans share (methods, schemes, kinds): most of a span's
-    /// attributes then cost no allocation.
-    Str(Cow<'static, str>),
+    Str(Text),
     Int(i64),
 }
 
@@ -52,8 +170,7 @@ pub type Attributes = Vec<(&'static str, AttributeValue)>;
 #[derive(Clone, Debug)]
 pub struct SpanRecord {
     pub service: Arc<ServiceIdentity>,
-    /// Borrowed where spans share it (`gym.verify`, `HTTP POST`).
-    pub name: Cow<'static, str>,
+    pub name: Text,
     pub kind: SpanKind,
     pub trace_id: TraceId,
     pub span_id: SpanId,

@@ -3,8 +3,9 @@
 //! host attributes of the OTel resource conventions.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use opentelemetry::KeyValue;
+use opentelemetry::{KeyValue, StringValue};
 use opentelemetry_sdk::Resource;
 
 use crate::gym::ServerKind;
@@ -38,7 +39,7 @@ impl ServiceIdentity {
         let agent_service_name = agent.service_name.as_deref();
         let executable =
             read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
-        let text = |s: &str| AttributeValue::Str(s.to_owned().into());
+        let text = |s: &str| AttributeValue::Str(Arc::<str>::from(s).into());
         let mut attributes = BTreeMap::new();
         match &labels.server_name {
             Some(server_name) => {
@@ -102,7 +103,7 @@ impl ServiceIdentity {
     ) -> Self {
         let resource = Resource::builder_empty()
             .with_attributes(attributes.iter().map(|(k, v)| match v {
-                AttributeValue::Str(s) => KeyValue::new(*k, s.clone()),
+                AttributeValue::Str(s) => KeyValue::new(*k, StringValue::from(s)),
                 AttributeValue::Int(i) => KeyValue::new(*k, *i),
             }))
             .build();
@@ -117,6 +118,11 @@ impl ServiceIdentity {
     /// `nemo.gym.server.name`, for span and metric attributes.
     pub fn server_name(&self) -> Option<&str> {
         self.labels.server_name.as_deref()
+    }
+
+    /// `nemo.gym.server.name` as the process's spans carry it (shared, not copied per span).
+    pub fn server_name_attribute(&self) -> Option<&AttributeValue> {
+        self.attributes.get(attr::GYM_SERVER_NAME)
     }
 
     #[cfg(test)]

@@ -154,7 +154,7 @@ mod tests {
         let grandchild = table.adopt_child(11, 12).unwrap();
         assert_eq!(grandchild.root, 10, "routes are the attached server's");
         let named = table.get_mut(12).unwrap().namer.name("/items/3");
-        assert_eq!(named.http_route(), Some("/items/{item_id}"));
+        assert_eq!(named.http_route().map(|r| &**r), Some("/items/{item_id}"));
         assert!(table.adopt_child(99, 100).is_none(), "untraced parent");
     }
 

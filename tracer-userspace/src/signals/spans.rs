@@ -1,7 +1,6 @@
 //! Spans built from HTTP exchanges: names, kinds, ids, timing and OTel HTTP semantic-convention
 //! attributes. The exporters turn a [`SpanRecord`] into JSON lines or OTLP.
 
-use std::borrow::Cow;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -15,7 +14,7 @@ use crate::model::exchange::{HttpExchange, ModelCall, OpaqueTls};
 use crate::model::genai::provider_name;
 use crate::model::ids::{SpanId, TraceId, parse_traceparent};
 use crate::model::service::ServiceIdentity;
-use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus};
+use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus, Text};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::RequestMeaning;
 use crate::signals::openinference::{self, OpenInferenceKind};
@@ -84,7 +83,8 @@ pub fn request_spans(
             start_unix_ns: server.start_unix_ns,
             end_unix_ns: server.end_unix_ns,
             attributes: {
-                let mut attributes = gym_attributes(service, meaning);
+                let mut attributes = Attributes::with_capacity(GYM_SPAN_ATTRIBUTES);
+                gym_attributes(service, meaning, &mut attributes);
                 attributes.extend(
                     OpenInferenceKind::of_group(semantic.group).map(OpenInferenceKind::attribute),
                 );
@@ -148,7 +148,7 @@ fn client_span(
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
             attr::GYM_ROLLOUT_ID,
-            AttributeValue::Str(id.as_str().to_owned().into()),
+            AttributeValue::Str(id.shared().into()),
         ));
     }
     SpanRecord {
@@ -167,7 +167,7 @@ fn client_span(
 }
 
 /// `HTTP {method}`, as Gym names a CLIENT span; shared for the registered methods.
-fn client_span_name(method: &str) -> Cow<'static, str> {
+fn client_span_name(method: &str) -> Text {
     const NAMES: [&str; 9] = [
         "HTTP GET",
         "HTTP POST",
@@ -183,8 +183,8 @@ fn client_span_name(method: &str) -> Cow<'static, str> {
         .into_iter()
         .find(|name| name["HTTP ".len()..] == *method)
     {
-        Some(name) => Cow::Borrowed(name),
-        None => Cow::Owned(format!("HTTP {method}")),
+        Some(name) => Text::Static(name),
+        None => Text::Owned(format!("HTTP {method}")),
     }
 }
 
@@ -282,14 +282,14 @@ pub fn url_scheme(exchange: &HttpExchange) -> &'static str {
 fn request_attributes(request: &RequestHead, capacity: usize) -> Attributes {
     let mut attributes = Attributes::with_capacity(capacity);
     let method = match attr::registered_method(&request.method) {
-        Some(known) => Cow::Borrowed(known),
-        None => Cow::Owned(request.method.clone()),
+        Some(known) => Text::Static(known),
+        None => Text::Owned(request.method.clone()),
     };
     attributes.push((attr::HTTP_REQUEST_METHOD, AttributeValue::Str(method)));
     let version = match request.version_minor {
-        0 => Cow::Borrowed("1.0"),
-        1 => Cow::Borrowed("1.1"),
-        minor => Cow::Owned(format!("1.{minor}")),
+        0 => Text::Static("1.0"),
+        1 => Text::Static("1.1"),
+        minor => Text::Owned(format!("1.{minor}")),
     };
     attributes.push((attr::NETWORK_PROTOCOL_VERSION, AttributeValue::Str(version)));
     attributes
@@ -297,10 +297,10 @@ fn request_attributes(request: &RequestHead, capacity: usize) -> Attributes {
 
 /// An address as `Display` writes it, without its cost (the formatter's padding support made
 /// it 4 % of the agent's CPU): loopback borrowed, other IPv4 addresses written digit by digit.
-fn ip_text(ip: IpAddr) -> Cow<'static, str> {
+fn ip_text(ip: IpAddr) -> Text {
     match ip {
-        IpAddr::V4(v4) if v4 == Ipv4Addr::LOCALHOST => Cow::Borrowed("127.0.0.1"),
-        IpAddr::V6(v6) if v6 == Ipv6Addr::LOCALHOST => Cow::Borrowed("::1"),
+        IpAddr::V4(v4) if v4 == Ipv4Addr::LOCALHOST => Text::Static("127.0.0.1"),
+        IpAddr::V6(v6) if v6 == Ipv6Addr::LOCALHOST => Text::Static("::1"),
         IpAddr::V4(v4) => {
             let mut text = String::with_capacity(15);
             for (index, octet) in v4.octets().into_iter().enumerate() {
@@ -309,9 +309,9 @@ fn ip_text(ip: IpAddr) -> Cow<'static, str> {
                 }
                 push_decimal(&mut text, octet.into());
             }
-            Cow::Owned(text)
+            Text::Owned(text)
         }
-        IpAddr::V6(v6) => Cow::Owned(v6.to_string()),
+        IpAddr::V6(v6) => Text::Owned(v6.to_string()),
     }
 }
 
@@ -351,6 +351,9 @@ fn url_full(scheme: &str, address: SocketAddr, path: &str) -> String {
 /// Attributes a SERVER or CLIENT span is allocated room for: a plain request's (about a
 /// dozen) and what the stitcher adds; what growing from two would end at anyway.
 const SPAN_ATTRIBUTES_CAPACITY: usize = 16;
+/// A `gym.*` span's: server name, rollout id, OpenInference kind, and the stitcher's mark of
+/// an unjoined parent when it is the outermost span.
+const GYM_SPAN_ATTRIBUTES: usize = 4;
 /// ... and what a model call adds to its CLIENT span: the GenAI attributes (6) and the
 /// OpenInference ones (5).
 const MODEL_CALL_ATTRIBUTES: usize = 11;
@@ -366,7 +369,7 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
     }
     match outcome.error_type {
         Some(error) => {
-            attributes.push((attr::ERROR_TYPE, AttributeValue::Str(error.value())));
+            attributes.push((attr::ERROR_TYPE, AttributeValue::Str(error.value().into())));
             SpanStatus::Error
         }
         None => SpanStatus::Unset,
@@ -374,21 +377,20 @@ fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanSta
 }
 
 /// `nemo.gym.server.name` and `nemo.gym.rollout.id`, where known.
-fn gym_attributes(service: &ServiceIdentity, meaning: &RequestMeaning) -> Attributes {
-    let mut attributes = Attributes::new();
-    if let Some(name) = service.server_name() {
-        attributes.push((
-            attr::GYM_SERVER_NAME,
-            AttributeValue::Str(name.to_owned().into()),
-        ));
+fn gym_attributes(
+    service: &ServiceIdentity,
+    meaning: &RequestMeaning,
+    attributes: &mut Attributes,
+) {
+    if let Some(name) = service.server_name_attribute() {
+        attributes.push((attr::GYM_SERVER_NAME, name.clone()));
     }
     if let Some(id) = &meaning.rollout_id {
         attributes.push((
             attr::GYM_ROLLOUT_ID,
-            AttributeValue::Str(id.as_str().to_owned().into()),
+            AttributeValue::Str(id.shared().into()),
         ));
     }
-    attributes
 }
 
 /// The SERVER span of an inbound request, named `{method} {route}`.
@@ -411,17 +413,14 @@ fn server_span(
     // A guessed template is fine for a name, not for `http.route`, which dashboards group
     // by: that must be the server's own.
     if let Some(route) = meaning.route.http_route() {
-        attributes.push((
-            attr::HTTP_ROUTE,
-            AttributeValue::Str(route.to_string().into()),
-        ));
+        attributes.push((attr::HTTP_ROUTE, AttributeValue::Str(route.into())));
     }
     let name = meaning.route.span_name(&request.method);
     // server.address is the host the client asked for (the Host header), else the local
     // address the connection arrived on.
     let (host, port) = match request.host.as_deref().map(split_host_port) {
         Some((host, port)) => (
-            Some(Cow::Owned(host.to_string())),
+            Some(Text::Owned(host.to_string())),
             port.or(exchange.local.map(|a| a.port())),
         ),
         None => (
@@ -452,7 +451,7 @@ fn server_span(
         ));
     }
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
-    attributes.extend(gym_attributes(service, meaning));
+    gym_attributes(service, meaning, &mut attributes);
     if meaning.tool_call
         && let Some(route) = meaning.route.http_route()
     {
@@ -688,7 +687,7 @@ mod tests {
         let names = |groups| -> Vec<String> {
             spans(&exchange, &verify_meaning(), groups)
                 .into_iter()
-                .map(|s| s.name.into_owned())
+                .map(|s| s.name.to_string())
                 .collect()
         };
         assert_eq!(names("default"), ["POST /verify"]);
@@ -781,7 +780,7 @@ mod tests {
         for method in attr::REGISTERED_METHODS.into_iter().chain(["PROPFIND"]) {
             assert_eq!(client_span_name(method), format!("HTTP {method}"));
         }
-        assert!(matches!(client_span_name("POST"), Cow::Borrowed(_)));
+        assert!(matches!(client_span_name("POST"), Text::Static(_)));
     }
 
     #[test]

@@ -907,7 +907,7 @@ impl Stitcher {
         {
             span.attributes.push((
                 attr::GYM_ROLLOUT_ID,
-                AttributeValue::Str(rollout.as_str().to_owned().into()),
+                AttributeValue::Str(rollout.shared().into()),
             ));
         }
         self.fix_trace(id, trace);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use anyhow::Result;
 use opentelemetry::trace::{SpanContext, TraceFlags, TraceState};
-use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry::{InstrumentationScope, KeyValue, StringValue};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter, SpanLinks};
 use tokio::sync::watch;
 
@@ -305,7 +305,7 @@ fn scope() -> InstrumentationScope {
 
 fn key_value(key: &'static str, value: &AttributeValue) -> KeyValue {
     match value {
-        AttributeValue::Str(s) => KeyValue::new(key, s.clone()),
+        AttributeValue::Str(s) => KeyValue::new(key, StringValue::from(s)),
         AttributeValue::Int(i) => KeyValue::new(key, *i),
     }
 }
@@ -331,7 +331,7 @@ pub(super) fn span_data(span: &SpanRecord) -> SpanData {
             SpanKind::Client => opentelemetry::trace::SpanKind::Client,
             SpanKind::Internal => opentelemetry::trace::SpanKind::Internal,
         },
-        name: span.name.clone(),
+        name: span.name.clone().into(),
         start_time: time(span.start_unix_ns),
         end_time: time(span.end_unix_ns),
         attributes: span
