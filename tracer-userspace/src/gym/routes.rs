@@ -519,7 +519,7 @@ impl RouteName {
     /// `{METHOD} {route}`, or the method alone.
     pub fn span_name(&self, method: &str) -> String {
         match self {
-            // Not `format!`: its machinery cost ten times the copy, once per request.
+            // Not `format!`: its machinery cost several times the copy, once per request.
             RouteName::Template(route) | RouteName::Heuristic(route) => {
                 let mut name = String::with_capacity(method.len() + 1 + route.len());
                 name.push_str(method);
