@@ -499,9 +499,41 @@ def pipeline_cost(binary, quick):
     return {"requests": requests, "repeats": repeats, "workloads": workloads}
 
 
+class FloorProbes:
+    """The floor programs (`tracer-ebpf/src/floor.rs`, loaded by the `syscall_floor` example) on
+    the load CPU while the block runs: `pid=None`, the agent's tracepoints with programs that
+    return at once; a pid, the same with that process's plain reads and writes captured by the
+    least a tracer can do (a tgid compare, a per-thread stash, one user copy, one ring record).
+    `.counts` afterwards: records and bytes delivered, records lost."""
+
+    def __init__(self, binary, pid=None):
+        self.args = [str(binary), "empty"] if pid is None else [str(binary), "capture", str(pid)]
+        self.process = None
+        self.counts = None
+
+    def __enter__(self):
+        with spawning_on(LOAD_CPU):
+            self.process = CHILDREN.add(subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                         stderr=subprocess.PIPE, text=True))
+        if self.process.stdout.readline().strip() != "ready":
+            self.process.kill()
+            _, err = self.process.communicate()
+            raise BenchError(f"the floor programs did not attach ({' '.join(self.args)}): {err.strip()}")
+        return self
+
+    def __exit__(self, *_):
+        out, err = self.process.communicate("", timeout=60)
+        if self.process.returncode != 0:
+            raise BenchError(f"syscall_floor failed ({self.process.returncode}): {err.strip()}")
+        self.counts = json.loads(out)
+        return False
+
+
 def host_tax(params, binary, receiver):
-    """Alternating without/with the agent (attached to an idle `sleep`, so nothing it sees is
-    traced); the loop runs on the server CPU, now idle. Median ns per syscall of each."""
+    """Alternating without the agent, with it (attached to an idle `sleep`, so nothing it sees
+    is traced) and, given the `syscall_floor` example, with the floor's empty programs on the
+    same tracepoints (what the kernel charges before a program does anything); the loop runs
+    on the server CPU, now idle. Median ns per syscall of each."""
     def loop(mode):
         out = subprocess.run(["taskset", "-c", str(SERVER_CPU), str(binary), mode, str(params.tax_iterations)],
                              capture_output=True, text=True, check=True, timeout=120)
@@ -509,7 +541,8 @@ def host_tax(params, binary, receiver):
 
     with spawning_on(LOAD_CPU):
         idle = CHILDREN.add(subprocess.Popen(["sleep", "infinity"]))
-    figures = {mode: {"without": [], "with": []} for mode in ("pipe", "socket", "getppid")}
+    variants = ("without", "with") + (("empty programs",) if params.syscall_floor else ())
+    figures = {mode: {variant: [] for variant in variants} for mode in ("pipe", "socket", "getppid")}
     try:
         for _ in range(params.tax_repeats):
             for mode in figures:
@@ -520,6 +553,10 @@ def host_tax(params, binary, receiver):
                     figures[mode]["with"].append(loop(mode))
             finally:
                 stop_agent(agent)
+            if params.syscall_floor:
+                with FloorProbes(params.syscall_floor):
+                    for mode in figures:
+                        figures[mode]["empty programs"].append(loop(mode))
     finally:
         idle.kill()
         idle.wait()
@@ -528,10 +565,15 @@ def host_tax(params, binary, receiver):
         without, with_agent = statistics.median(runs["without"]), statistics.median(runs["with"])
         result[mode] = {"runs": runs, "without_ns": without, "with_ns": with_agent,
                         "delta_ns": with_agent - without, "delta_pct": 100 * (with_agent - without) / without}
+        if params.syscall_floor:
+            empty = statistics.median(runs["empty programs"])
+            result[mode].update(empty_programs_ns=empty, empty_programs_delta_ns=empty - without)
     return result
 
 
 TRACED_TAX_MODES = ("untraced", "agent, not traced", "traced")
+# With the syscall_floor example: the same loop under the floor programs (`FloorProbes`).
+FLOOR_MODES = ("empty programs", "capture floor")
 
 
 def traced_tax(params, binary, receiver):
@@ -539,8 +581,10 @@ def traced_tax(params, binary, receiver):
     message, ≤ 1 µs more): `syscall_tax http` on the server CPU, each run a fresh process on a
     fresh loopback connection, untraced without an agent, untraced with the agent attached to
     an idle `sleep`, and traced by `--pid` (the agent sees the connection open and captures all
-    four messages of every exchange, and builds its two spans). Interleaved, median ns per
-    syscall; the agent's losses in the traced runs are reported with it."""
+    four messages of every exchange, and builds its two spans); given the `syscall_floor`
+    example, also under its empty programs and captured by its floor programs, which show what
+    of the traced figure the kernel charges any tracer of this kind. Interleaved, median ns per
+    syscall; the agent's and the floor's losses are reported with them."""
     def loop(mode):
         with spawning_on(SERVER_CPU):
             tax = CHILDREN.add(subprocess.Popen([str(binary), "http", str(params.tax_iterations)],
@@ -549,6 +593,15 @@ def traced_tax(params, binary, receiver):
         try:
             if mode == "traced":
                 agent = start_agent([tax.pid], receiver.url, servers=False)
+            if mode in FLOOR_MODES:
+                floor = FloorProbes(params.syscall_floor, tax.pid if mode == "capture floor" else None)
+                with floor:
+                    before = bpf_stats.run_time(floor.process.pid)
+                    out, _ = tax.communicate("go\n", timeout=300)
+                    spent = (bpf_stats.run_time(floor.process.pid)[0] - before[0]) / (4 * params.tax_iterations)
+                if tax.returncode != 0:
+                    raise BenchError(f"syscall_tax http failed ({tax.returncode}): {out}")
+                return float(out), floor.counts, spent
             before = bpf_stats.run_time(agent.process.pid) if agent else None
             out, _ = tax.communicate("go\n", timeout=300)
             if tax.returncode != 0:
@@ -568,8 +621,9 @@ def traced_tax(params, binary, receiver):
 
     with spawning_on(LOAD_CPU):
         idle = CHILDREN.add(subprocess.Popen(["sleep", "infinity"]))
-    runs = {mode: [] for mode in TRACED_TAX_MODES}
-    lost, kernel_ns = [], []
+    modes = TRACED_TAX_MODES + (FLOOR_MODES if params.syscall_floor else ())
+    runs = {mode: [] for mode in modes}
+    lost, kernel_ns, floor_counts, floor_kernel_ns = [], [], [], []
     try:
         with bpf_stats.stats_enabled():
             for _ in range(params.tax_repeats):
@@ -583,14 +637,28 @@ def traced_tax(params, binary, receiver):
                 runs["traced"].append(ns)
                 lost.append(lost_records)
                 kernel_ns.append(spent)
+                if params.syscall_floor:
+                    runs["empty programs"].append(loop("empty programs")[0])
+                    ns, counts, spent = loop("capture floor")
+                    runs["capture floor"].append(ns)
+                    floor_counts.append(counts)
+                    floor_kernel_ns.append(spent)
     finally:
         idle.kill()
         idle.wait()
     median = {mode: statistics.median(values) for mode, values in runs.items()}
-    return {"runs": runs, "median_ns": median, "events_lost": lost,
-            "kernel_ns_per_syscall": statistics.median(kernel_ns),
-            "traced_delta_ns": median["traced"] - median["untraced"],
-            "untraced_delta_ns": median["agent, not traced"] - median["untraced"]}
+    result = {"runs": runs, "median_ns": median, "events_lost": lost,
+              "kernel_ns_per_syscall": statistics.median(kernel_ns),
+              "traced_delta_ns": median["traced"] - median["untraced"],
+              "untraced_delta_ns": median["agent, not traced"] - median["untraced"]}
+    if params.syscall_floor:
+        result.update(floor_counts=floor_counts,
+                      floor_records_per_syscall=[c["records"] / (4 * params.tax_iterations) for c in floor_counts],
+                      empty_programs_delta_ns=median["empty programs"] - median["untraced"],
+                      capture_floor_delta_ns=median["capture floor"] - median["untraced"],
+                      capture_floor_kernel_ns_per_syscall=statistics.median(floor_kernel_ns),
+                      above_floor_ns=median["traced"] - median["capture floor"])
+    return result
 
 
 # ---------------------------------------------------------------------------------------
@@ -1049,7 +1117,9 @@ def render(report):
         for mode, t in report["host_tax"].items():
             what = {"pipe": "pipe write+read", "socket": "socketpair send+recv", "getppid": "getppid (no program)"}[mode]
             lines.append(f"  {what:20} {t['without_ns']:7.1f} ns/syscall without the agent, {t['with_ns']:7.1f} with "
-                         f"({t['delta_ns']:+.1f} ns, {t['delta_pct']:+.1f}%)")
+                         f"({t['delta_ns']:+.1f} ns, {t['delta_pct']:+.1f}%)"
+                         + (f"; the same tracepoints with empty programs {t['empty_programs_ns']:7.1f} "
+                            f"({t['empty_programs_delta_ns']:+.1f} ns: the floor)" if "empty_programs_ns" in t else ""))
     if report.get("traced_tax"):
         t = report["traced_tax"]
         lines.append("")
@@ -1060,6 +1130,14 @@ def render(report):
                      + f" per syscall; traced {t['traced_delta_ns']:+.0f} ns ({t['kernel_ns_per_syscall']:.0f} ns of "
                      f"it in the agent's eBPF programs), agent attached elsewhere {t['untraced_delta_ns']:+.0f} ns; "
                      f"records lost while traced: {t['events_lost']}")
+        if "capture_floor_delta_ns" in t:
+            lines.append(f"  floors on this kernel: the same tracepoints with empty programs "
+                         f"{t['empty_programs_delta_ns']:+.0f} ns per syscall; the least capture (tgid compare, "
+                         f"per-thread stash, one user copy, one ring record) {t['capture_floor_delta_ns']:+.0f} ns, "
+                         f"{t['capture_floor_kernel_ns_per_syscall']:.0f} ns of it in its eBPF programs "
+                         f"({min(t['floor_records_per_syscall']):.3f} records per syscall, lost "
+                         f"{[c['lost'] for c in t['floor_counts']]}); gym-tracer above that floor "
+                         f"{t['above_floor_ns']:+.0f} ns")
     if report.get("pipeline_cost"):
         c = report["pipeline_cost"]
         lines.append("")
@@ -1165,6 +1243,9 @@ def parse_args(argv):
                         help="runs per mode of the tls section, interleaved (default 9, quick 3)")
     parser.add_argument("--pipeline-cost", type=Path,
                         help="the pipeline_cost example binary (cargo xtask bench builds it): the pipeline section")
+    parser.add_argument("--syscall-floor", type=Path,
+                        help="the syscall_floor example binary (cargo xtask bench builds it): the floor rows of the "
+                             "tax and traced-tax sections")
     parser.add_argument("--only", help=f"comma list of sections to run: {','.join(SECTIONS)} (default all)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1208,6 +1289,11 @@ def preflight(args):
         print("bench: the pipeline section is skipped: no --pipeline-cost binary (`cargo xtask bench` passes one)",
               file=sys.stderr)
         args.sections = tuple(s for s in args.sections if s != "pipeline")
+    if {"tax", "traced-tax"} & set(args.sections) and not (args.syscall_floor and args.syscall_floor.exists()):
+        print("bench: the floor rows of the tax sections are left out: no --syscall-floor binary (`cargo xtask "
+              "bench` passes one; `cargo build --release -p tracer-userspace --example syscall_floor` builds it)",
+              file=sys.stderr)
+        args.syscall_floor = None
     if not args.agent.exists():
         raise BenchError(f"{args.agent} does not exist: build it with `cargo xtask build --release`")
     os.environ["GYM_TRACER_BIN"] = str(args.agent.resolve())
@@ -1218,7 +1304,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     report = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(),
-              "machine": machine(), "parameters": {k: v for k, v in vars(args).items() if k not in ("agent", "out_dir", "pipeline_cost")},
+              "machine": machine(), "parameters": {k: v for k, v in vars(args).items() if k not in ("agent", "out_dir", "pipeline_cost", "syscall_floor")},
               "runs": [], "table": {}, "headline": {}}
     report["parameters"]["sections"] = list(args.sections)
     try:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, agent_binary, pipeline_cost_binary
+from harness import ROOT, agent_binary, pipeline_cost_binary, syscall_floor_binary
 
 pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (cargo xtask bench installs it)")
 
@@ -129,3 +129,33 @@ def test_quick_bench_prices_the_agent_user_space_alone(tmp_path):
     for figures in workloads.values():
         for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span"):
             assert figures[key] > 0, (key, figures)
+
+
+def test_quick_bench_measures_the_syscall_floors(tmp_path):
+    """The tax sections, shortest form, with the floor programs: every figure present for
+    each mode; the floor's capture delivered one record per read and write of the traced
+    loop (and its stdin read), none lost; the agent lost nothing either. No figure is judged
+    against another: on a noisy machine a floor can measure above the agent."""
+    iterations = 50_000
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
+         "--quick", "--only", "tax,traced-tax", "--syscall-floor", str(syscall_floor_binary())],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "floors on this kernel" in out.stdout, out.stdout
+    report = json.loads((tmp_path / "latest.json").read_text())
+    for mode, figures in report["host_tax"].items():
+        assert len(figures["runs"]["empty programs"]) == 3, (mode, figures)
+        assert figures["empty_programs_ns"] > 0, (mode, figures)
+    traced = report["traced_tax"]
+    assert set(traced["median_ns"]) == {"untraced", "agent, not traced", "traced", "empty programs",
+                                        "capture floor"}, traced
+    assert all(ns > 0 for ns in traced["median_ns"].values()), traced
+    assert traced["events_lost"] == [0, 0, 0], traced
+    for counts in traced["floor_counts"]:
+        assert counts["lost"] == 0, counts
+        assert counts["records"] == 4 * iterations + 1, counts  # + the "go" line read from stdin
+    assert traced["capture_floor_kernel_ns_per_syscall"] > 0, traced
+    for key in ("empty_programs_delta_ns", "capture_floor_delta_ns", "above_floor_ns"):
+        assert isinstance(traced[key], float), (key, traced)

@@ -129,6 +129,15 @@ def pipeline_cost_binary():
     return path
 
 
+def syscall_floor_binary():
+    """The syscall_floor example (`cargo xtask test` builds it): the bench's floor rows."""
+    path = Path(os.environ.get("GYM_SYSCALL_FLOOR_BIN", ROOT / "target" / "release" / "examples" / "syscall_floor"))
+    if not path.exists():
+        raise RuntimeError(f"{path} does not exist: build it with "
+                           "`cargo build --release -p tracer-userspace --example syscall_floor`")
+    return path
+
+
 class UvicornServer:
     """One uvicorn process serving `app` (module:attr under support/servers); `extra_args` go
     to uvicorn (e.g. a `--backlog` for a flood of connections)."""

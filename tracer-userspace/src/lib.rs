@@ -46,3 +46,6 @@ pub mod pipeline;
 pub mod agent;
 pub mod ops;
 pub mod config;
+
+/// The bench's floor programs (the `syscall_floor` example); the agent never loads them.
+pub use kernel::floor;

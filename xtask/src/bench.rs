@@ -57,7 +57,7 @@ pub(crate) fn run(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
     require_root("the bench loads", "bench")?;
     setup::machine(ctx, false)?;
     let bin = build::agent(ctx, true)?;
-    let pipeline_cost = build::pipeline_cost(ctx)?;
+    let examples = build::bench_examples(ctx)?;
     println!("xtask: running the benchmark against {}", bin.display());
     let mut cmd = Command::new(ctx.venv_python());
     cmd.env("PATH", &ctx.path)
@@ -69,7 +69,9 @@ pub(crate) fn run(ctx: &Ctx, args: &BenchArgs) -> Result<()> {
         .arg("--out-dir")
         .arg(ctx.root.join("target/bench"))
         .arg("--pipeline-cost")
-        .arg(&pipeline_cost)
+        .arg(&examples.pipeline_cost)
+        .arg("--syscall-floor")
+        .arg(&examples.syscall_floor)
         .args(args.driver_args());
     run_checked(&mut cmd, "the benchmark failed: see its output above")?;
     println!("xtask: benchmark finished; results in target/bench/latest.json");

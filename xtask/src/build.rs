@@ -20,27 +20,30 @@ pub(crate) fn run(ctx: &Ctx, args: &BuildArgs) -> Result<()> {
     Ok(())
 }
 
-/// Builds tracer-userspace (its build.rs builds the eBPF object) and returns the binary.
-/// The release build of the `pipeline_cost` example: the agent's user space alone, priced by
-/// the bench's pipeline section.
-pub(crate) fn pipeline_cost(ctx: &Ctx) -> Result<PathBuf> {
-    println!("xtask: building the pipeline_cost example (release)");
-    let mut cmd = ctx.cmd("cargo");
-    cmd.args([
-        "build",
-        "-p",
-        "tracer-userspace",
-        "--release",
-        "--example",
-        "pipeline_cost",
-    ]);
-    run_checked(
-        &mut cmd,
-        "the pipeline_cost example failed to build: fix the errors above",
-    )?;
-    Ok(ctx.root.join("target/release/examples/pipeline_cost"))
+/// The release builds of the bench's examples: `pipeline_cost` (the agent's user space alone,
+/// the pipeline section) and `syscall_floor` (the floor programs, the tax sections).
+pub(crate) struct BenchExamples {
+    pub(crate) pipeline_cost: PathBuf,
+    pub(crate) syscall_floor: PathBuf,
 }
 
+pub(crate) fn bench_examples(ctx: &Ctx) -> Result<BenchExamples> {
+    println!("xtask: building the pipeline_cost and syscall_floor examples (release)");
+    let mut cmd = ctx.cmd("cargo");
+    cmd.args(["build", "-p", "tracer-userspace", "--release"]);
+    cmd.args(["--example", "pipeline_cost", "--example", "syscall_floor"]);
+    run_checked(
+        &mut cmd,
+        "the bench's examples failed to build: fix the errors above",
+    )?;
+    let examples = ctx.root.join("target/release/examples");
+    Ok(BenchExamples {
+        pipeline_cost: examples.join("pipeline_cost"),
+        syscall_floor: examples.join("syscall_floor"),
+    })
+}
+
+/// Builds tracer-userspace (its build.rs builds the eBPF object) and returns the binary.
 pub(crate) fn agent(ctx: &Ctx, release: bool) -> Result<PathBuf> {
     let profile = if release { "release" } else { "debug" };
     println!("xtask: building gym-tracer ({profile})");

@@ -45,7 +45,7 @@ pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
 
     require_root("the integration tests load", "test")?;
     let bin = build::agent(ctx, true)?;
-    let pipeline_cost = build::pipeline_cost(ctx)?;
+    let examples = build::bench_examples(ctx)?;
     println!(
         "xtask: running the integration tests against {}",
         bin.display()
@@ -54,7 +54,8 @@ pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
     cmd.env("PATH", &ctx.path)
         .current_dir(&ctx.root)
         .env("GYM_TRACER_BIN", &bin)
-        .env("GYM_PIPELINE_COST_BIN", &pipeline_cost)
+        .env("GYM_PIPELINE_COST_BIN", &examples.pipeline_cost)
+        .env("GYM_SYSCALL_FLOOR_BIN", &examples.syscall_floor)
         .env("PYTHONUNBUFFERED", "1")
         .args(["-m", "pytest"])
         .arg(ctx.root.join("tests"))

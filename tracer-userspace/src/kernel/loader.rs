@@ -1133,7 +1133,7 @@ fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
         .with_context(|| format!("program {name} is not a uprobe"))
 }
 
-fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint> {
+pub(crate) fn tracepoint<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut TracePoint> {
     ebpf.program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))?
         .try_into()

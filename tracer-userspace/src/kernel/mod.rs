@@ -4,6 +4,7 @@
 
 pub mod btf;
 pub mod events;
+pub mod floor;
 pub mod injection;
 pub mod loader;
 pub mod tracepoint_format;
