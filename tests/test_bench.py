@@ -9,17 +9,23 @@ import sys
 
 import pytest
 
-from harness import ROOT, agent_binary, pipeline_cost_binary, syscall_floor_binary
+from harness import ROOT, agent_binary, example_binary
+
+
+def run_bench(tmp_path, *args, timeout=300):
+    """bench/bench.py in its shortest form with `args`, writing its report under `tmp_path`."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
+         "--quick", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
 
 pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (cargo xtask bench installs it)")
 
 
 def test_quick_bench_writes_a_complete_report(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
-         "--quick", "--only", "verify", "--duration", "2"],
-        capture_output=True, text=True, timeout=300,
-    )
+    out = run_bench(tmp_path, "--only", "verify", "--duration", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verify   gym-tracer" in out.stdout, out.stdout
 
@@ -55,11 +61,7 @@ def test_quick_bench_prices_the_tls_uprobes(tmp_path):
     for the traced client (two plaintext records and one CLIENT span a call) and for no one
     else."""
     requests = 200
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
-         "--quick", "--only", "tls", "--tls-requests", str(requests), "--tls-repeats", "1"],
-        capture_output=True, text=True, timeout=300,
-    )
+    out = run_bench(tmp_path, "--only", "tls", "--tls-requests", str(requests), "--tls-repeats", "1")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the uprobes on the traced client" in out.stdout, out.stdout
 
@@ -113,11 +115,7 @@ def test_quick_bench_prices_the_agent_user_space_alone(tmp_path):
     through the real pipeline core, every request yielding its spans (SERVER + gym.verify per
     /verify; CLIENT, SERVER and gym.model per model call, each SERVER span stitched under its
     CLIENT span) and a cost per request and per span."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
-         "--quick", "--only", "pipeline", "--pipeline-cost", str(pipeline_cost_binary())],
-        capture_output=True, text=True, timeout=300,
-    )
+    out = run_bench(tmp_path, "--only", "pipeline", "--pipeline-cost", str(example_binary("pipeline_cost")))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "agent user space alone" in out.stdout, out.stdout
     cost = json.loads((tmp_path / "latest.json").read_text())["pipeline_cost"]
@@ -137,11 +135,7 @@ def test_quick_bench_measures_the_syscall_floors(tmp_path):
     loop (and its stdin read), none lost; the agent lost nothing either. No figure is judged
     against another: on a noisy machine a floor can measure above the agent."""
     iterations = 50_000
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench.py"), "--agent", str(agent_binary()), "--out-dir", str(tmp_path),
-         "--quick", "--only", "tax,traced-tax", "--syscall-floor", str(syscall_floor_binary())],
-        capture_output=True, text=True, timeout=600,
-    )
+    out = run_bench(tmp_path, "--only", "tax,traced-tax", "--syscall-floor", str(example_binary("syscall_floor")), timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "floors on this kernel" in out.stdout, out.stdout
     report = json.loads((tmp_path / "latest.json").read_text())

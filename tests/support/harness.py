@@ -120,21 +120,15 @@ def agent_binary():
     return path
 
 
-def pipeline_cost_binary():
-    """The pipeline_cost example (`cargo xtask test` builds it): the bench's pipeline section."""
-    path = Path(os.environ.get("GYM_PIPELINE_COST_BIN", ROOT / "target" / "release" / "examples" / "pipeline_cost"))
+def example_binary(name):
+    """A release example of tracer-userspace the bench runs (`cargo xtask test` builds them and
+    names each in GYM_<NAME>_BIN): `pipeline_cost` (the pipeline section), `syscall_floor`
+    (the floor rows of the tax sections)."""
+    default = ROOT / "target" / "release" / "examples" / name
+    path = Path(os.environ.get(f"GYM_{name.upper()}_BIN", default))
     if not path.exists():
         raise RuntimeError(f"{path} does not exist: build it with "
-                           "`cargo build --release -p tracer-userspace --example pipeline_cost`")
-    return path
-
-
-def syscall_floor_binary():
-    """The syscall_floor example (`cargo xtask test` builds it): the bench's floor rows."""
-    path = Path(os.environ.get("GYM_SYSCALL_FLOOR_BIN", ROOT / "target" / "release" / "examples" / "syscall_floor"))
-    if not path.exists():
-        raise RuntimeError(f"{path} does not exist: build it with "
-                           "`cargo build --release -p tracer-userspace --example syscall_floor`")
+                           f"`cargo build --release -p tracer-userspace --example {name}`")
     return path
 
 
