@@ -1038,6 +1038,96 @@ def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+# ---------------------------------------------------------------------------------------
+# goals: issue #18's figures, each against its target and, where the kernel sets one, its floor
+# ---------------------------------------------------------------------------------------
+
+# A soak is flat when the second half's slope, carried over the whole run, moves the agent's
+# RSS by less than this fraction of its mean: a leak of one byte per request at the soak's
+# rate shows, the stitching graph breathing with the load does not.
+SOAK_FLAT_FRACTION = 0.05
+
+
+def goal(name, target, figures, met, floor=None, floor_above_target=False):
+    """One row of the goals block. `met` None: the run lacks the sections it needs."""
+    if met is None:
+        status = "not measured in this run"
+    elif met:
+        status = "met"
+    elif floor_above_target:
+        status = "not met: this kernel's floor is above the target"
+    else:
+        status = "not met"
+    return {"goal": name, "target": target, "figures": figures, "floor": floor, "status": status}
+
+
+def goals(report):
+    """Issue #18's goal figures from this run's sections: each with the figures it is judged
+    on, the floor the kernel sets where the bench measures one, and whether it was met."""
+    table, rows = report["table"], []
+    traced = {w: table.get(f"{w}/gym-tracer") for w in WORKLOADS if table.get(f"{w}/gym-tracer")}
+    per_span = {w: row["agent_cpu_us_per_req"] / row["spans_per_req"] for w, row in traced.items()
+                if row.get("agent_cpu_us_per_req") and row.get("spans_per_req")}
+    alone = report.get("pipeline_cost", {}).get("workloads", {})
+    rows.append(goal(
+        "agent CPU per exported span", "≤ 3 µs",
+        ", ".join(f"{w} {us:.2f} µs" for w, us in per_span.items()) or "-",
+        all(us <= 3 for us in per_span.values()) if per_span else None,
+        floor=("the same work alone (pipeline): " + ", ".join(f"{w} {x['ns_per_span'] / 1000:.2f} µs"
+                                                           for w, x in alone.items())) if alone else None))
+    untraced_rps = {w: [r["rps"] for r in report["runs"] if r["workload"] == w and r["variant"] == "untraced"]
+                    for w in traced}
+    rows.append(goal(
+        "traced server throughput and CPU per request", "≥ 0.99 × and ≤ +1 %",
+        "; ".join(f"{w} {row['rps_vs_untraced']:.3f} ×, {100 * (row['server_cpu_vs_untraced'] - 1):+.1f} % "
+                  f"(untraced repeats {min(untraced_rps[w]):.0f}–{max(untraced_rps[w]):.0f} req/s)"
+                  for w, row in traced.items()) or "-",
+        all(row["rps_vs_untraced"] >= 0.99 and row["server_cpu_vs_untraced"] <= 1.01 for row in traced.values())
+        if traced else None))
+    t = report.get("traced_tax")
+    capture_floor = t.get("capture_floor_delta_ns") if t else None
+    rows.append(goal(
+        "traced read/write of a small HTTP message", "≤ +1000 ns",
+        f"+{t['traced_delta_ns']:.0f} ns ({t['kernel_ns_per_syscall']:.0f} ns eBPF)" if t else "-",
+        t["traced_delta_ns"] <= 1000 if t else None,
+        floor=f"the least capture +{capture_floor:.0f} ns" if capture_floor is not None else None,
+        floor_above_target=capture_floor is not None and capture_floor > 1000))
+    h = report.get("host_tax")
+    untraced = {}
+    if h:
+        untraced.update({mode: (h[mode]["delta_ns"], h[mode].get("empty_programs_delta_ns")) for mode in ("pipe", "socket")})
+    if t:
+        untraced["tcp"] = (t["untraced_delta_ns"], t.get("empty_programs_delta_ns"))
+    floors = [f for _, f in untraced.values() if f is not None]
+    rows.append(goal(
+        "untraced process, per syscall of an instrumented kind", "≤ +150 ns",
+        ", ".join(f"{mode} {delta:+.0f} ns" for mode, (delta, _) in untraced.items()) or "-",
+        all(delta <= 150 for delta, _ in untraced.values()) if untraced else None,
+        floor=("empty programs: " + ", ".join(f"{mode} {f:+.0f} ns" for mode, (_, f) in untraced.items()
+                                                if f is not None)) if floors else None,
+        floor_above_target=bool(floors) and min(floors) > 150))
+    c = report.get("connections")
+    scaled = c and c["max_connections"] >= 16384
+    rows.append(goal(
+        "16,384 keep-alive connections tracked", "agent RSS ≤ 128 MiB",
+        f"{c['max_connections']} connections: peak {c['agent_peak_rss_kib'] / 1024:.1f} MiB" if c else "-",
+        c["agent_peak_rss_kib"] <= 128 * 1024 if scaled else None))
+    soak_report = report.get("soak")
+    if soak_report and soak_report["seconds"] >= 600:
+        # After the first minute: the start is the agent filling its steady-state tables.
+        rss = [x["agent_rss_kib"] for x in soak_report["samples"] if x["seconds"] >= 60] or \
+            [x["agent_rss_kib"] for x in soak_report["samples"]]
+        drift_kib = soak_report["slope_kib_per_min"] * soak_report["seconds"] / 60
+        rows.append(goal(
+            "10-minute soak flat", f"second-half slope over the run < {100 * SOAK_FLAT_FRACTION:.0f} % of RSS",
+            f"{soak_report['slope_kib_per_min']:+.1f} KiB/min ({drift_kib / 1024:+.2f} MiB over the run), RSS "
+            f"{min(rss) / 1024:.1f}–{max(rss) / 1024:.1f} MiB after the first minute",
+            abs(drift_kib) < SOAK_FLAT_FRACTION * statistics.mean(rss)))
+    else:
+        rows.append(goal("10-minute soak flat", "--soak 600", "-", None))
+    return rows
+
+
 def render(report):
     p, lines = report["parameters"], []
     machine = report["machine"]
@@ -1204,6 +1294,12 @@ def render(report):
                      f"{max(x['spans_pending'] for x in s['samples']):.0f} spans held for stitching, "
                      f"{fmt(max((x['spans_buffered'] for x in s['samples'] if 'spans_buffered' in x), default=None), '.0f', '?')} "
                      "buffered for export")
+    if report.get("goals"):
+        lines.append("")
+        lines.append("goals (issue #18) in this run:")
+        for g in report["goals"]:
+            lines.append(f"  {g['goal']} ({g['target']}): {g['figures']}"
+                         + (f"; floor: {g['floor']}" if g["floor"] else "") + f" -> {g['status']}")
     return "\n".join(lines)
 
 
@@ -1360,6 +1456,7 @@ def main(argv=None):
     finally:
         CHILDREN.kill_all()
     report["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    report["goals"] = goals(report)
     text = render(report)
     print("\n" + text + f"\n\n(whole run: {report['elapsed_seconds']:.0f} s)")
     stamp = report["started"].replace(":", "").replace("-", "")

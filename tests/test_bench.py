@@ -48,6 +48,9 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     assert run["one_span_per_request"]
     assert traced["events_lost"] == 0 and traced["agent_drops"] == 0, traced
     assert report["headline"]["verify"]["otel_throughput_cost"] is not None
+    goals = {g["goal"]: g for g in report["goals"]}
+    for name in ("agent CPU per exported span", "traced server throughput and CPU per request"):
+        assert goals[name]["status"] in ("met", "not met"), goals[name]
     # The task-context reads priced on their own: one chain per /verify response with them
     # (per request wrk sent: the last ones sent are not all answered), none without.
     cost = report["context_cost"]["verify"]
@@ -153,3 +156,11 @@ def test_quick_bench_measures_the_syscall_floors(tmp_path):
     assert traced["capture_floor_kernel_ns_per_syscall"] > 0, traced
     for key in ("empty_programs_delta_ns", "capture_floor_delta_ns", "above_floor_ns"):
         assert isinstance(traced[key], float), (key, traced)
+    # The goals block judges what these sections measured, each beside its floor, and says
+    # which goals this run could not judge.
+    goals = {g["goal"]: g for g in report["goals"]}
+    for name in ("traced read/write of a small HTTP message", "untraced process, per syscall of an instrumented kind"):
+        assert goals[name]["status"].startswith(("met", "not met")), goals[name]
+        assert goals[name]["floor"], goals[name]
+    assert goals["agent CPU per exported span"]["status"] == "not measured in this run", goals
+    assert "goals (issue #18) in this run" in out.stdout, out.stdout
