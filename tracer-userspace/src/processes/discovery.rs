@@ -262,6 +262,9 @@ struct Known {
     class: Class,
     /// The scan that last saw the pid.
     seen: u64,
+    /// Not a server at the first look: looked at once more on the next scan (see
+    /// [`ProcScanner`]).
+    look_again: bool,
 }
 
 /// What changed since the previous scan. Apply `exited` before `started`: a pid can appear
@@ -281,8 +284,10 @@ pub struct ScanResult {
 /// image, keyed by (pid, starttime, comm): `starttime` changes when a pid is reused, `comm`
 /// when a process execs — a process classified between fork and exec (Gym's launcher
 /// forks from `gym`/`ng_run` or `bash`, then execs `bash`/`python`) is re-read after the
-/// exec. An exec that keeps the name (`python` execs `python` with a new environment) is
-/// not noticed; Gym's launcher does not do that.
+/// exec. A fork whose parent has the server's name (a Python orchestrator starting
+/// `python app.py`) keeps its `comm` through the exec, so a process that is not a server at
+/// its first look is read once more on the next scan, by when its exec is long done. A later
+/// exec that keeps the name is not noticed; Gym's launcher does not do that.
 #[derive(Debug)]
 pub struct ProcScanner {
     proc_root: PathBuf,
@@ -347,6 +352,7 @@ impl ProcScanner {
             return;
         };
         let dead = matches!(stat.state, b'Z' | b'X');
+        let mut first_look = true;
         if let Some(known) = self.known.get_mut(&pid)
             && known.starttime == stat.starttime
             && known.comm == stat.comm
@@ -357,13 +363,23 @@ impl ProcScanner {
                 known.class = Class::NotGym;
                 result.exited.push(pid);
             }
-            return;
+            if !known.look_again || dead {
+                return;
+            }
+            first_look = false;
         }
-        let (class, problem) = if dead || stat.flags & PF_KTHREAD != 0 {
+        let kernel_thread = stat.flags & PF_KTHREAD != 0;
+        let (class, problem) = if dead || kernel_thread {
             (Class::NotGym, None)
         } else {
             self.classify(pid, &stat.comm)
         };
+        // Launchers are told by `comm` alone, which an exec changes; kernel threads never exec.
+        let look_again = first_look
+            && matches!(class, Class::NotGym)
+            && !dead
+            && !kernel_thread
+            && !LAUNCHER_COMMS.contains(&stat.comm.as_slice());
         let current = match &class {
             Class::Gym(server) => Some(server.clone()),
             _ => None,
@@ -376,6 +392,7 @@ impl ProcScanner {
                 comm: stat.comm,
                 class,
                 seen: self.scans,
+                look_again,
             },
         );
         let was = previous.and_then(|known| match known.class {
@@ -802,6 +819,25 @@ policy_model:
         // Exec'ing something that is not a server is an exit.
         proc.process(GYM_PID, "sleep", 100, 0, Some(&["PATH=/usr/bin"]));
         assert_eq!(scanner.scan().exited, [GYM_PID]);
+    }
+
+    #[test]
+    fn a_fork_that_keeps_its_parents_name_through_the_exec_is_read_again_once() {
+        let proc = FakeProc::new();
+        // Forked from a Python orchestrator, not yet exec'd: its parent's name and environment.
+        proc.process(GYM_PID, "python", 100, 0, Some(&["PATH=/usr/bin"]));
+        proc.process(OTHER_PID, "python", 100, 0, Some(&["PATH=/usr/bin"]));
+        let mut scanner = ProcScanner::new(proc.0.clone());
+        assert!(scanner.scan().started.is_empty());
+        // Exec'd `python app.py` with the server's environment: the same name.
+        gym_process(&proc, GYM_PID, "python", 100);
+        assert_eq!(started_pids(&scanner.scan()), [GYM_PID]);
+        // A process that is still not a server is not read a third time: an environ that
+        // became unreadable is never looked at, so never counted.
+        proc.process(OTHER_PID, "python", 100, 0, None);
+        let result = scanner.scan();
+        assert!(result.started.is_empty() && result.exited.is_empty());
+        assert_eq!(scanner.unreadable(), 0);
     }
 
     #[test]
