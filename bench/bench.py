@@ -589,31 +589,33 @@ def traced_tax(params, binary, receiver):
         with spawning_on(SERVER_CPU):
             tax = CHILDREN.add(subprocess.Popen([str(binary), "http", str(params.tax_iterations)],
                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        agent = None
-        try:
-            if mode == "traced":
-                agent = start_agent([tax.pid], receiver.url, servers=False)
-            if mode in FLOOR_MODES:
-                floor = FloorProbes(params.syscall_floor, tax.pid if mode == "capture floor" else None)
-                with floor:
-                    before = bpf_stats.run_time(floor.process.pid)
-                    out, _ = tax.communicate("go\n", timeout=300)
-                    spent = (bpf_stats.run_time(floor.process.pid)[0] - before[0]) / (4 * params.tax_iterations)
-                if tax.returncode != 0:
-                    raise BenchError(f"syscall_tax http failed ({tax.returncode}): {out}")
-                return float(out), floor.counts, spent
-            before = bpf_stats.run_time(agent.process.pid) if agent else None
+        def exchanges(holder):
+            """Runs the loop: ns per syscall, and the eBPF ns per syscall of the programs the
+            process `holder` holds (None without one)."""
+            before = bpf_stats.run_time(holder) if holder else None
             out, _ = tax.communicate("go\n", timeout=300)
             if tax.returncode != 0:
                 raise BenchError(f"syscall_tax http failed ({tax.returncode}): {out}")
-            lost = kernel_ns = None
+            spent = (bpf_stats.run_time(holder)[0] - before[0]) / (4 * params.tax_iterations) if holder else None
+            return float(out), spent
+
+        agent = None
+        try:
+            if mode in FLOOR_MODES:
+                floor = FloorProbes(params.syscall_floor, tax.pid if mode == "capture floor" else None)
+                with floor:
+                    ns, spent = exchanges(floor.process.pid)
+                return ns, floor.counts, spent
+            if mode == "traced":
+                agent = start_agent([tax.pid], receiver.url, servers=False)
+            # Every program of the agent, whoever ran it: on a quiet host, the traced loop.
+            ns, kernel_ns = exchanges(agent.process.pid if agent else None)
+            lost = None
             if agent:
-                # Every program of the agent, whoever ran it: on a quiet host, the traced loop.
-                kernel_ns = (bpf_stats.run_time(agent.process.pid)[0] - before[0]) / (4 * params.tax_iterations)
                 agent.stop()
                 summary = Counters(agent.summary(), "exit summary (--summary-file)")
                 lost = summary["events_lost_in_kernel"]
-            return float(out), lost, kernel_ns
+            return ns, lost, kernel_ns
         finally:
             stop_agent(agent)
             if tax.poll() is None:
