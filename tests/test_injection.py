@@ -22,16 +22,29 @@ they are checked like the others (every byte), only no injection is expected of 
   SERVER spans join the caller's trace under gym-tracer's exact CLIENT spans; without the
   flag none does;
 - test 3: a caller that sends a traceparent of its own (in three spellings of the name):
-  never a second one."""
+  never a second one;
+- test 4, with task lineage (`--task-lineage on`), across two hosts: the callee is a capture
+  server on host B (a network namespace, support/netns.py), the caller on host A. The kernel
+  reads each inbound request's own `traceparent` as it reads the request, and the task the
+  handler runs in descends from that request's root: every call, a handler's first included
+  and the very first request's, carries the inbound request's trace under gym-tracer's exact
+  CLIENT span, nothing else changed."""
 
+import base64
 import collections
+import json
+import os
 import re
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.request
 
-from harness import wait_until
+from harness import SUPPORT_DIR, free_port, wait_until
+from netns import TwoHosts
 
 WARMUPS = 3
 MEASURED = 5
@@ -362,3 +375,55 @@ def test_a_request_never_carries_two_traceparents(server_factory, agents):
     assert figures["traceparents_carried"] >= 1, figures
     assert figures["traceparents_injected"] == 0, figures
     assert figures["traceparents_failed"] == 0, figures
+
+
+def test_with_task_lineage_every_call_carries_its_handlers_header_across_hosts(server_factory, agents):
+    numbers = range(TOTAL)
+    with TwoHosts() as hosts, tempfile.TemporaryDirectory(prefix="capture-b-") as workdir:
+        port = free_port()
+        out, ready = os.path.join(workdir, "requests.jsonl"), os.path.join(workdir, "ready")
+        callee = subprocess.Popen([*hosts.b_exec, sys.executable, str(SUPPORT_DIR / "servers" / "capture_server.py"),
+                                   "--host", hosts.b_address, "--port", str(port), "--out", out, "--ready", ready])
+        try:
+            wait_until(lambda: os.path.exists(ready), 20, "the capture server on host B listening")
+            agent, _, clients = traced_run(server_factory, agents, f"http://{hosts.b_address}:{port}",
+                                           [*INJECT, "--task-lineage", "on"], numbers=numbers)
+        finally:
+            callee.terminate()
+            callee.wait(10)
+        with open(out) as sink:
+            entries = [json.loads(line) for line in sink]
+    errors = [entry["error"] for entry in entries if "error" in entry]
+    assert not errors, errors
+    captured = collections.defaultdict(list)
+    for entry in entries:
+        captured[entry["path"]].append(base64.b64decode(entry["request"]))
+    requests = one_each(captured, numbers)
+
+    problems = []
+    for key, request in sorted(requests.items()):
+        n, _ = key
+        client = clients[key]
+        stripped, match = remove_injected_line(request)
+        if match is None:
+            problems.append(f"{key}: no traceparent line after the request line: {request[:300]!r}")
+            continue
+        if b"traceparent" in stripped.lower():
+            problems.append(f"{key}: another traceparent besides the injected one: {request[:300]!r}")
+        trace_id, span_id = match.group(1).decode(), match.group(2).decode()
+        if trace_id != inbound_trace_id(n):
+            problems.append(f"{key}: injected trace {trace_id}, the inbound request's is {inbound_trace_id(n)}")
+        if (trace_id, span_id) != (client["trace_id"], client["span_id"]):
+            problems.append(f"{key}: injected {trace_id}-{span_id}, gym-tracer's CLIENT span is "
+                            f"{client['trace_id']}-{client['span_id']}")
+        if client["trace_id"] != inbound_trace_id(n):
+            problems.append(f"{key}: CLIENT span in trace {client['trace_id']}, the inbound request's is "
+                            f"{inbound_trace_id(n)}")
+    figures = counters(agent)
+    summary = agent.summary()
+    print(f"\n[injection across hosts, lineage] {len(requests)} requests to host B, {len(problems)} problems; "
+          f"counters {figures}; parents_by_lineage={summary['parents_by_lineage']}")
+    assert not problems, "\n".join(problems)
+    assert figures["traceparents_injected"] == len(requests), figures
+    assert figures["traceparents_not_known"] == 0 and figures["traceparents_failed"] == 0, figures
+    assert summary["parents_by_lineage"] == len(requests), summary["parents_by_lineage"]

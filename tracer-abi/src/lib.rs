@@ -263,10 +263,16 @@ pub struct TaskContextEvent {
     pub header: EventHeader,
     /// Valid entries of `chain` (0 when the first read failed).
     pub depth: u32,
-    pub _pad: u32,
+    /// What the writing task's lineage is (`WRITER_*`); [`WRITER_LINEAGE_OFF`] in a process
+    /// whose task creations are not probed.
+    pub writer: u32,
     /// Context addresses, innermost first; the walk stops at NULL, at a non-`Context`
     /// object, or at [`MAX_CONTEXT_DEPTH`].
     pub chain: [u64; MAX_CONTEXT_DEPTH],
+    /// The running task (`TaskObj*`) when one was found, else 0.
+    pub task: u64,
+    /// Its lineage, when `writer` is [`WRITER_TASK`].
+    pub lineage: TaskLineage,
 }
 
 /// What the kernel needs to read one CPython thread's running context: filled by user space
@@ -312,18 +318,171 @@ pub const CONTEXT_LOST: u32 = 5;
 pub const CONTEXT_OUTCOMES: u32 = 6;
 
 // ---------------------------------------------------------------------------------------
+// Task lineage (`--task-lineage`): which inbound request's handler made the running task
+// ---------------------------------------------------------------------------------------
+
+/// Bytes of the request-root coroutine's qualified name the kernel compares.
+pub const ROOT_NAME_BYTES: usize = 32;
+
+/// What the kernel needs to find the running asyncio task of a traced CPython process and to
+/// recognise the task a server creates for each inbound request: written by user space when
+/// it attaches the task-creation probe to the process (`task_created`). CPython 3.12 and
+/// 3.13 keep the running task of each event loop in `_asyncio`'s module state
+/// (`current_tasks`, a dict `{loop: task}`) and no link from a task to the task that
+/// created it; the probe records that link at every `Task.__init__`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AsyncioProcess {
+    /// `current_tasks`, found by the probe's first hit from the created task's type
+    /// (`ht_module` → `md_state` → `current_tasks`); 0 until then. Its module lives as long
+    /// as the interpreter, so it is looked up once.
+    pub current_tasks: u64,
+    /// `&PyDict_Type`: `current_tasks` must be a dict.
+    pub dict_type: u64,
+    /// `&PyCoro_Type`: a created task's coroutine is checked to be a coroutine before its
+    /// name is read.
+    pub coroutine_type: u64,
+    /// `TaskObj.task_context`.
+    pub task_context: u32,
+    /// `PyHeapTypeObject.ht_module`.
+    pub type_module: u32,
+    /// `PyModuleObject.md_state`.
+    pub module_state: u32,
+    /// `asyncio_state.current_tasks` (private to `_asynciomodule.c`).
+    pub state_current_tasks: u32,
+    /// `PyCoroObject.cr_qualname`.
+    pub coroutine_qualname: u32,
+    /// Compact ASCII string: `length`, first byte.
+    pub ascii_length: u32,
+    pub ascii_data: u32,
+    /// Bytes of `root_name` that count.
+    pub root_name_len: u32,
+    /// The qualified name of the coroutine the server runs each inbound request in
+    /// (uvicorn's `RequestResponseCycle.run_asgi`): a task created for it is a request's
+    /// root, whatever created it.
+    pub root_name: [u8; ROOT_NAME_BYTES],
+}
+
+/// `PyDictObject` and its keys in CPython 3.12 and 3.13 (GIL builds), as `current_tasks` is
+/// read: `ma_keys`; `dk_log2_index_bytes`, `dk_nentries`, the indices' start; entries of
+/// `{hash, key, value}` after the indices, a deleted one with a NULL value.
+pub const DICT_KEYS: u64 = 32;
+pub const DICT_KEYS_LOG2_INDEX_BYTES: u64 = 9;
+pub const DICT_KEYS_NENTRIES: u64 = 24;
+pub const DICT_KEYS_INDICES: u64 = 32;
+pub const DICT_ENTRY_BYTES: u64 = 24;
+pub const DICT_ENTRY_VALUE: u64 = 16;
+/// Entries of `current_tasks` looked at: one per event loop in a step at once, and a
+/// deleted entry stays until the dict is resized (at 5 entries for a dict of one or two
+/// loops). A dict with more is not read (the write's lineage is then unreadable).
+pub const MAX_CURRENT_TASKS_ENTRIES: u32 = 8;
+
+/// Key of the lineage the probe recorded for a task: a process and the task's address.
+/// Every `Task.__init__` of a probed process writes its entry, so a running task's entry is
+/// always its own: the address of a task that is alive belongs to no later task.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TaskKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub task: u64,
+}
+
+/// Which request-root task a task descends from, copied from its creator at creation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TaskLineage {
+    /// The root task's serial: unique for the agent's life (a root's address is reused by
+    /// later tasks; its serial never is). 0 when `kind` is [`LINEAGE_UNKNOWN`].
+    pub origin: u64,
+    /// For a request root: the connection whose inbound request it was created for (the
+    /// last read of the thread that created it, on a traced server socket), 0 when unknown.
+    pub birth_conn_id: u64,
+    pub birth_fd: i32,
+    /// The responses that connection had begun before it: which of its requests it is.
+    pub birth_responses: u32,
+    /// `LINEAGE_*`.
+    pub kind: u32,
+    pub _pad: u32,
+}
+
+/// [`TaskLineage::kind`]: the task descends from a request root (`RequestResponseCycle.run_asgi`).
+pub const LINEAGE_REQUEST: u32 = 1;
+/// It descends from a task created outside any task that is no request root (a timer's, a
+/// background task): no inbound request caused it.
+pub const LINEAGE_OTHER_ROOT: u32 = 2;
+/// Its creator's lineage is not known (created before the probe, or forgotten to the map's
+/// bound): neither is its.
+pub const LINEAGE_UNKNOWN: u32 = 3;
+
+/// [`TaskContextEvent::writer`]: the process's task creations are not probed.
+pub const WRITER_LINEAGE_OFF: u32 = 0;
+/// The write ran in a task whose lineage the probe recorded (`TaskContextEvent::lineage`).
+pub const WRITER_TASK: u32 = 1;
+/// The write ran outside any task of the thread's event loop (loop callbacks, a thread
+/// without a loop).
+pub const WRITER_NO_TASK: u32 = 2;
+/// The running task has no recorded lineage: created before the probe was attached, or
+/// forgotten to the map's bound.
+pub const WRITER_TASK_UNSEEN: u32 = 3;
+/// The running task could not be read (`current_tasks` not found yet or unreadable, more
+/// loops than are looked at, the thread not registered).
+pub const WRITER_UNREADABLE: u32 = 4;
+
+/// What the thread last read from a socket, for the probe to tell which inbound request a
+/// request-root task is created for: a server creates it while it parses the bytes that read
+/// returned, before any other read. `conn_id` 0: the last read was on a socket that is not a
+/// traced server socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LastRead {
+    pub conn_id: u64,
+    pub fd: i32,
+    /// `SocketState::responses` at the read.
+    pub responses: u32,
+}
+
+/// Tasks whose lineage the kernel keeps (an LRU: a live task forgotten makes its writes
+/// [`WRITER_TASK_UNSEEN`], counted by user space). About 56 bytes an entry.
+pub const DEFAULT_MAX_TASKS: u32 = 131_072;
+
+/// Slots of the kernel's `LINEAGE_PROBES` per-CPU counters: what each hit of the
+/// task-creation probe found.
+/// A request root whose inbound request is known.
+pub const PROBE_REQUEST_ROOT: u32 = 0;
+/// A request root created where no inbound request was being read (inside another task, as
+/// uvicorn does for a pipelined request, or after a read on no traced server socket).
+pub const PROBE_ROOT_WITHOUT_REQUEST: u32 = 1;
+/// A task created outside any task that is no request root.
+pub const PROBE_OTHER_ROOT: u32 = 2;
+/// A task that inherited its creator's lineage.
+pub const PROBE_INHERITED: u32 = 3;
+/// A task whose creator has no recorded lineage.
+pub const PROBE_CREATOR_UNSEEN: u32 = 4;
+/// A task whose creator could not be read (recorded as [`LINEAGE_UNKNOWN`]).
+pub const PROBE_CREATOR_UNREADABLE: u32 = 5;
+pub const PROBE_OUTCOMES: u32 = 6;
+
+// ---------------------------------------------------------------------------------------
 // traceparent injection (`--inject-traceparent`)
 // ---------------------------------------------------------------------------------------
 
-/// Key of the published traces: a traced process and the address of one of its handler
-/// tasks' contextvars `Context` (the root of its chain, see `stitch::context_keys`).
+/// Key of the published traces: a traced process and one of its handlers, named by
+/// `kind`: the address of a handler task's contextvars `Context` (the root of its chain, see
+/// `stitch::context_keys`), or with `--task-lineage` the serial of a request root.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct InjectKey {
     pub tgid: u32,
-    pub _pad: u32,
-    pub context: u64,
+    /// [`INJECT_BY_CONTEXT`] or [`INJECT_BY_ORIGIN`].
+    pub kind: u32,
+    pub handler: u64,
 }
+
+/// [`InjectKey::kind`]: `handler` is a context's address.
+pub const INJECT_BY_CONTEXT: u32 = 0;
+/// [`InjectKey::kind`]: `handler` is a request root's serial ([`TaskLineage::origin`]).
+pub const INJECT_BY_ORIGIN: u32 = 1;
 
 /// What user space publishes once evidence decided which inbound request a handler task
 /// serves and that request's trace is settled: the trace its next outbound requests carry.
@@ -337,6 +496,21 @@ pub struct InjectTrace {
     pub owner_conn_id: u64,
     pub owner_fd: i32,
     pub owner_responses: u32,
+}
+
+/// The trace an inbound request's own `traceparent` header names, kept by the kernel per
+/// server socket with `--inject-traceparent` (read at the request's first read): the calls of
+/// the handler born for that request (see [`TaskLineage`]) carry it from their very first,
+/// before user space has seen the request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InboundTrace {
+    pub trace: [u8; 16],
+    /// The connection (its `SocketState::conn_id`) and which of its requests (the responses
+    /// it had begun before it).
+    pub conn_id: u64,
+    pub request: u32,
+    pub _pad: u32,
 }
 
 /// `traceparent: 00-<32 hex>-<16 hex>-01\r\n`.
@@ -448,6 +622,16 @@ pub struct PendingCall {
     pub seq_known: u32,
 }
 
+/// A thread's entry in the kernel's per-thread call map: its pending call, and what it last
+/// read, kept across its calls for the task-creation probe (see [`LastRead`]): set at the
+/// exit of a read on a traced server socket, cleared by any other read the thread makes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadCalls {
+    pub pending: PendingCall,
+    pub last_read: LastRead,
+}
+
 /// Argument shapes the exit program understands.
 /// A thread's entry whose call has been handled by its exit.
 pub const CALL_NONE: u32 = 0;
@@ -553,11 +737,17 @@ const _: () = assert!(size_of::<TlsKey>() == 16);
 const _: () = assert!(size_of::<SocketState>() == 32);
 const _: () = assert!(size_of::<SocketKey>() == 8);
 const _: () = assert!(size_of::<PendingCall>() == 32);
+const _: () = assert!(size_of::<ThreadCalls>() == 48);
 const _: () = assert!(size_of::<KernelOffsets>() == 76);
-const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH);
+const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH + 8 + 32);
+const _: () = assert!(size_of::<AsyncioProcess>() == 24 + 32 + ROOT_NAME_BYTES);
+const _: () = assert!(size_of::<TaskKey>() == 16);
+const _: () = assert!(size_of::<TaskLineage>() == 32);
+const _: () = assert!(size_of::<LastRead>() == 16);
 const _: () = assert!(size_of::<ArmedInjection>() == 88);
 const _: () = assert!(size_of::<InjectTrace>() == 32);
 const _: () = assert!(size_of::<InjectKey>() == 16);
+const _: () = assert!(size_of::<InboundTrace>() == 32);
 const _: () = assert!(size_of::<PythonThread>() == 32);
 const _: () = assert!(size_of::<TracepointLayout>() == 16);
 const _: () = assert!(MAX_CAPTURE_BYTES.is_power_of_two());
@@ -575,6 +765,8 @@ mod user {
     unsafe impl aya::Pod for KernelOffsets {}
     // SAFETY: as above (two u32 and two u64, no padding).
     unsafe impl aya::Pod for PendingCall {}
+    // SAFETY: as above (a PendingCall and a LastRead, no padding).
+    unsafe impl aya::Pod for ThreadCalls {}
     // SAFETY: as above.
     unsafe impl aya::Pod for TracepointLayout {}
     // SAFETY: as above (two u64 and four u32, no padding).
@@ -583,8 +775,16 @@ mod user {
     unsafe impl aya::Pod for TlsKey {}
     // SAFETY: as above (two u32).
     unsafe impl aya::Pod for TlsBudget {}
-    // SAFETY: as above (u32, explicit pad, u64).
+    // SAFETY: as above (two u32, u64).
     unsafe impl aya::Pod for InjectKey {}
     // SAFETY: as above (16 bytes, u64, i32, u32; 32 bytes, asserted).
     unsafe impl aya::Pod for InjectTrace {}
+    // SAFETY: as above (three u64, eight u32, a byte array; no padding, size asserted).
+    unsafe impl aya::Pod for AsyncioProcess {}
+    // SAFETY: as above (u32, explicit pad, u64).
+    unsafe impl aya::Pod for TaskKey {}
+    // SAFETY: as above (two u64, i32, three u32).
+    unsafe impl aya::Pod for TaskLineage {}
+    // SAFETY: as above (u64, i32, u32).
+    unsafe impl aya::Pod for LastRead {}
 }

@@ -7,6 +7,9 @@
 #![allow(internal_features)]
 #![no_main]
 
+#[path = "lineage.rs"]
+mod lineage;
+
 #[path = "programs.rs"]
 mod programs;
 

@@ -8,4 +8,5 @@
 #![allow(internal_features)]
 #![no_main]
 
+mod lineage;
 mod programs;

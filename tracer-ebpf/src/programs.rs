@@ -46,6 +46,8 @@
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 use core::ptr;
 
+use crate::lineage;
+
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
@@ -53,7 +55,7 @@ use aya_ebpf::{
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, tracepoint, uprobe, uretprobe},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
 };
 use tracer_abi::{
@@ -63,15 +65,16 @@ use tracer_abi::{
     CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES, CONTEXT_READ_FAILED,
     CONTEXT_THREAD_UNKNOWN, ConnOpenEvent, DATA_SEQ_KNOWN, DEFAULT_CAPTURE_BYTES, DIRECTION_READ,
     DIRECTION_WRITE, DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT,
-    INJECT_CARRIED, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE, INJECT_NOT_DELIVERED, INJECT_OUTCOMES,
-    INJECT_OWNER_DONE, INJECT_SCAN_BYTES, IPPROTO_TCP, InjectKey, InjectTrace, KernelOffsets,
+    INJECT_BY_CONTEXT, INJECT_BY_ORIGIN, INJECT_CARRIED, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE,
+    INJECT_NOT_DELIVERED, INJECT_OUTCOMES, INJECT_OWNER_DONE, INJECT_SCAN_BYTES, IPPROTO_TCP,
+    InboundTrace, InjectKey, InjectTrace, KernelOffsets, LINEAGE_REQUEST, LastRead,
     MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH, MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS,
     MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PID_BITMAP_WORDS, PendingCall,
     PendingTlsCall, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER,
     SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE,
-    TaskContextEvent, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout,
-    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
-    UNTRACKED_UNKNOWN_SOCKET_TRANSFER, pid_bit,
+    TaskContextEvent, TaskLineage, ThreadCalls, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey,
+    TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
+    UNTRACKED_UNKNOWN_SOCKET_TRANSFER, WRITER_TASK, pid_bit,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -140,7 +143,8 @@ static CHILD_PID_BITS: Array<u64> = Array::with_max_entries(PID_BITMAP_WORDS, 0)
 /// connection or transfer would be lost uncounted. User space deletes the entries of
 /// processes that are gone.
 #[map]
-static PENDING_CALLS: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+pub(crate) static PENDING_CALLS: HashMap<u64, ThreadCalls> =
+    HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
 
 /// TCP sockets of traced processes, from accept/connect until close. Sized by user space from
 /// `--max-connections`. A plain hash: the kernel's LRU hash evicts long before `max_entries`
@@ -208,6 +212,13 @@ static INJECT_TRACEPARENT: u32 = 0;
 #[map]
 static INJECT_TRACES: HashMap<InjectKey, InjectTrace> =
     HashMap::with_max_entries(MAX_INJECT_TRACES, 0);
+
+/// The `traceparent` of each traced server socket's current inbound request, when it carried
+/// one (see [`InboundTrace`]); written at the request's first read, deleted at close. An LRU:
+/// one evicted only costs a handler's first calls their header.
+#[map]
+static INBOUND_TRACES: LruHashMap<SocketKey, InboundTrace> =
+    LruHashMap::with_max_entries(MAX_INJECT_TRACES, 0);
 
 /// The header a write's enter armed for the `sk_msg` program inside the same call, by thread.
 #[map]
@@ -364,7 +375,10 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
     if is_transfer {
         // SAFETY: the value is copied out.
         match unsafe { SOCKETS.get(&SocketKey { tgid, fd }) }.copied() {
-            Some(state) if state.ignored != 0 => return 0,
+            Some(state) if state.ignored != 0 => {
+                forget_last_read(pid_tgid, call);
+                return 0;
+            }
             Some(state) => {
                 seq = sequence_number(state.sk, is_write_call(call));
                 if let Some(seq) = seq
@@ -376,8 +390,14 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
                 }
             }
             // Only the exit knows whether it moved bytes, so it is the exit that counts it.
-            None if is_tcp_socket(fd) => call = CALL_ON_UNKNOWN_SOCKET,
-            None => return 0,
+            None if is_tcp_socket(fd) => {
+                forget_last_read(pid_tgid, call);
+                call = CALL_ON_UNKNOWN_SOCKET;
+            }
+            None => {
+                forget_last_read(pid_tgid, call);
+                return 0;
+            }
         }
     }
     let pending = PendingCall {
@@ -400,13 +420,38 @@ fn remember_pending(pid_tgid: u64, pending: &PendingCall) {
     if let Some(slot) = PENDING_CALLS.get_ptr_mut(&pid_tgid) {
         // SAFETY: the entry is only written by its own thread's programs (and deleted at
         // that thread's exit).
-        unsafe { *slot = *pending };
+        unsafe { (*slot).pending = *pending };
     } else if PENDING_CALLS
-        .insert(&pid_tgid, pending, BPF_ANY as u64)
+        .insert(
+            &pid_tgid,
+            &ThreadCalls {
+                pending: *pending,
+                last_read: LastRead::default(),
+            },
+            BPF_ANY as u64,
+        )
         .is_err()
     {
         count_at(&UNTRACKED, UNTRACKED_PENDING_CALLS_FULL);
     }
+}
+
+/// A read on anything but a traced socket: what the thread parses next is not an inbound
+/// request the task-creation probe could name (see [`LastRead`]).
+#[inline(always)]
+fn forget_last_read(pid_tgid: u64, call: u32) {
+    if !is_read_call(call) {
+        return;
+    }
+    if let Some(slot) = PENDING_CALLS.get_ptr_mut(&pid_tgid) {
+        // SAFETY: the thread's own entry (see `remember_pending`).
+        unsafe { (*slot).last_read.conn_id = 0 };
+    }
+}
+
+#[inline(always)]
+fn is_read_call(call: u32) -> bool {
+    matches!(call, CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR)
 }
 
 #[inline(always)]
@@ -502,6 +547,9 @@ pub fn enter_close(ctx: TracePointContext) -> u32 {
         return 0;
     };
     let _ = SOCKETS.remove(&key);
+    if injecting() && state.role == ROLE_SERVER {
+        let _ = INBOUND_TRACES.remove(&key);
+    }
     emit(&header(EventKind::ConnClose, pid_tgid, fd, state.conn_id));
     0
 }
@@ -611,12 +659,12 @@ pub fn exit_call(ctx: TracePointContext) -> u32 {
     };
     // SAFETY: the thread's own entry (see `remember_pending`), copied out, then marked done;
     // an entry already done (a traced thread's syscall that is no socket call) is not written.
-    let call = unsafe { *slot };
+    let call = unsafe { (*slot).pending };
     if call.call == CALL_NONE {
         return 0;
     }
     // SAFETY: as above.
-    unsafe { (*slot).call = CALL_NONE };
+    unsafe { (*slot).pending.call = CALL_NONE };
     if is_write_call(call.call) && injecting() && INJECT_ARMED.remove(&(pid_tgid as u32)).is_ok() {
         // The `sk_msg` program takes what it uses: what is left never reached it.
         count_at(&INJECTIONS, INJECT_NOT_DELIVERED);
@@ -631,8 +679,17 @@ pub fn exit_call(ctx: TracePointContext) -> u32 {
             count_at(&UNTRACKED, UNTRACKED_UNKNOWN_SOCKET_TRANSFER);
         }
         CALL_ON_UNKNOWN_SOCKET => {}
-        _ if ret > 0 => on_transfer(pid_tgid, &call, ret as u64),
+        _ if ret > 0 => {
+            let read = on_transfer(pid_tgid, &call, ret as u64);
+            if is_read_call(call.call) {
+                // SAFETY: as above.
+                unsafe { (*slot).last_read = read };
+            }
+        }
         _ => {}
+    }
+    if injecting() {
+        scan_queued_inbound(&ctx);
     }
     0
 }
@@ -854,22 +911,32 @@ fn starts_http_message(first: [u8; 4]) -> bool {
     )
 }
 
-fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
+/// Captures one transfer. For a read, returns what the thread last read: this read, if it
+/// was on a traced server socket. A function of its own (a BPF-to-BPF call), like `on_open`:
+/// inlined, its stack and `on_open`'s together would pass the verifier's 512 bytes.
+#[inline(never)]
+fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) -> LastRead {
     let tgid = (pid_tgid >> 32) as u32;
     let key = SocketKey { tgid, fd: call.fd };
     let Some(socket) = SOCKETS.get_ptr_mut(&key) else {
-        return;
+        return LastRead::default();
+    };
+    let reading = is_read_call(call.call);
+    // SAFETY: a map value owned by this CPU for the duration of the program.
+    let read = match unsafe { &*socket } {
+        state if reading && state.role == ROLE_SERVER => LastRead {
+            conn_id: state.conn_id,
+            fd: call.fd,
+            responses: state.responses,
+        },
+        _ => LastRead::default(),
     };
     let Some(event) = DATA_SCRATCH.get_ptr_mut(0) else {
-        return;
+        return read;
     };
-    let reading = matches!(
-        call.call,
-        CALL_READ_BUFFER | CALL_READ_IOVEC | CALL_READ_MSGHDR
-    );
     let (array, count, single) = iovecs_of(call, moved);
     let Some(first) = iovec_at(array, 0, &single) else {
-        return;
+        return read;
     };
 
     // SAFETY: `socket` and `event` point into map values owned by this CPU for the duration
@@ -926,6 +993,9 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             }
         }
         *budget = budget.saturating_sub(copied as u32);
+        if reading && message_start && socket.role == ROLE_SERVER && injecting() {
+            queue_inbound_scan(tgid, call.fd, socket, copied);
+        }
 
         event.header = DataEventHeader {
             header: header(EventKind::Data, pid_tgid, call.fd, socket.conn_id),
@@ -972,6 +1042,7 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) {
             count_lost();
         }
     }
+    read
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1150,25 +1221,68 @@ fn user_u64(address: u64) -> Option<u64> {
     unsafe { bpf_probe_read_user(address as *const u64).ok() }
 }
 
-/// Reports the writing thread's contextvars chain, just before its data record, if user space
-/// registered the thread as a CPython thread of this process. A non-Python traced process
-/// pays the one lookup. Every link is checked to be a `Context` (its `ob_type` is
-/// `PyContext_Type`) before it is recorded or followed: what is not one is never read further.
+/// The thread's [`PythonThread`] entry, when it is this process's and its layout is one
+/// the kernel reads (`ctx_prev` right after `ob_type`, read in one go).
 #[inline(always)]
-fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
-    let tid = pid_tgid as u32;
+pub(crate) fn python_thread(pid_tgid: u64) -> Option<PythonThread> {
     // SAFETY: the value is copied out.
-    let thread = match unsafe { PYTHON_THREADS.get(&tid) } {
+    match unsafe { PYTHON_THREADS.get(&(pid_tgid as u32)) } {
         Some(thread)
             if thread.tgid == (pid_tgid >> 32) as u32
                 && thread.context_prev == thread.object_type + 8 =>
         {
-            *thread
+            Some(*thread)
         }
-        _ => {
-            count_at(&CONTEXT_READS, CONTEXT_THREAD_UNKNOWN);
-            return;
+        _ => None,
+    }
+}
+
+/// Reads the thread's contextvars chain into `chain`, innermost first: one read for
+/// `PyThreadState.context`, then one 16-byte read (`ob_type`, `ctx_prev`) per link, each
+/// link checked to be a `Context` before it is recorded or followed. Returns the links read,
+/// why the walk stopped early ([`NO_STOP`] if it did not) and whether it ended at NULL (a
+/// chain longer than [`MAX_CONTEXT_DEPTH`] did not).
+#[inline(always)]
+pub(crate) fn read_context_chain(
+    thread: &PythonThread,
+    chain: &mut [u64; MAX_CONTEXT_DEPTH],
+) -> (usize, u32, bool) {
+    let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
+    let mut links = 0;
+    let mut stopped = NO_STOP;
+    for index in 0..MAX_CONTEXT_DEPTH {
+        if context == 0 {
+            break;
         }
+        // SAFETY: user memory read through the helper.
+        let Ok([kind, previous]) = (unsafe {
+            bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
+        }) else {
+            stopped = CONTEXT_READ_FAILED;
+            break;
+        };
+        if kind != thread.context_type {
+            stopped = CONTEXT_NOT_A_CONTEXT;
+            break;
+        }
+        chain[index] = context;
+        links = index + 1;
+        context = previous;
+    }
+    (links, stopped, stopped == NO_STOP && context == 0)
+}
+
+/// Reports the writing thread's contextvars chain and, in a process whose task creations are
+/// probed, the running task's lineage ([`lineage::writer_lineage`]), just before its data
+/// record, if user space registered the thread as a CPython thread of this process. A
+/// non-Python traced process pays the one lookup. A function of its own (a BPF-to-BPF call):
+/// inlined, its locals would add to those of the exit program, whose stack and `on_open`'s
+/// together must fit the verifier's 512 bytes.
+#[inline(never)]
+fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
+    let Some(thread) = python_thread(pid_tgid) else {
+        count_at(&CONTEXT_READS, CONTEXT_THREAD_UNKNOWN);
+        return;
     };
     let Some(mut entry) = EVENTS.reserve::<TaskContextEvent>(0) else {
         count_at(&CONTEXT_READS, CONTEXT_LOST);
@@ -1176,41 +1290,30 @@ fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
         return;
     };
     let record = entry.as_mut_ptr();
-    let mut depth: u32 = 0;
-    let mut stopped = NO_STOP;
+    let depth;
+    let stopped;
     // SAFETY: `record` points at the reserved ring-buffer space, owned by this program until
-    // it is submitted; every field is written before the submit.
+    // it is submitted; every field is written before the submit. The chain is read straight
+    // into it: the verifier counts every byte of stack.
     unsafe {
         (*record).header = header(EventKind::TaskContext, pid_tgid, fd, conn_id);
-        (*record)._pad = 0;
         (*record).chain = [0; MAX_CONTEXT_DEPTH];
-        let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
-        for index in 0..MAX_CONTEXT_DEPTH {
-            if context == 0 {
-                break;
-            }
-            // One read per link: `ob_type` and the `ctx_prev` right after it (user space
-            // registers no layout where they are not adjacent).
-            let Ok([kind, previous]) =
-                bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
-            else {
-                stopped = CONTEXT_READ_FAILED;
-                break;
-            };
-            if kind != thread.context_type {
-                stopped = CONTEXT_NOT_A_CONTEXT;
-                break;
-            }
-            (*record).chain[index] = context;
-            depth = index as u32 + 1;
-            context = previous;
-        }
+        (*record).task = 0;
+        (*record).lineage = TaskLineage::default();
+        let (links, why, complete) = read_context_chain(&thread, &mut (*record).chain);
+        stopped = why;
         // A chain cut short (a failed read, a link that is no Context, more links than
-        // MAX_CONTEXT_DEPTH) lacks its loop's links: reported empty, never as a shorter chain.
-        if stopped != NO_STOP || context != 0 {
-            depth = 0;
-        }
+        // MAX_CONTEXT_DEPTH) lacks its loop's links: reported empty, never as a shorter
+        // chain.
+        depth = if complete { links as u32 } else { 0 };
         (*record).depth = depth;
+        (*record).writer = lineage::writer_lineage(
+            (pid_tgid >> 32) as u32,
+            &(*record).chain,
+            links,
+            &mut (*record).task,
+            &mut (*record).lineage,
+        );
     }
     entry.submit(wakeup_flags());
     count_at(
@@ -1227,7 +1330,7 @@ fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
 }
 
 /// A walk that ended at NULL or at [`MAX_CONTEXT_DEPTH`].
-const NO_STOP: u32 = u32::MAX;
+pub(crate) const NO_STOP: u32 = u32::MAX;
 
 // ---------------------------------------------------------------------------------------
 // traceparent injection (`--inject-traceparent`): a traced process's outbound request,
@@ -1370,6 +1473,159 @@ fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
     let _ = INJECT_ARMED.insert(&(pid_tgid as u32), &armed, BPF_ANY as u64);
 }
 
+/// An inbound request's first read, whose captured head [`scan_inbound_trace`] looks at
+/// for a `traceparent` once the exit program is done (see there why it is a program of its
+/// own).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InboundScan {
+    key: SocketKey,
+    conn_id: u64,
+    request: u32,
+    /// Bytes of `DATA_SCRATCH`'s payload captured; 0: nothing queued.
+    length: u32,
+    /// Where the scan found the header's value (a scratch field, see the scan).
+    position: u32,
+    _pad: u32,
+}
+
+/// The scan queued by this CPU's exit program, for the program it tail-calls.
+#[map]
+static INBOUND_SCANS: PerCpuArray<InboundScan> = PerCpuArray::with_max_entries(1, 0);
+
+/// Slot 0: [`scan_inbound_trace`], set by user space at load.
+#[map]
+static TAIL_CALLS: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Field by field: the exit program's stack is at the verifier's limit.
+#[inline(always)]
+fn queue_inbound_scan(tgid: u32, fd: i32, socket: &SocketState, length: u64) {
+    if let Some(scan) = INBOUND_SCANS.get_ptr_mut(0) {
+        // SAFETY: a per-CPU value, owned by this program while it runs.
+        unsafe {
+            (*scan).key.tgid = tgid;
+            (*scan).key.fd = fd;
+            (*scan).conn_id = socket.conn_id;
+            (*scan).request = socket.responses;
+            (*scan).length = length.min(INJECT_SCAN_BYTES as u64) as u32;
+        }
+    }
+}
+
+/// Hands a queued scan to [`scan_inbound_trace`]: a tail call does not come back (on
+/// success), so it is the exit program's last act.
+#[inline(always)]
+fn scan_queued_inbound(ctx: &TracePointContext) {
+    let queued = INBOUND_SCANS
+        .get_ptr_mut(0)
+        // SAFETY: as in `queue_inbound_scan`.
+        .is_some_and(|scan| unsafe { (*scan).length } != 0);
+    if queued {
+        // SAFETY: the tail-called program is a tracepoint program of the same context.
+        unsafe { TAIL_CALLS.tail_call(ctx, 0) };
+    }
+}
+
+/// The `traceparent` an inbound request's head carries in its first captured bytes (at most
+/// [`INJECT_SCAN_BYTES`] looked at), kept as the trace of that request (its connection and
+/// number): `traceparent: 00-<32 hex>-...`, the name in any case, up to two spaces after the
+/// colon. Another version, a malformed value or a zero trace is left to user space. Run by a
+/// tail call from the exit program, after its record went out: the scan's loop, checked as
+/// part of the exit program, took the verifier past its million instructions (it checks a
+/// function once per path that calls it); as a program of its own it is checked once.
+#[tracepoint]
+pub fn scan_inbound_trace(_ctx: TracePointContext) -> u32 {
+    let (Some(queued), Some(event)) = (INBOUND_SCANS.get_ptr_mut(0), DATA_SCRATCH.get_ptr(0))
+    else {
+        return 0;
+    };
+    // SAFETY: per-CPU values, owned by this program while it runs (the exit program that
+    // filled them tail-called it on this CPU).
+    let (scan, payload) = unsafe {
+        let scan = *queued;
+        (*queued).length = 0;
+        (scan, &(*event).payload)
+    };
+    let byte = |at: usize| payload[bounded(at, 2 * MAX_CAPTURE_BYTES - 1)];
+    let window = |at: usize| {
+        let at = bounded(at, MAX_CAPTURE_BYTES - 1);
+        // SAFETY: `at` < MAX_CAPTURE_BYTES and the payload has twice that.
+        unsafe { ptr::read_unaligned(payload.as_ptr().add(at).cast::<u64>()) }
+    };
+    let length = scan.length as usize;
+    let mut value = 0;
+    for at in 0..INJECT_SCAN_BYTES {
+        if at + 64 >= length {
+            break;
+        }
+        if byte(at) == b'\n'
+            && window(at) | LOWER_LETTERS == TRACEPA
+            && (window(at + 8) | 0x0000_0000_2020_2020) & 0xff_ffff_ffff == RENT_COLON
+        {
+            value = at + 13;
+            break;
+        }
+    }
+    if value == 0 {
+        return 0;
+    }
+    // Through a map value, the verifier forgets which of the positions matched: otherwise it
+    // checks what follows once per position, past its instruction limit.
+    // SAFETY: as above.
+    let mut value = unsafe {
+        ptr::write_volatile(&raw mut (*queued).position, value as u32);
+        ptr::read_volatile(&raw const (*queued).position) as usize & (MAX_CAPTURE_BYTES - 1)
+    };
+    for _ in 0..2 {
+        if byte(value) == b' ' {
+            value += 1;
+        }
+    }
+    if window(value) & 0xff_ffff != VERSION_00 || byte(value + 35) != b'-' {
+        return 0;
+    }
+    // Branch-free, through a table: a branch per digit would have the verifier walk every
+    // combination of digit kinds.
+    let mut trace = [0u8; 16];
+    let (mut invalid, mut any) = (0u8, 0u8);
+    for index in 0..16 {
+        let high = HEX_DIGITS[byte(value + 3 + 2 * index) as usize];
+        let low = HEX_DIGITS[byte(value + 4 + 2 * index) as usize];
+        invalid |= high | low;
+        trace[index] = (high << 4) | (low & 0x0f);
+        any |= trace[index];
+    }
+    if invalid & 0xf0 == 0 && any != 0 {
+        let entry = InboundTrace {
+            trace,
+            conn_id: scan.conn_id,
+            request: scan.request,
+            _pad: 0,
+        };
+        let _ = INBOUND_TRACES.insert(&scan.key, &entry, BPF_ANY as u64);
+    }
+    0
+}
+
+const VERSION_00: u64 = u64::from_le_bytes(*b"00-\0\0\0\0\0");
+
+/// A byte's value as a hex digit, 0xff for any other byte.
+static HEX_DIGITS: [u8; 256] = {
+    let mut table = [0xffu8; 256];
+    let mut digit = 0;
+    while digit < 10 {
+        table[b'0' as usize + digit] = digit as u8;
+        digit += 1;
+    }
+    let mut letter = 0;
+    while letter < 6 {
+        table[b'a' as usize + letter] = 10 + letter as u8;
+        table[b'A' as usize + letter] = 10 + letter as u8;
+        letter += 1;
+    }
+    table
+};
+
 #[inline(always)]
 fn hex_into<const N: usize>(line: &mut [u8; TRACEPARENT_LINE], at: usize, bytes: &[u8; N]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -1379,62 +1635,92 @@ fn hex_into<const N: usize>(line: &mut [u8; TRACEPARENT_LINE], at: usize, bytes:
     }
 }
 
-/// The trace published for the writing task: the first link of its contextvars chain that
-/// has one, if that entry's request is still unanswered (else it is deleted: the context's
-/// address now belongs to another request). Counts why there is none.
+/// The trace published for the writing task: with `--task-lineage`, its request root's;
+/// else the first link of its contextvars chain that has one. Used only if that entry's
+/// request is still unanswered (else it is deleted: the context's address now belongs to
+/// another request). Counts why there is none.
 #[inline(always)]
 fn handler_trace(pid_tgid: u64) -> Option<[u8; 16]> {
     let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: the value is copied out.
-    let thread = match unsafe { PYTHON_THREADS.get(&(pid_tgid as u32)) } {
-        Some(thread) if thread.tgid == tgid && thread.context_prev == thread.object_type + 8 => {
-            *thread
-        }
-        _ => {
-            count_at(&INJECTIONS, INJECT_NO_TRACE);
-            return None;
-        }
+    let Some(thread) = python_thread(pid_tgid) else {
+        count_at(&INJECTIONS, INJECT_NO_TRACE);
+        return None;
     };
-    let mut context = user_u64(thread.thread_state + thread.thread_context as u64).unwrap_or(0);
-    for _ in 0..MAX_CONTEXT_DEPTH {
-        if context == 0 {
-            break;
+    let mut chain = [0u64; MAX_CONTEXT_DEPTH];
+    let (links, _, _) = read_context_chain(&thread, &mut chain);
+    let mut task = 0;
+    let mut lineage = TaskLineage::default();
+    let writer = lineage::writer_lineage(tgid, &chain, links, &mut task, &mut lineage);
+    if writer == WRITER_TASK && lineage.kind == LINEAGE_REQUEST {
+        if let Some(trace) = inbound_trace(tgid, &lineage) {
+            return Some(trace);
         }
-        // SAFETY: user memory read through the helper.
-        let Ok([kind, previous]) = (unsafe {
-            bpf_probe_read_user((context + thread.object_type as u64) as *const [u64; 2])
-        }) else {
-            break;
+        let key = InjectKey {
+            tgid,
+            kind: INJECT_BY_ORIGIN,
+            handler: lineage.origin,
         };
-        if kind != thread.context_type {
+        if let Some(found) = published_trace(tgid, &key) {
+            return found;
+        }
+    }
+    for index in 0..MAX_CONTEXT_DEPTH {
+        if index >= links {
             break;
         }
         let key = InjectKey {
             tgid,
-            _pad: 0,
-            context,
+            kind: INJECT_BY_CONTEXT,
+            handler: chain[index],
         };
-        // SAFETY: the value is copied out.
-        if let Some(entry) = unsafe { INJECT_TRACES.get(&key) }.copied() {
-            let owner = SocketKey {
-                tgid,
-                fd: entry.owner_fd,
-            };
-            // SAFETY: the value is copied out.
-            let unanswered = unsafe { SOCKETS.get(&owner) }.is_some_and(|socket| {
-                socket.conn_id == entry.owner_conn_id && socket.responses == entry.owner_responses
-            });
-            if unanswered {
-                return Some(entry.trace);
-            }
-            let _ = INJECT_TRACES.remove(&key);
-            count_at(&INJECTIONS, INJECT_OWNER_DONE);
-            return None;
+        if let Some(found) = published_trace(tgid, &key) {
+            return found;
         }
-        context = previous;
     }
     count_at(&INJECTIONS, INJECT_NO_TRACE);
     None
+}
+
+/// The trace the inbound request a request root was born for carried in its own
+/// `traceparent`, while that request is unanswered.
+#[inline(always)]
+fn inbound_trace(tgid: u32, lineage: &TaskLineage) -> Option<[u8; 16]> {
+    if lineage.birth_conn_id == 0 {
+        return None;
+    }
+    let key = SocketKey {
+        tgid,
+        fd: lineage.birth_fd,
+    };
+    // SAFETY: the values are copied out.
+    let (entry, socket) = unsafe { (INBOUND_TRACES.get(&key).copied()?, SOCKETS.get(&key)?) };
+    let born_for = |conn_id: u64, request: u32| {
+        conn_id == lineage.birth_conn_id && request == lineage.birth_responses
+    };
+    (born_for(entry.conn_id, entry.request) && born_for(socket.conn_id, socket.responses))
+        .then_some(entry.trace)
+}
+
+/// The trace published under `key`, if any: `Some(Some(trace))` while its request is
+/// unanswered, `Some(None)` (the entry deleted, counted) once it is.
+#[inline(always)]
+fn published_trace(tgid: u32, key: &InjectKey) -> Option<Option<[u8; 16]>> {
+    // SAFETY: the value is copied out.
+    let entry = unsafe { INJECT_TRACES.get(key) }.copied()?;
+    let owner = SocketKey {
+        tgid,
+        fd: entry.owner_fd,
+    };
+    // SAFETY: the value is copied out.
+    let unanswered = unsafe { SOCKETS.get(&owner) }.is_some_and(|socket| {
+        socket.conn_id == entry.owner_conn_id && socket.responses == entry.owner_responses
+    });
+    if unanswered {
+        return Some(Some(entry.trace));
+    }
+    let _ = INJECT_TRACES.remove(key);
+    count_at(&INJECTIONS, INJECT_OWNER_DONE);
+    Some(None)
 }
 
 #[cfg(not(test))]

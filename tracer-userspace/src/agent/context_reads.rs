@@ -96,7 +96,27 @@ fn is_final(why: &RuntimeOff) -> bool {
     )
 }
 
+/// What the context reads know of a process's runtime, for the task-lineage probe.
+#[derive(Clone, Copy, Debug)]
+pub enum RuntimeView<'a> {
+    On(&'a PythonRuntime),
+    /// Not decided yet (or the process is not known).
+    Deciding,
+    /// Off (said in its own log line), or context reads are off altogether.
+    Off,
+}
+
 impl ContextReads {
+    /// What is known of `pid`'s runtime.
+    pub fn runtime(&self, pid: u32) -> RuntimeView<'_> {
+        match self.processes.get(&pid) {
+            _ if self.disabled => RuntimeView::Off,
+            Some(State::On { runtime, .. }) => RuntimeView::On(runtime),
+            Some(State::Off) => RuntimeView::Off,
+            Some(State::Trying { .. }) | None => RuntimeView::Deciding,
+        }
+    }
+
     /// Whether context reads are on for `pid`.
     #[cfg(test)]
     fn is_on(&self, pid: u32) -> bool {

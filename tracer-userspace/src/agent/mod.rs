@@ -4,6 +4,7 @@
 
 mod attach;
 mod context_reads;
+mod task_lineage;
 mod tls_probes;
 
 use std::path::{Path, PathBuf};
@@ -19,7 +20,7 @@ use tokio::runtime::Handle;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use crate::config::cli::{Discover, RunArgs};
+use crate::config::cli::{Discover, RunArgs, TaskLineageMode};
 use crate::config::export_plan::ExportPlan;
 use crate::export::{ExportLimits, SpanPipeline};
 use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
@@ -30,12 +31,14 @@ use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
 use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
 use crate::signals::metrics::Metrics;
+use crate::stitch::GroupKey;
 use crate::stitch::StitchConfig;
 use crate::stitch::injection::TraceInjection;
 use tracer_abi::{InjectKey, InjectTrace};
 
 use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
 use context_reads::ContextReads;
+use task_lineage::TaskLineages;
 use tls_probes::TlsProbes;
 
 /// How often `--discover` rescans /proc: servers that start are traced within this.
@@ -74,6 +77,8 @@ struct Agent {
     context_reads: ContextReads,
     /// Which TLS libraries carry the SSL uprobes.
     tls_probes: TlsProbes,
+    /// Which processes carry the task-creation probe.
+    task_lineage: TaskLineages<aya::programs::uprobe::UProbeLinkId>,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -88,6 +93,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         ring_buffer_bytes: args.ring_buffer_bytes,
         max_connections: args.max_connections,
         inject_traceparent: args.inject_traceparent,
+        max_tasks: lineage_mode(&args).map_or(0, |_| args.max_tasks),
     })?;
     if let Err(why) = &probes.features.socket_addresses {
         tracing::warn!("connection addresses are off ({why}); spans will lack client.address");
@@ -147,6 +153,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         } else {
             TlsProbes::new(args.tls_probe_scope)
         },
+        task_lineage: TaskLineages::new(lineage_mode(&args).unwrap_or(TaskLineageMode::Off)),
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -179,6 +186,12 @@ async fn serve_health(args: &RunArgs, exporters: &Handle, health: &Arc<Health>) 
         tracing::info!("serving /healthz and /metrics on http://{bound}");
     }
     Ok(())
+}
+
+/// `--task-lineage`, unless nothing could be probed (the probe reads the threads the task
+/// contexts' reads register).
+fn lineage_mode(args: &RunArgs) -> Option<TaskLineageMode> {
+    Some(args.task_lineage).filter(|mode| *mode != TaskLineageMode::Off && !args.no_task_contexts)
 }
 
 fn export_limits(args: &RunArgs) -> ExportLimits {
@@ -266,6 +279,8 @@ impl Agent {
                 _ = python_rescan.tick() => {
                     let traced: Vec<u32> = self.pipeline.processes.pids().collect();
                     self.context_reads.rescan(traced.iter().copied(), probes);
+                    let runtimes = traced.iter().map(|&pid| (pid, self.context_reads.runtime(pid)));
+                    self.task_lineage.rescan(runtimes, probes);
                     self.tls_probes.rescan(traced, probes);
                 }
                 _ = heap_trim.tick() => trim_heap(),
@@ -310,6 +325,7 @@ impl Agent {
             match change {
                 Lifecycle::NotAdopted(pid) => {
                     probes.untrace_pid(pid);
+                    self.task_lineage.forget(pid, probes);
                     self.context_reads.forget(pid, probes);
                 }
                 Lifecycle::Exited(pid) => {
@@ -319,6 +335,7 @@ impl Agent {
                 Lifecycle::Execd(pid) => {
                     // A new program: its runtime and TLS library, if any, are looked at afresh
                     // on the rescan (or when it opens a TLS connection).
+                    self.task_lineage.forget(pid, probes);
                     self.context_reads.forget(pid, probes);
                     self.tls_probes.forget(pid, probes);
                     log_exec(pid, &self.pipeline);
@@ -340,15 +357,11 @@ impl Agent {
         match change {
             TraceInjection::Publish {
                 pid,
-                context,
+                handler,
                 trace,
                 owner,
             } => {
-                let key = InjectKey {
-                    tgid: pid,
-                    _pad: 0,
-                    context,
-                };
+                let key = inject_key(pid, handler);
                 let value = InjectTrace {
                     trace: trace.0,
                     owner_conn_id: owner.conn_id,
@@ -359,11 +372,9 @@ impl Agent {
                     self.counters.traces_not_published += 1;
                 }
             }
-            TraceInjection::Withdraw { pid, context } => probes.withdraw_trace(InjectKey {
-                tgid: pid,
-                _pad: 0,
-                context,
-            }),
+            TraceInjection::Withdraw { pid, handler } => {
+                probes.withdraw_trace(inject_key(pid, handler));
+            }
         }
     }
 
@@ -379,6 +390,9 @@ impl Agent {
         self.counters.processes_attached += 1;
         tracing::info!(pid, "attached pid {pid} as {}", process.identity.labels);
         self.context_reads.attach(pid, probes);
+        let runtime = self.context_reads.runtime(pid);
+        self.task_lineage
+            .attach(pid, server.as_ref(), runtime, probes);
         self.tls_probes.attach(pid, probes);
         // Callers name this server as `peer.service` by the address they connect to.
         // (Only literal addresses: a host name would need a DNS lookup here.)
@@ -461,6 +475,7 @@ impl Agent {
     /// A traced process exited: stop filtering it and free what was kept for it.
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         probes.untrace_pid(pid);
+        self.task_lineage.forget(pid, probes);
         self.context_reads.forget(pid, probes);
         self.tls_probes.forget(pid, probes);
         self.kernel_entries_swept += probes.forget_process(pid);
@@ -501,6 +516,16 @@ impl Agent {
                 traceparents_not_delivered: kernel.injection.not_delivered,
                 traceparents_failed: kernel.injection.failed,
                 inject_sockets_map_full: kernel.injection.sockets_map_full,
+                lineage_processes: self.task_lineage.counters.lineage_processes,
+                lineage_processes_off: self.task_lineage.counters.lineage_processes_off,
+                lineage_tasks_probed: kernel.lineage.tasks_probed(),
+                lineage_request_roots: kernel.lineage.request_roots,
+                lineage_roots_without_request: kernel.lineage.roots_without_request,
+                lineage_other_roots: kernel.lineage.other_roots,
+                lineage_inherited: kernel.lineage.inherited,
+                lineage_creator_unseen: kernel.lineage.creator_unseen,
+                lineage_creator_unreadable: kernel.lineage.creator_unreadable,
+                lineage_tasks_forgotten: self.task_lineage.counters.lineage_tasks_forgotten,
             },
             pipeline: self.pipeline.counters,
             reassembly: self.pipeline.table.counters,
@@ -630,12 +655,13 @@ fn trace_record(record: &[u8]) {
     match decode(record) {
         Ok(KernelEvent::TaskContext(context)) => tracing::trace!(
             target: RECORDS_TARGET,
-            "context pid={} tid={} fd={} conn={} chain={:x?}",
+            "context pid={} tid={} fd={} conn={} chain={:x?} lineage={:?}",
             context.pid,
             context.tid,
             context.fd,
             context.conn_id,
-            context.chain.as_ref().map(|chain| chain.links())
+            context.writer.chain.as_ref().map(|chain| chain.links()),
+            context.writer.lineage
         ),
         Ok(KernelEvent::Data(data)) => tracing::trace!(
             target: RECORDS_TARGET,
@@ -662,6 +688,19 @@ fn trace_record(record: &[u8]) {
             first_line(data.captured)
         ),
         _ => {}
+    }
+}
+
+/// The kernel's key of a handler's published trace.
+fn inject_key(pid: u32, handler: GroupKey) -> InjectKey {
+    let (kind, handler) = match handler {
+        GroupKey::Context(context) => (tracer_abi::INJECT_BY_CONTEXT, context),
+        GroupKey::Origin(origin) => (tracer_abi::INJECT_BY_ORIGIN, origin),
+    };
+    InjectKey {
+        tgid: pid,
+        kind,
+        handler,
     }
 }
 

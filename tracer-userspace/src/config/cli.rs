@@ -159,6 +159,17 @@ pub enum TlsProbeScope {
     Library,
 }
 
+/// Which traced processes get task lineage (`--task-lineage`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TaskLineageMode {
+    /// Gym resources servers whose config names a model server (LLM judges).
+    Auto,
+    /// Every traced CPython 3.12 or 3.13 process.
+    On,
+    /// No process.
+    Off,
+}
+
 /// What `--discover` looks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Discover {
@@ -238,6 +249,39 @@ pub struct RunArgs {
     /// cookies alone, else left without a parent (counted).
     #[arg(long, env = "GYM_TRACER_NO_TASK_CONTEXTS")]
     pub no_task_contexts: bool,
+
+    /// Which traced CPython processes get task lineage: a uprobe on `_asyncio`'s
+    /// `Task.__init__` records which request each new task descends from, so that a call
+    /// written by any task a handler spawned (asyncio.gather and TaskGroup children, the
+    /// tasks middleware runs the app in, an LLM judge called from /verify) hangs under the
+    /// inbound request that caused it, decided as the call is written, whatever else is in
+    /// flight. Each probed server pays a uprobe trap per task it creates (about 13 µs on a
+    /// VM, 7 to 10 tasks per Gym request: `cargo xtask bench --only lineage`). auto: the Gym
+    /// servers whose calls carry no evidence of their own — resources servers whose config
+    /// names a model server (LLM judges) — and no other process; on: every traced CPython
+    /// 3.12 or 3.13 process; off: none. Needs the task-context reads (not with
+    /// --no-task-contexts).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHICH",
+        default_value = "auto",
+        env = "GYM_TRACER_TASK_LINEAGE"
+    )]
+    pub task_lineage: TaskLineageMode,
+
+    /// Tasks whose lineage the kernel keeps, over all probed processes: an LRU allocated at
+    /// start (about 100 bytes an entry). A live task it forgot makes its calls undecided by
+    /// lineage (counted as lineage_tasks_unseen); the default holds the live tasks of some
+    /// 10,000 Gym requests in flight.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GYM_TRACER_MAX_TASKS",
+        default_value_t = tracer_abi::DEFAULT_MAX_TASKS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_tasks: u32,
 
     /// Insert a W3C `traceparent` header into traced processes' outbound plaintext
     /// HTTP/1.x requests, after the request line, when the request carries none and the

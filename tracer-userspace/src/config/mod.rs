@@ -336,6 +336,8 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ),
         ("no_route_harvest", Some(args.no_route_harvest.to_string())),
         ("no_task_contexts", Some(args.no_task_contexts.to_string())),
+        ("task_lineage", Some(value_name(&args.task_lineage))),
+        ("max_tasks", Some(args.max_tasks.to_string())),
         ("no_tls", Some(args.no_tls.to_string())),
         (
             "inject_traceparent",

@@ -8,11 +8,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use thiserror::Error;
 use tracer_abi::{
     AF_INET, AF_INET6, ConnOpenEvent, DATA_SEQ_KNOWN, DIRECTION_READ, DIRECTION_WRITE,
-    DataEventHeader, EventHeader, EventKind, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER,
-    TAIL_BYTES, TaskContextEvent, TlsDataHeader,
+    DataEventHeader, EventHeader, EventKind, LINEAGE_OTHER_ROOT, LINEAGE_REQUEST, LINEAGE_UNKNOWN,
+    ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES, TaskContextEvent, TaskLineage,
+    TlsDataHeader, WRITER_LINEAGE_OFF, WRITER_NO_TASK, WRITER_TASK, WRITER_TASK_UNSEEN,
+    WRITER_UNREADABLE,
 };
 
-use crate::model::context::ContextChain;
+use crate::model::context::{ContextChain, Lineage, OriginId, WriterTask};
+use crate::model::exchange::InboundSocket;
 use crate::model::exchange::Role;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,7 +109,31 @@ pub struct TaskContext {
     pub fd: i32,
     pub conn_id: u64,
     pub timestamp_ns: u64,
-    pub chain: Option<ContextChain>,
+    pub writer: WriterTask,
+}
+
+/// The writer's lineage, as the kernel's `WRITER_*` and `LINEAGE_*` say.
+fn lineage(writer: u32, recorded: &TaskLineage) -> Result<Option<Lineage>, DecodeError> {
+    Ok(Some(match writer {
+        WRITER_LINEAGE_OFF => return Ok(None),
+        WRITER_NO_TASK => Lineage::NoTask,
+        WRITER_TASK_UNSEEN => Lineage::Unseen,
+        WRITER_UNREADABLE => Lineage::Unreadable,
+        WRITER_TASK => match recorded.kind {
+            LINEAGE_REQUEST => Lineage::Request {
+                origin: OriginId(recorded.origin),
+                request: (recorded.birth_conn_id != 0).then_some(InboundSocket {
+                    fd: recorded.birth_fd,
+                    conn_id: recorded.birth_conn_id,
+                    requests_before: recorded.birth_responses,
+                }),
+            },
+            LINEAGE_OTHER_ROOT => Lineage::Background,
+            LINEAGE_UNKNOWN => Lineage::Unknown,
+            _ => return Err(DecodeError::BadField("lineage kind")),
+        },
+        _ => return Err(DecodeError::BadField("writer")),
+    }))
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -252,7 +279,10 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
                 fd: header.fd,
                 conn_id: header.conn_id,
                 timestamp_ns: header.timestamp_ns,
-                chain: ContextChain::new(links),
+                writer: WriterTask {
+                    chain: ContextChain::new(links),
+                    lineage: lineage(event.writer, &event.lineage)?,
+                },
             })
         }
         EventKind::ProcessFork => {
@@ -402,12 +432,13 @@ mod tests {
             (context.pid, context.tid, context.fd, context.conn_id),
             (7, 8, 9, 10)
         );
-        assert_eq!(context.chain.unwrap().links(), &[0x30, 0x20, 0x10]);
+        assert_eq!(context.writer.chain.unwrap().links(), &[0x30, 0x20, 0x10]);
+        assert_eq!(context.writer.lineage, None, "a process without the probe");
         event.depth = 0;
         let KernelEvent::TaskContext(context) = decode(&as_bytes(&event)).unwrap() else {
             panic!()
         };
-        assert_eq!(context.chain, None);
+        assert_eq!(context.writer.chain, None);
         event.depth = 9;
         assert_eq!(
             decode(&as_bytes(&event)),
@@ -417,6 +448,62 @@ mod tests {
             decode(&as_bytes(&event)[..40]),
             Err(DecodeError::Short(40))
         ));
+    }
+
+    #[test]
+    fn decodes_the_writers_lineage() {
+        let mut event = TaskContextEvent::default();
+        event.header.kind = EventKind::TaskContext as u8;
+        event.writer = WRITER_TASK;
+        event.lineage = TaskLineage {
+            origin: 0x5001,
+            birth_conn_id: 77,
+            birth_fd: 12,
+            birth_responses: 3,
+            kind: LINEAGE_REQUEST,
+            _pad: 0,
+        };
+        let lineage = |event: &TaskContextEvent| match decode(&as_bytes(event)) {
+            Ok(KernelEvent::TaskContext(context)) => Ok(context.writer.lineage),
+            Ok(other) => panic!("{other:?}"),
+            Err(error) => Err(error),
+        };
+        assert_eq!(
+            lineage(&event),
+            Ok(Some(Lineage::Request {
+                origin: OriginId(0x5001),
+                request: Some(InboundSocket {
+                    fd: 12,
+                    conn_id: 77,
+                    requests_before: 3
+                })
+            }))
+        );
+        event.lineage.birth_conn_id = 0;
+        assert_eq!(
+            lineage(&event),
+            Ok(Some(Lineage::Request {
+                origin: OriginId(0x5001),
+                request: None
+            }))
+        );
+        event.lineage.kind = LINEAGE_OTHER_ROOT;
+        assert_eq!(lineage(&event), Ok(Some(Lineage::Background)));
+        event.lineage.kind = LINEAGE_UNKNOWN;
+        assert_eq!(lineage(&event), Ok(Some(Lineage::Unknown)));
+        event.lineage.kind = 9;
+        assert_eq!(lineage(&event), Err(DecodeError::BadField("lineage kind")));
+        for (writer, expected) in [
+            (WRITER_LINEAGE_OFF, None),
+            (WRITER_NO_TASK, Some(Lineage::NoTask)),
+            (WRITER_TASK_UNSEEN, Some(Lineage::Unseen)),
+            (WRITER_UNREADABLE, Some(Lineage::Unreadable)),
+        ] {
+            event.writer = writer;
+            assert_eq!(lineage(&event), Ok(expected));
+        }
+        event.writer = 42;
+        assert_eq!(lineage(&event), Err(DecodeError::BadField("writer")));
     }
 
     #[test]

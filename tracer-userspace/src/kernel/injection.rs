@@ -30,7 +30,7 @@ const SOCKETS_MAP: &str = "INJECT_SOCKETS";
 
 /// The maps of the tracing object that only injection writes (sized down to one entry
 /// without it; the sockhash and `CONNECTING` are in the injection object alone).
-pub const INJECTION_MAPS: [&str; 2] = ["INJECT_TRACES", "INJECT_ARMED"];
+pub const INJECTION_MAPS: [&str; 3] = ["INJECT_TRACES", "INJECT_ARMED", "INBOUND_TRACES"];
 
 /// What the kernel did with traced processes' request writes (`tracer_abi::INJECT_*`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

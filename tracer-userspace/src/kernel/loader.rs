@@ -11,17 +11,18 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, ProgramArray, RingBuf},
     programs::{
         TracePoint, UProbe,
         uprobe::{UProbeLinkId, UProbeScope},
     },
 };
 use tracer_abi::{
-    CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES,
-    CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, InjectKey, InjectTrace, KernelOffsets,
-    PendingCall, PythonThread, SocketKey, SocketState, TracepointLayout,
-    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
+    AsyncioProcess, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ, CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT,
+    CONTEXT_OUTCOMES, CONTEXT_READ_FAILED, CONTEXT_THREAD_UNKNOWN, InjectKey, InjectTrace,
+    KernelOffsets, PythonThread, SocketKey, SocketState, TaskKey, TaskLineage, ThreadCalls,
+    TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_SOCKET_MAP_FULL,
+    UNTRACKED_UNKNOWN_SOCKET_TRANSFER,
 };
 
 use crate::kernel::btf::Btf;
@@ -32,12 +33,20 @@ use crate::processes::tls_library::SSL_FUNCTIONS;
 /// The uretprobe program every probed SSL function's return is attached to.
 const SSL_RETURN_PROGRAM: &str = "ssl_return";
 
-/// The uprobe programs: attached per TLS library, when a traced process maps one.
+/// The uprobe on `_asyncio`'s `Task.__init__` (`--task-lineage`), attached per probed process.
+const TASK_CREATED_PROGRAM: &str = "task_created";
+
+/// Tracepoint programs never attached: the exit program tail-calls them (`TAIL_CALLS`, slot
+/// by position here), so that the verifier checks each once, apart from it.
+const TAIL_CALLED_PROGRAMS: [&str; 1] = ["scan_inbound_trace"];
+
+/// The uprobe programs: the SSL ones, attached per TLS library when a traced process maps
+/// one, and the task-creation probe.
 fn uprobe_programs() -> impl Iterator<Item = &'static str> {
     SSL_FUNCTIONS
         .iter()
         .map(|(_, program)| *program)
-        .chain([SSL_RETURN_PROGRAM])
+        .chain([SSL_RETURN_PROGRAM, TASK_CREATED_PROGRAM])
 }
 
 /// The eBPF object built by `build.rs` from `tracer-ebpf` (empty in a build made with
@@ -77,6 +86,9 @@ pub struct LoadOptions {
     pub max_connections: usize,
     /// `--inject-traceparent`: load and attach the injection programs, and arm writes.
     pub inject_traceparent: bool,
+    /// `--max-tasks`: the tasks whose lineage the kernel keeps; 0 when no process will be
+    /// probed (`--task-lineage off`), which leaves the map at one entry.
+    pub max_tasks: u32,
 }
 
 impl LoadOptions {
@@ -118,6 +130,49 @@ pub struct KernelCounters {
     pub context_reads_failed: u64,
     pub context_records_lost: u64,
     pub injection: InjectionCounters,
+    /// Hits of the task-creation probe, by what it found (`tracer_abi::PROBE_*`).
+    pub lineage: LineageProbeCounters,
+}
+
+/// What the task-creation probe found at each task created (see `tracer-ebpf/src/lineage.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LineageProbeCounters {
+    /// Request roots whose inbound request is known (their thread's last read).
+    pub request_roots: u64,
+    /// Request roots created where no inbound request was being read.
+    pub roots_without_request: u64,
+    /// Tasks created outside any task that are no request's root.
+    pub other_roots: u64,
+    /// Tasks that took their creator's lineage.
+    pub inherited: u64,
+    /// Tasks whose creator had no recorded lineage (created before the probe, or forgotten).
+    pub creator_unseen: u64,
+    /// Tasks whose creator could not be read.
+    pub creator_unreadable: u64,
+}
+
+impl LineageProbeCounters {
+    fn from_slots(slots: &[u64]) -> Self {
+        let slot = |index: u32| slots.get(index as usize).copied().unwrap_or(0);
+        Self {
+            request_roots: slot(tracer_abi::PROBE_REQUEST_ROOT),
+            roots_without_request: slot(tracer_abi::PROBE_ROOT_WITHOUT_REQUEST),
+            other_roots: slot(tracer_abi::PROBE_OTHER_ROOT),
+            inherited: slot(tracer_abi::PROBE_INHERITED),
+            creator_unseen: slot(tracer_abi::PROBE_CREATOR_UNSEEN),
+            creator_unreadable: slot(tracer_abi::PROBE_CREATOR_UNREADABLE),
+        }
+    }
+
+    /// Probe hits in all.
+    pub fn tasks_probed(&self) -> u64 {
+        self.request_roots
+            + self.roots_without_request
+            + self.other_roots
+            + self.inherited
+            + self.creator_unseen
+            + self.creator_unreadable
+    }
 }
 
 /// One of the loaded programs' maps, as the kernel reports it in `/proc/self/fdinfo`.
@@ -244,11 +299,16 @@ pub fn check_attachments_cover(programs: &[String], attachments: &[Attachment]) 
         .map(|a| a.program)
         .chain(uprobe_programs())
         .collect();
-    // The injection object's own two are attached by `injection::attach`.
+    // The injection object's own two are attached by `injection::attach`; the tail-called
+    // ones are reached through `TAIL_CALLS`.
     let unattached: Vec<&str> = programs
         .iter()
         .map(String::as_str)
-        .filter(|program| !attached.contains(program) && !INJECTION_PROGRAMS.contains(program))
+        .filter(|program| {
+            !attached.contains(program)
+                && !INJECTION_PROGRAMS.contains(program)
+                && !TAIL_CALLED_PROGRAMS.contains(program)
+        })
         .collect();
     let mut unknown: Vec<&str> = attached
         .iter()
@@ -713,7 +773,9 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
             true,
         )
         .map_max_entries("EVENTS", ring_bytes)
-        .map_max_entries("SOCKETS", options.socket_map_entries());
+        .map_max_entries("SOCKETS", options.socket_map_entries())
+        // An LRU is allocated whole when it is created (about 100 bytes an entry).
+        .map_max_entries("TASK_LINEAGE", options.max_tasks.max(1));
     if !options.inject_traceparent {
         // Never written without the flag: one entry each instead of ~6 MiB of kernel memory.
         for map in INJECTION_MAPS {
@@ -736,6 +798,24 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
         uprobe(&mut ebpf, name)?
             .load()
             .with_context(|| format!("the kernel verifier rejected {name}"))?;
+    }
+    for (slot, name) in (0u32..).zip(TAIL_CALLED_PROGRAMS) {
+        let program = tracepoint(&mut ebpf, name)?;
+        program
+            .load()
+            .with_context(|| format!("the kernel verifier rejected {name}"))?;
+        let fd = program
+            .fd()
+            .with_context(|| format!("{name} has no fd"))?
+            .try_clone()
+            .with_context(|| format!("duplicating {name}'s fd"))?;
+        let mut tail_calls = ProgramArray::try_from(
+            ebpf.map_mut("TAIL_CALLS")
+                .context("TAIL_CALLS map missing from the eBPF object")?,
+        )?;
+        tail_calls
+            .set(slot, &fd, 0)
+            .with_context(|| format!("putting {name} in TAIL_CALLS"))?;
     }
     Ok((ebpf, FeatureReport { socket_addresses }))
 }
@@ -922,6 +1002,65 @@ impl LoadedProbes {
         }
     }
 
+    /// Probes task creation in process `pid`: its layout first (the probe's first hit reads
+    /// it), then the uprobe on `symbol` in `file` (a path the agent can open), for that
+    /// process only. On an error nothing stays behind.
+    pub fn attach_task_probe(
+        &mut self,
+        pid: u32,
+        layout: AsyncioProcess,
+        file: &std::path::Path,
+        symbol: &str,
+    ) -> Result<UProbeLinkId> {
+        let scope = std::num::NonZeroU32::new(pid)
+            .map(UProbeScope::OneProcess)
+            .context("pid 0")?;
+        self.asyncio_processes()?
+            .insert(pid, layout, 0)
+            .with_context(|| format!("adding pid {pid} to ASYNCIO_PROCESSES"))?;
+        let attached = uprobe(&mut self.ebpf, TASK_CREATED_PROGRAM)
+            .and_then(|probe| Ok(probe.attach(symbol, file, scope)?));
+        if attached.is_err() {
+            self.forget_task_probe(pid, None);
+        }
+        attached
+    }
+
+    /// Takes back process `pid`'s task probe and every lineage the kernel keeps for it (a
+    /// process that reuses the pid must not meet them). Returns the lineages deleted.
+    pub fn forget_task_probe(&mut self, pid: u32, link: Option<UProbeLinkId>) -> u64 {
+        if let Some(link) = link
+            && let Ok(probe) = uprobe(&mut self.ebpf, TASK_CREATED_PROGRAM)
+        {
+            let _ = probe.detach(link);
+        }
+        if let Ok(mut processes) = self.asyncio_processes() {
+            let _ = processes.remove(&pid);
+        }
+        let Some(map) = self.ebpf.map_mut("TASK_LINEAGE") else {
+            return 0;
+        };
+        let Ok(mut lineages) = BpfHashMap::<_, TaskKey, TaskLineage>::try_from(map) else {
+            return 0;
+        };
+        let gone: Vec<TaskKey> = lineages
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.tgid == pid)
+            .collect();
+        gone.iter()
+            .map(|key| u64::from(lineages.remove(key).is_ok()))
+            .sum()
+    }
+
+    fn asyncio_processes(&mut self) -> Result<BpfHashMap<&mut MapData, u32, AsyncioProcess>> {
+        let map = self
+            .ebpf
+            .map_mut("ASYNCIO_PROCESSES")
+            .context("ASYNCIO_PROCESSES map missing")?;
+        BpfHashMap::try_from(map).context("ASYNCIO_PROCESSES has the wrong type")
+    }
+
     pub fn take_ring_buffer(&mut self) -> Result<RingBuf<MapData>> {
         let map = self
             .ebpf
@@ -998,7 +1137,7 @@ impl LoadedProbes {
         BpfHashMap::try_from(self.ebpf.map_mut("SOCKETS")?).ok()
     }
 
-    fn pending_calls(&mut self) -> Option<BpfHashMap<&mut MapData, u64, PendingCall>> {
+    fn pending_calls(&mut self) -> Option<BpfHashMap<&mut MapData, u64, ThreadCalls>> {
         BpfHashMap::try_from(self.ebpf.map_mut("PENDING_CALLS")?).ok()
     }
 
@@ -1095,6 +1234,9 @@ impl LoadedProbes {
             context_records_lost: outcome(CONTEXT_LOST),
             injection: InjectionCounters::from_slots(
                 &self.per_cpu_counter("INJECTIONS", tracer_abi::INJECT_OUTCOMES),
+            ),
+            lineage: LineageProbeCounters::from_slots(
+                &self.per_cpu_counter("LINEAGE_PROBES", tracer_abi::PROBE_OUTCOMES),
             ),
         }
     }
@@ -1236,7 +1378,8 @@ mod tests {
             assert!(
                 all.iter().any(|a| a.program == program)
                     || uprobe_programs().any(|uprobe| uprobe == program)
-                    || INJECTION_PROGRAMS.contains(&program.as_str()),
+                    || INJECTION_PROGRAMS.contains(&program.as_str())
+                    || TAIL_CALLED_PROGRAMS.contains(&program.as_str()),
                 "{program} unattached"
             );
         }
@@ -1250,6 +1393,7 @@ mod tests {
             .map(|a| a.program)
             .chain(uprobe_programs())
             .chain(INJECTION_PROGRAMS)
+            .chain(TAIL_CALLED_PROGRAMS)
             .map(str::to_string)
             .collect();
         programs.sort();
@@ -1293,6 +1437,7 @@ mod tests {
                 ring_buffer_bytes: 0,
                 max_connections,
                 inject_traceparent: false,
+                max_tasks: 0,
             }
             .socket_map_entries()
         };

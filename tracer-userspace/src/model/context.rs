@@ -6,6 +6,47 @@
 
 pub use tracer_abi::MAX_CONTEXT_DEPTH;
 
+use super::exchange::InboundSocket;
+
+/// A root task's serial, as the kernel's task-creation probe gave it: unique for the
+/// agent's life, whatever addresses the task and its context had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OriginId(pub u64);
+
+/// Which inbound request made the task that wrote a message, as the kernel's task lineage
+/// says (`--task-lineage`, `tracer-ebpf/src/lineage.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lineage {
+    /// The task descends from `origin`, the root task the server created for an inbound
+    /// request: the one at `request` (its connection and place on it), when the kernel saw
+    /// that request being read as the root was created; else only a response written by a
+    /// task of the same origin tells which.
+    Request {
+        origin: OriginId,
+        request: Option<InboundSocket>,
+    },
+    /// It descends from a task created outside any task that is no request's root (a
+    /// timer's, a background loop's): no inbound request caused it.
+    Background,
+    /// An ancestor's lineage is not known: created before the probe, or forgotten.
+    Unknown,
+    /// The task itself has no recorded lineage (created before the probe, or forgotten).
+    Unseen,
+    /// The write ran outside any task.
+    NoTask,
+    /// The running task could not be read.
+    Unreadable,
+}
+
+/// What the kernel read about the task that wrote a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriterTask {
+    /// Its contextvars chain, `None` when not even the thread's current context was read.
+    pub chain: Option<ContextChain>,
+    /// `None` in a process whose task creations are not probed.
+    pub lineage: Option<Lineage>,
+}
+
 /// At most [`MAX_CONTEXT_DEPTH`] non-null context addresses, innermost first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ContextChain {

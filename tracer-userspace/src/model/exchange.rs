@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use crate::gym::rollout_id::RolloutId;
 
-use super::context::ContextChain;
+use super::context::{ContextChain, Lineage};
 use super::evidence::Token;
 use super::genai::{GenAiOperation, TokenUsage};
 
@@ -183,6 +183,8 @@ pub struct RequestStart {
     /// For a call (client role): the Python task context its first write ran under, when
     /// the kernel could read it.
     pub context: Option<ContextChain>,
+    /// For a call: its writing task's lineage, in a process whose task creations are probed.
+    pub lineage: Option<Lineage>,
     /// For an inbound request on a plaintext connection: where its response will be
     /// written, as the kernel names it.
     pub inbound_socket: Option<InboundSocket>,
@@ -191,7 +193,7 @@ pub struct RequestStart {
 /// The connection an inbound request arrived on, and how many requests came before it on
 /// that connection: its response is the connection's next after theirs, so the kernel can
 /// tell by counting responses whether it has been answered (`tracer_abi::InjectTrace`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct InboundSocket {
     pub fd: i32,
     /// The kernel's id of the connection (its open time), so a reused fd is told apart.

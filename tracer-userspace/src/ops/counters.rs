@@ -95,6 +95,29 @@ counters! {
         traceparents_failed,
         /// Traced client sockets the injection map had no room for.
         inject_sockets_map_full,
+        /// `--task-lineage`: processes whose task creations are probed.
+        lineage_processes,
+        /// Processes that want lineage but whose interpreter the probe cannot serve (unknown
+        /// version, no symbols, layout not confirmed, ...): the log names the reason.
+        lineage_processes_off,
+        /// Tasks the probe saw created, in all (the trap each one cost its server).
+        lineage_tasks_probed,
+        /// Of those: request roots born for a known inbound request,
+        lineage_request_roots,
+        /// request roots created where no inbound request was being read (a pipelined
+        /// request; a read on a socket the kernel does not follow),
+        lineage_roots_without_request,
+        /// tasks created outside any task that are no request's root (timers, background),
+        lineage_other_roots,
+        /// tasks that took their creator's lineage,
+        lineage_inherited,
+        /// tasks whose creator had no recorded lineage (created before the probe, or
+        /// forgotten to --max-tasks),
+        lineage_creator_unseen,
+        /// tasks whose creator could not be read.
+        lineage_creator_unreadable,
+        /// Lineages deleted from the kernel for processes that are gone (not a loss).
+        lineage_tasks_forgotten,
     }
 }
 

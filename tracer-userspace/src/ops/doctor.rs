@@ -254,12 +254,14 @@ impl Host {
             ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
             max_connections: crate::config::cli::DEFAULT_MAX_CONNECTIONS,
             inject_traceparent: false,
+            max_tasks: tracer_abi::DEFAULT_MAX_TASKS,
         });
         let injection = loader::trial_injection(&LoadOptions {
             capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
             ring_buffer_bytes: 4096,
             max_connections: 1,
             inject_traceparent: true,
+            max_tasks: 1,
         })
         .map_err(|e| error_chain(e.as_ref()));
         let offsets = loader::socket_offsets();
@@ -318,11 +320,14 @@ pub fn run(args: &DoctorArgs) -> Result<bool> {
         fentry_row(&host),
     ];
     let mut processes = vec![init_environ_row(&host)];
-    processes.extend(
-        args.pids
-            .iter()
-            .flat_map(|&pid| [pid_row(pid), python_row(pid), tls_row(pid)]),
-    );
+    processes.extend(args.pids.iter().flat_map(|&pid| {
+        [
+            pid_row(pid),
+            python_row(pid),
+            lineage_row(pid),
+            tls_row(pid),
+        ]
+    }));
     let sections = [
         Section {
             title: "Kernel",
@@ -977,6 +982,66 @@ fn python_row(pid: u32) -> Row {
             &name,
             Status::Off,
             format!("{} ({why}); task context reads off", why.reason()),
+        ),
+    }
+}
+
+/// Whether the task-creation probe could serve a `--pid` process (`--task-lineage`), where it
+/// would go, and whether `--task-lineage auto` would probe it.
+fn lineage_row(pid: u32) -> Row {
+    use crate::processes::discovery::{gym_server_from_env, read_process_env};
+    use crate::processes::python::{self, asyncio};
+    use crate::processes::tls_library::path_in_process;
+    let name = format!("pid {pid} lineage");
+    let runtime = match python::inspect(pid) {
+        Ok(runtime) => runtime,
+        Err(python::RuntimeOff::NotPython) => {
+            return row(&name, Status::Info, "not a CPython process");
+        }
+        Err(why) => {
+            return row(
+                &name,
+                Status::Off,
+                format!(
+                    "task lineage off: its runtime is not read ({})",
+                    why.reason()
+                ),
+            );
+        }
+    };
+    let server = read_process_env(Path::new("/proc"), pid)
+        .ok()
+        .and_then(|env| gym_server_from_env(&env).ok().flatten());
+    let auto = if server.as_ref().is_some_and(|s| s.wants_task_lineage()) {
+        "--task-lineage auto probes it (a Gym resources server that names a model server)"
+    } else {
+        "--task-lineage auto leaves it (not a Gym resources server naming a model server); \
+         --task-lineage on would probe it"
+    };
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    match asyncio::asyncio_site(&maps, &runtime, |path| {
+        std::fs::read(path_in_process(pid, path)).ok()
+    }) {
+        Ok(site) => row(
+            &name,
+            Status::On,
+            format!(
+                "task lineage possible: a uprobe on Task.__init__ in {}{} (Task.task_context at \
+                 {:#x}, confirmed by its machine code); {auto}",
+                site.path.display(),
+                if site.built_in { " (built in)" } else { "" },
+                site.layout.task_context
+            ),
+        ),
+        Err(asyncio::LineageOff::NotImported) => row(
+            &name,
+            Status::Info,
+            format!("asyncio is not imported yet (the agent looks again every 5 s); {auto}"),
+        ),
+        Err(why) => row(
+            &name,
+            Status::Off,
+            format!("task lineage off: {} ({why})", why.reason()),
         ),
     }
 }

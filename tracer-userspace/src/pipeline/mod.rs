@@ -295,8 +295,8 @@ impl<M: RequestMetrics> Pipeline<M> {
                     observer.body_rollout(span_id);
                     self.stitcher.set_rollout(span_id, rollout_id);
                 }
-                TableAction::ResponseContext { span_id, context } => {
-                    self.stitcher.response_context(span_id, context);
+                TableAction::ResponseWriter { span_id, writer } => {
+                    self.stitcher.response_writer(span_id, writer);
                 }
                 TableAction::ResponseId { span_id, token } => {
                     self.stitcher.response_id(span_id, token);

@@ -86,6 +86,7 @@ pub fn start(
         traceparent: None,
         cookies: Vec::new(),
         context: None,
+        lineage: None,
         inbound_socket: None,
     }
 }

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 
 use yaml_rust2::{Yaml, YamlLoader};
 
+use crate::gym::{ServerKind, ServerType};
+
 const CONFIG_PATH_VAR: &[u8] = b"NEMO_GYM_CONFIG_PATH";
 const CONFIG_DICT_VAR: &[u8] = b"NEMO_GYM_CONFIG_DICT";
 const SERVICE_NAME_VAR: &[u8] = b"OTEL_SERVICE_NAME";
@@ -39,6 +41,21 @@ pub struct GymServer {
     /// The process's own `OTEL_SERVICE_NAME` (non-empty), the group of its `service.name`.
     /// `None` leaves the fallback to the caller: the tracer's own group, then Gym's `nemo`.
     pub service_group: Option<String>,
+    /// Its config names a model server (`{type: responses_api_models, name: ...}`, as a
+    /// resources server's `judge_model_server` does): its handlers call one.
+    pub names_model_server: bool,
+}
+
+impl GymServer {
+    /// Whether `--task-lineage auto` probes it: a resources server whose config names a model
+    /// server — an LLM judge, whose calls from `/verify` carry no rollout id, cookie or echoed
+    /// id of their own, the only Gym calls no other evidence places (agents' calls carry
+    /// cookies and bodies' ids, model servers' upstream calls the echoed response id).
+    pub fn wants_task_lineage(&self) -> bool {
+        self.names_model_server
+            && self.server_type.as_deref().map(ServerKind::from_config_key)
+                == Some(ServerKind::Known(ServerType::Resources))
+    }
 }
 
 /// The only environment variables discovery keeps; a process's environment can hold
@@ -147,6 +164,7 @@ pub fn gym_server_from_env(env: &ProcessEnv) -> Result<Option<GymServer>, Discov
             .as_deref()
             .filter(|group| !group.is_empty())
             .map(str::to_string),
+        names_model_server: false,
     };
     let result = match env.config_dict.as_deref() {
         Some(yaml) => read_server_config(yaml, &mut server),
@@ -192,7 +210,26 @@ fn read_server_config(yaml: &str, server: &mut GymServer) -> Result<(), ConfigPr
         Some(Yaml::String(port)) => Some(valid_port(port.trim().parse().ok())?),
         Some(_) => return Err(ConfigProblem::InvalidPort),
     };
+    server.names_model_server = config.values().any(names_model_server);
     Ok(())
+}
+
+/// Whether a config value is a reference to a model server, as Gym writes one
+/// (`ModelServerRef`: `{type: responses_api_models, name: <server>}`), at any depth.
+fn names_model_server(value: &Yaml) -> bool {
+    const DEPTH: usize = 8;
+    fn at(value: &Yaml, depth: usize) -> bool {
+        match value {
+            Yaml::Hash(hash) if depth < DEPTH => {
+                hash.get(&Yaml::String("type".into()))
+                    == Some(&Yaml::String("responses_api_models".into()))
+                    || hash.values().any(|v| at(v, depth + 1))
+            }
+            Yaml::Array(items) if depth < DEPTH => items.iter().any(|v| at(v, depth + 1)),
+            _ => false,
+        }
+    }
+    at(value, 0)
 }
 
 fn first_entry(yaml: &Yaml) -> Option<(&Yaml, &Yaml)> {
@@ -555,6 +592,7 @@ policy_model:
                 host: Some("127.0.0.1".into()),
                 port: Some(41235),
                 service_group: None,
+                names_model_server: false,
             }
         );
         let agent = gym_server_from_env(&env_of("example_single_tool_call_simple_agent", &yaml))
@@ -563,13 +601,40 @@ policy_model:
         assert_eq!(agent.server_type.as_deref(), Some("responses_api_agents"));
         assert_eq!(agent.host.as_deref(), Some("0.0.0.0"));
         assert_eq!(agent.port, Some(52001), "a quoted port is a port");
+        assert!(agent.names_model_server, "its model_server");
         let mut env = env_of("policy_model", &yaml);
         env.otel_service_name = Some("grpo-run".into());
         let model = gym_server_from_env(&env).unwrap().unwrap();
         assert_eq!(model.server_type.as_deref(), Some("responses_api_models"));
         assert_eq!((model.host, model.port), (None, Some(52002)));
         assert_eq!(model.service_group.as_deref(), Some("grpo-run"));
+        assert!(!model.names_model_server);
         assert_no_secret(&format!("{agent:?}"));
+    }
+
+    /// nemo-gym 0.7.0's `equivalence_llm_judge.yaml`: the judge is a `ModelServerRef`.
+    #[test]
+    fn a_judges_model_server_is_seen_in_its_config() {
+        let yaml = "\
+equivalence_llm_judge:
+  resources_servers:
+    equivalence_llm_judge:
+      entrypoint: app.py
+      judge_model_server:
+        type: responses_api_models
+        name: policy_model
+      judge_responses_create_params:
+        input: []
+      port: 41236
+";
+        let judge = gym_server_from_env(&env_of("equivalence_llm_judge", yaml))
+            .unwrap()
+            .unwrap();
+        assert!(judge.names_model_server);
+        let plain = gym_server_from_env(&env_of("example_single_tool_call", &config_yaml()))
+            .unwrap()
+            .unwrap();
+        assert!(!plain.names_model_server);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use foldhash::{HashMap, HashMapExt};
 use crate::kernel::events::{ConnOpen, DataTransfer, Direction, KernelEvent};
 
 use crate::gym::rollout_id::{RolloutId, rollout_id_from_body_tail, rollout_id_from_run_body};
-use crate::model::context::ContextChain;
+use crate::model::context::WriterTask;
 use crate::model::counters::counters;
 use crate::model::evidence::{Token, response_id_token};
 use crate::model::exchange::RequestHead;
@@ -226,7 +226,7 @@ pub struct ConnectionTable {
     /// Task contexts the kernel read for the write that comes next on a connection (its
     /// `conn_id`, the chain): held from one record to the next, so kept out of `Connection`,
     /// whose size every idle connection pays.
-    pending_contexts: HashMap<SocketId, (u64, Option<ContextChain>)>,
+    pending_contexts: HashMap<SocketId, (u64, WriterTask)>,
     scratch_events: Vec<MessageEvent>,
     scratch_errors: Vec<ParseError>,
     /// TLS connections that ended without a readable request, for the caller to take.
@@ -257,12 +257,8 @@ pub enum TableAction {
         span_id: SpanId,
         rollout_id: RolloutId,
     },
-    /// The response to an inbound request (server role) is being written, under this task
-    /// context.
-    ResponseContext {
-        span_id: SpanId,
-        context: ContextChain,
-    },
+    /// The response to an inbound request (server role) is being written by this task.
+    ResponseWriter { span_id: SpanId, writer: WriterTask },
     /// A response body started with an id (see [`response_id_token`]).
     ResponseId { span_id: SpanId, token: Token },
 }
@@ -381,9 +377,9 @@ impl ConnectionTable {
                 {
                     let stale = self
                         .pending_contexts
-                        .insert(id, (context.conn_id, context.chain));
+                        .insert(id, (context.conn_id, context.writer));
                     counters.task_contexts_unused += u64::from(stale.is_some());
-                    counters.task_contexts_unreadable += u64::from(context.chain.is_none());
+                    counters.task_contexts_unreadable += u64::from(context.writer.chain.is_none());
                 } else {
                     counters.task_contexts_unused += 1;
                 }
@@ -616,8 +612,8 @@ impl ConnectionTable {
             .pending_contexts
             .remove(&id)
             .filter(|(conn_id, _)| *conn_id == data.conn_id)
-            .and_then(|(_, chain)| chain);
-        let context = match data.direction {
+            .map(|(_, writer)| writer);
+        let writer = match data.direction {
             Direction::Write => pending,
             Direction::Read => {
                 counters.task_contexts_unused += u64::from(pending.is_some());
@@ -665,7 +661,7 @@ impl ConnectionTable {
                 pid: id.pid,
                 fd: id.fd,
                 is_request,
-                context,
+                writer,
             };
             on_message_event(&message, connection, event, counters, exchanges, actions);
         }
@@ -721,7 +717,14 @@ fn request_start(
         path: head.path.clone(),
         traceparent: head.traceparent.clone(),
         cookies: head.cookies.clone(),
-        context: message.context.filter(|_| connection.role == Role::Client),
+        context: message
+            .writer
+            .and_then(|writer| writer.chain)
+            .filter(|_| connection.role == Role::Client),
+        lineage: message
+            .writer
+            .and_then(|writer| writer.lineage)
+            .filter(|_| connection.role == Role::Client),
         inbound_socket: (connection.role == Role::Server
             && connection.transport == Transport::Plain)
             .then_some(InboundSocket {
@@ -737,8 +740,8 @@ struct Message {
     pid: u32,
     fd: i32,
     is_request: bool,
-    /// The task context of the write that carried it (writes only).
-    context: Option<ContextChain>,
+    /// What the kernel read of the task that wrote it (writes only).
+    writer: Option<WriterTask>,
 }
 
 fn on_message_event(
@@ -753,7 +756,7 @@ fn on_message_event(
         pid,
         fd: _,
         is_request,
-        context,
+        writer,
     } = *message;
     match (is_request, event) {
         (
@@ -802,12 +805,13 @@ fn on_message_event(
                 ..
             },
         ) => {
-            if let (Role::Server, Some(context), Some(request)) =
-                (connection.role, context, connection.in_flight.front())
+            if let (Role::Server, Some(writer), Some(request)) =
+                (connection.role, writer, connection.in_flight.front())
+                && (writer.chain.is_some() || writer.lineage.is_some())
             {
-                actions.push(TableAction::ResponseContext {
+                actions.push(TableAction::ResponseWriter {
                     span_id: request.span_id,
-                    context,
+                    writer,
                 });
             }
             connection.current_response = (head.status >= 200).then_some(head);
@@ -920,7 +924,7 @@ fn finish(
             pid,
             fd: -1,
             is_request: false,
-            context: None,
+            writer: None,
         };
         on_message_event(
             &message,
@@ -1361,6 +1365,7 @@ mod tests {
 mod evidence_tests {
     use super::*;
     use crate::kernel::events::TaskContext;
+    use crate::model::context::ContextChain;
     use crate::model::evidence::{TokenKind, cookie_tokens};
     use std::net::{IpAddr, Ipv4Addr};
 
@@ -1403,7 +1408,10 @@ mod evidence_tests {
             fd: 5,
             conn_id: 100,
             timestamp_ns: 150,
-            chain: ContextChain::new(links),
+            writer: WriterTask {
+                chain: ContextChain::new(links),
+                lineage: None,
+            },
         })
     }
 
@@ -1580,7 +1588,7 @@ mod evidence_tests {
         ]);
         let [
             TableAction::Started(start),
-            TableAction::ResponseContext { span_id, context },
+            TableAction::ResponseWriter { span_id, writer },
             TableAction::ResponseId {
                 span_id: answered,
                 token,
@@ -1590,7 +1598,7 @@ mod evidence_tests {
             panic!("{actions:?}")
         };
         assert_eq!((*span_id, *answered), (start.span_id, start.span_id));
-        assert_eq!(Some(*context), ContextChain::new(&[5, 1]));
+        assert_eq!(writer.chain, ContextChain::new(&[5, 1]));
         assert_eq!(*token, Token::of(TokenKind::ResponseId, b"resp_0123456789"));
     }
 }

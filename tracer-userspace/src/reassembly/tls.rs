@@ -530,6 +530,7 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::context::WriterTask;
 
     const PID: u32 = 7;
     const TID: u32 = 70;
@@ -771,7 +772,10 @@ mod tests {
             fd: -1,
             conn_id: SSL_A,
             timestamp_ns: 9,
-            chain: None,
+            writer: WriterTask {
+                chain: None,
+                lineage: None,
+            },
         };
         assert_eq!(sessions.context(&context), None);
         sessions.plaintext(

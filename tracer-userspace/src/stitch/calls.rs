@@ -21,12 +21,25 @@
 
 use super::context_keys::TaskKey;
 use super::{Evidence, Node, Parent, Stitcher, Undecided};
-use crate::model::context::ContextChain;
+use crate::model::context::{ContextChain, Lineage, WriterTask};
 use crate::model::evidence::Token;
 use crate::model::exchange::Role;
 use crate::model::ids::SpanId;
 
-/// The calls one handler task made, and the request it serves once evidence said so.
+/// What groups a process's calls: the handler task's context (the root of its chain), or,
+/// with `--task-lineage`, the request root all the calls' tasks descend from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GroupKey {
+    /// A context's address: the calls of one handler task, valid while the request it
+    /// serves is in flight (a freed context's address is reused by a later request).
+    Context(u64),
+    /// A request root's serial: every call of one inbound request, whatever task made it,
+    /// even after its response (a background task's); never reused.
+    Origin(u64),
+}
+
+/// The calls one handler task (or request root) made, and the request it serves once
+/// evidence said so.
 #[derive(Debug, Default)]
 pub(super) struct Group {
     members: Vec<SpanId>,
@@ -38,6 +51,14 @@ impl Group {
     pub(super) fn owner(&self) -> Option<SpanId> {
         self.owner
     }
+
+    /// A group whose request is known before any of its calls is seen.
+    pub(super) fn owned_by(owner: SpanId) -> Self {
+        Self {
+            members: Vec::new(),
+            owner: Some(owner),
+        }
+    }
 }
 
 /// What the call's own evidence says.
@@ -47,10 +68,14 @@ enum Verdict {
 }
 
 impl Stitcher {
-    /// The group key of a call: its process and handler task context.
-    fn group_key(&self, node: &Node) -> Option<(u32, u64)> {
+    /// The group key of a call: its process and request root, else its handler task
+    /// context.
+    pub(super) fn group_key(&self, node: &Node) -> Option<(u32, GroupKey)> {
+        if let Some(origin) = node.origin {
+            return Some((node.pid, GroupKey::Origin(origin.0)));
+        }
         match self.tails.key(node.pid, node.context.as_ref()?) {
-            TaskKey::Root(root) => Some((node.pid, root)),
+            TaskKey::Root(root) => Some((node.pid, GroupKey::Context(root))),
             TaskKey::TailUnknown | TaskKey::LoopLevel => None,
         }
     }
@@ -72,11 +97,12 @@ impl Stitcher {
             return;
         };
         let started = node.started;
-        let stale = self
-            .groups
-            .get(&key)
-            .and_then(|g| g.owner)
-            .is_some_and(|owner| !self.in_flight_at(owner, started));
+        let stale = matches!(key.1, GroupKey::Context(_))
+            && self
+                .groups
+                .get(&key)
+                .and_then(|g| g.owner)
+                .is_some_and(|owner| !self.in_flight_at(owner, started));
         let nodes = &self.nodes;
         let group = self.groups.entry(key).or_default();
         if stale {
@@ -117,14 +143,21 @@ impl Stitcher {
         let key = self.group_key(node);
         if let Some(key) = key
             && let Some(owner) = self.groups.get(&key).and_then(|g| g.owner)
-            && self.in_flight_at(owner, started)
         {
-            self.set_parent(call, owner, Evidence::TaskContext);
-            // Its trace may have settled since the group was bound.
-            self.publish_trace(key, owner);
-            return;
+            let how = match key.1 {
+                GroupKey::Origin(_) => Some(Evidence::Lineage),
+                GroupKey::Context(_) => self
+                    .in_flight_at(owner, started)
+                    .then_some(Evidence::TaskContext),
+            };
+            if let Some(how) = how {
+                self.set_parent(call, owner, how);
+                // Its trace may have settled since the group was bound.
+                self.publish_trace(key, owner);
+                return;
+            }
         }
-        let verdict = if node.context.is_some() {
+        let verdict = if node.context.is_some() || node.origin.is_some() {
             self.own_evidence(call, key)
         } else {
             let (pid, rollout, hidden) = (node.pid, node.rollout.clone(), node.inbound_hidden);
@@ -152,6 +185,7 @@ impl Stitcher {
             node.undecided = None;
         }
         let counter = match how {
+            Evidence::Lineage => &mut self.counters.parents_by_lineage,
             Evidence::RolloutId => &mut self.counters.parents_by_rollout_id,
             Evidence::Cookie => &mut self.counters.parents_by_cookie,
             Evidence::TaskContext => &mut self.counters.parents_by_task_context,
@@ -166,13 +200,21 @@ impl Stitcher {
     /// The group now serves `owner`: its unplaced calls that started while `owner` was in
     /// flight get it too, as decided by `how`. A group that already serves another request
     /// keeps it (counted).
-    fn bind_group(&mut self, key: Option<(u32, u64)>, owner: SpanId, how: Evidence) {
+    pub(super) fn bind_group(
+        &mut self,
+        key: Option<(u32, GroupKey)>,
+        owner: SpanId,
+        how: Evidence,
+    ) {
         let Some(group) = key.and_then(|k| self.groups.get_mut(&k)) else {
             return;
         };
         match group.owner {
             Some(existing) if existing != owner => {
-                self.counters.task_context_conflicts += 1;
+                match key.map(|(_, key)| key) {
+                    Some(GroupKey::Origin(_)) => self.counters.lineage_conflicts += 1,
+                    _ => self.counters.task_context_conflicts += 1,
+                }
                 return;
             }
             Some(_) => {}
@@ -190,11 +232,14 @@ impl Stitcher {
     }
 
     /// Whether `member`, a call of the group `key`, has no parent yet and may have `owner`.
-    fn placeable_under(&self, owner: SpanId, member: SpanId, key: Option<(u32, u64)>) -> bool {
+    /// A request root's calls are its request's whenever they started.
+    fn placeable_under(&self, owner: SpanId, member: SpanId, key: Option<(u32, GroupKey)>) -> bool {
+        let lineage = matches!(key, Some((_, GroupKey::Origin(_))));
         self.nodes.get(&member).is_some_and(|node| {
             node.parent == Parent::None
-                && self.in_flight_at(owner, node.started)
-                && !self.excluded(owner, member, key)
+                && (lineage
+                    || (self.in_flight_at(owner, node.started)
+                        && !self.excluded(owner, member, key)))
         })
     }
 
@@ -202,7 +247,7 @@ impl Stitcher {
     /// by what it names (the rollout's requests, the cookie's holders) and only those are
     /// checked as candidates; without evidence, the scan of the requests in flight stops at
     /// the second candidate.
-    fn own_evidence(&self, call: SpanId, key: Option<(u32, u64)>) -> Verdict {
+    fn own_evidence(&self, call: SpanId, key: Option<(u32, GroupKey)>) -> Verdict {
         let Some(node) = self.nodes.get(&call) else {
             return Verdict::Undecided(Undecided::NoEvidence);
         };
@@ -251,6 +296,11 @@ impl Stitcher {
                     (Some(_), None) if node.inbound_hidden => {
                         Verdict::Undecided(Undecided::NoEvidence)
                     }
+                    // Its request root names its request, and it is not this one (not in the
+                    // graph, or not said yet): the root's response will tell.
+                    (Some(_), None) if node.origin.is_some() => {
+                        Verdict::Undecided(Undecided::NoEvidence)
+                    }
                     (Some(only), None) => Verdict::One(*only, Evidence::OnlyInbound),
                     _ => Verdict::Undecided(Undecided::NoEvidence),
                 }
@@ -260,7 +310,7 @@ impl Stitcher {
 
     /// Whether `candidate` descends from `call` or from a call of the same handler: a request
     /// the handler caused cannot be the one it serves.
-    fn excluded(&self, candidate: SpanId, call: SpanId, key: Option<(u32, u64)>) -> bool {
+    fn excluded(&self, candidate: SpanId, call: SpanId, key: Option<(u32, GroupKey)>) -> bool {
         let mut id = candidate;
         for _ in 0..super::MAX_DEPTH {
             if id == call {
@@ -280,10 +330,20 @@ impl Stitcher {
         false
     }
 
-    /// The response to inbound `request` is being written under `context`: it teaches the
-    /// loop's tail, and where the handler itself writes it (no middleware task between), the
-    /// handler's calls are the request's.
-    pub fn response_context(&mut self, request: SpanId, context: ContextChain) {
+    /// The response to inbound `request` is being written by `writer`: a task of a request
+    /// root binds the root's calls to the request; the chain teaches the loop's tail and,
+    /// where the handler itself writes (no middleware task between), its calls are the
+    /// request's.
+    pub fn response_writer(&mut self, request: SpanId, writer: WriterTask) {
+        if let Some(Lineage::Request { origin, .. }) = writer.lineage {
+            self.origin_answers(request, origin);
+        }
+        if let Some(context) = writer.chain {
+            self.response_context(request, context);
+        }
+    }
+
+    fn response_context(&mut self, request: SpanId, context: ContextChain) {
         let Some(node) = self.nodes.get(&request) else {
             return;
         };
@@ -294,8 +354,8 @@ impl Stitcher {
         let TaskKey::Root(root) = self.tails.key(pid, &context) else {
             return;
         };
-        let key = Some((pid, root));
-        let Some(group) = self.groups.get(&(pid, root)) else {
+        let key = Some((pid, GroupKey::Context(root)));
+        let Some(group) = self.groups.get(&(pid, GroupKey::Context(root))) else {
             return;
         };
         // A group already serving a request is another handler's: the response is written by
@@ -341,11 +401,15 @@ impl Stitcher {
     /// group served by the request its placed calls have, and unplaced calls placed again.
     fn regroup(&mut self, pid: u32) {
         self.counters.task_context_regroups += 1;
-        self.groups.retain(|(p, _), _| *p != pid);
+        // Request roots' groups do not depend on the loop's tail.
+        self.groups
+            .retain(|(p, key), _| *p != pid || matches!(key, GroupKey::Origin(_)));
         let mut calls: Vec<(u64, SpanId)> = self
             .nodes
             .iter()
-            .filter(|(_, n)| n.pid == pid && n.role == Role::Client && n.context.is_some())
+            .filter(|(_, n)| {
+                n.pid == pid && n.role == Role::Client && n.context.is_some() && n.origin.is_none()
+            })
             .map(|(id, n)| (n.started, *id))
             .collect();
         calls.sort_unstable_by_key(|(started, _)| *started);
@@ -382,13 +446,17 @@ impl Stitcher {
         self.sessions.retain(|(owner, _), _| *owner != pid);
     }
 
-    /// Forgets the groups and echoed ids of calls that left the graph.
+    /// Forgets the groups and echoed ids of calls that left the graph (a request root's
+    /// group lasts while its request is in the graph: a call may still come).
     pub(super) fn forget_gone_calls(&mut self) {
         let nodes = &self.nodes;
-        self.groups.retain(|_, group| {
+        self.groups.retain(|(_, key), group| {
             group.members.retain(|m| nodes.contains_key(m));
             !group.members.is_empty()
+                || matches!(key, GroupKey::Origin(_))
+                    && group.owner.is_some_and(|owner| nodes.contains_key(&owner))
         });
+        self.inbound_sockets.retain(|_, id| nodes.contains_key(id));
         self.echoed.retain(|_, call| nodes.contains_key(call));
         let gone: Vec<SpanId> = self
             .published_by_owner
@@ -409,7 +477,7 @@ mod tests {
     use super::super::{StartFacts, StitchConfig, Stitcher};
     use super::{Evidence, Undecided};
     use crate::gym::rollout_id::RolloutId;
-    use crate::model::context::ContextChain;
+    use crate::model::context::{ContextChain, WriterTask};
     use crate::model::evidence::{Token, TokenKind};
     use crate::model::exchange::{RequestStart, Role};
     use crate::model::ids::SpanId;
@@ -423,6 +491,13 @@ mod tests {
     fn chain(task: &[u64]) -> ContextChain {
         let links: Vec<u64> = task.iter().chain(LOOP.iter()).copied().collect();
         ContextChain::new(&links).unwrap()
+    }
+
+    fn writer(chain: ContextChain) -> WriterTask {
+        WriterTask {
+            chain: Some(chain),
+            lineage: None,
+        }
     }
 
     fn cookie(session: &str) -> Token {
@@ -565,7 +640,7 @@ mod tests {
         // The first response (some middleware task) teaches the loop's tail: every call is
         // regrouped by its handler and placed by the group's placed call.
         s.stitcher
-            .response_context(nested_b.span_id, chain(&[0x50]));
+            .response_writer(nested_b.span_id, writer(chain(&[0x50])));
         assert_eq!(s.parent(&self_a), Some(run_a.span_id));
         assert_eq!(s.parent(&self_b), Some(run_b.span_id));
         assert_eq!(s.parent(&model_b), Some(nested_b.span_id));
@@ -588,7 +663,8 @@ mod tests {
     fn a_reused_context_address_starts_a_new_group() {
         let mut s = Scene::new();
         let warm = s.inbound(AGENT, "/warm", &[]);
-        s.stitcher.response_context(warm.span_id, chain(&[0x90]));
+        s.stitcher
+            .response_writer(warm.span_id, writer(chain(&[0x90])));
         s.finish(&warm);
         let run_a = s.inbound(AGENT, "/run", &[]);
         let other = s.inbound(AGENT, "/run", &[]);
@@ -674,17 +750,20 @@ mod tests {
         let mut s = Scene::new();
         let (y1, y2) = (s.inbound(AGENT, "/a", &[]), s.inbound(AGENT, "/b", &[]));
         let warm = s.inbound(AGENT, "/warm", &[]);
-        s.stitcher.response_context(warm.span_id, chain(&[0x90]));
+        s.stitcher
+            .response_writer(warm.span_id, writer(chain(&[0x90])));
         let c1 = s.call(AGENT, &[0x1, 0x10], &[]);
         let c2 = s.call(AGENT, &[0x2, 0x20], &[]);
         let c3 = s.call(AGENT, &[0x3, 0x20], &[]);
         assert_eq!(s.undecided(&c1), Some(Undecided::NoEvidence));
-        s.stitcher.response_context(y2.span_id, chain(&[0x20]));
+        s.stitcher
+            .response_writer(y2.span_id, writer(chain(&[0x20])));
         assert_eq!(
             (s.parent(&c2), s.parent(&c3)),
             (Some(y2.span_id), Some(y2.span_id))
         );
-        s.stitcher.response_context(y1.span_id, chain(&[0x77]));
+        s.stitcher
+            .response_writer(y1.span_id, writer(chain(&[0x77])));
         assert_eq!(s.parent(&c1), None, "written by a middleware task");
         assert_eq!(s.stitcher.counters.parents_by_response_context, 2);
         let _ = Evidence::ResponseContext;

@@ -11,31 +11,32 @@
 //! the publication names the request's connection and the responses it had before it, and
 //! the kernel stops using it once the count moves ([`tracer_abi::InjectTrace`]).
 
-use super::{MAX_DEPTH, Parent, Stitcher};
+use super::{GroupKey, MAX_DEPTH, Parent, Stitcher};
 use crate::model::exchange::InboundSocket;
 use crate::model::ids::{SpanId, TraceId};
 
 /// A change to the kernel's published traces, for the driver to apply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TraceInjection {
-    /// Requests written by task context `context` of process `pid` carry `trace`, while
-    /// the request on `owner` is unanswered.
+    /// Requests written by the tasks of `handler` (a task context, or with
+    /// `--task-lineage` a request root) of process `pid` carry `trace`, while the request on
+    /// `owner` is unanswered.
     Publish {
         pid: u32,
-        context: u64,
+        handler: GroupKey,
         trace: TraceId,
         owner: InboundSocket,
     },
     Withdraw {
         pid: u32,
-        context: u64,
+        handler: GroupKey,
     },
 }
 
 impl Stitcher {
     /// The group `key` serves `owner`: publishes `owner`'s trace for it, when injection is
     /// on, the trace is settled and the request still unanswered on a plaintext connection.
-    pub(super) fn publish_trace(&mut self, key: (u32, u64), owner: SpanId) {
+    pub(super) fn publish_trace(&mut self, key: (u32, GroupKey), owner: SpanId) {
         if !self.config.inject_traces || self.published.get(&key) == Some(&owner) {
             return;
         }
@@ -54,7 +55,7 @@ impl Stitcher {
         self.published_by_owner.entry(owner).or_default().push(key);
         self.injections.push(TraceInjection::Publish {
             pid: key.0,
-            context: key.1,
+            handler: key.1,
             trace,
             owner: socket,
         });
@@ -66,7 +67,7 @@ impl Stitcher {
         if !self.config.inject_traces {
             return;
         }
-        let keys: Vec<(u32, u64)> = self
+        let keys: Vec<(u32, GroupKey)> = self
             .groups
             .iter()
             .filter(|(key, group)| {
@@ -90,7 +91,7 @@ impl Stitcher {
                 self.published.remove(&key);
                 self.injections.push(TraceInjection::Withdraw {
                     pid: key.0,
-                    context: key.1,
+                    handler: key.1,
                 });
             }
         }
@@ -141,10 +142,11 @@ impl Stitcher {
 mod tests {
     use std::time::{Duration, Instant};
 
+    use super::super::GroupKey;
     use super::super::{StartFacts, StitchConfig, Stitcher};
     use super::TraceInjection;
     use crate::gym::rollout_id::RolloutId;
-    use crate::model::context::ContextChain;
+    use crate::model::context::{ContextChain, WriterTask};
     use crate::model::exchange::{InboundSocket, RequestStart, Role};
     use crate::pipeline::testing;
 
@@ -155,6 +157,13 @@ mod tests {
     fn chain(task: &[u64]) -> ContextChain {
         let links: Vec<u64> = task.iter().chain(LOOP.iter()).copied().collect();
         ContextChain::new(&links).expect("a chain")
+    }
+
+    fn writer(chain: ContextChain) -> WriterTask {
+        WriterTask {
+            chain: Some(chain),
+            lineage: None,
+        }
     }
 
     fn facts(rollout: Option<&str>) -> StartFacts {
@@ -185,7 +194,7 @@ mod tests {
         });
         stitcher.start(&start, facts(rollout), Instant::now());
         // A response under the loop's own contexts teaches the loop's tail.
-        stitcher.response_context(start.span_id, chain(&[0x999]));
+        stitcher.response_writer(start.span_id, writer(chain(&[0x999])));
         start
     }
 
@@ -210,14 +219,17 @@ mod tests {
         assert_eq!(published.len(), 1, "{published:?}");
         let TraceInjection::Publish {
             pid,
-            context,
+            handler,
             trace,
             owner,
         } = published[0]
         else {
             panic!("{published:?}");
         };
-        assert_eq!((pid, context, owner.fd), (AGENT, HANDLER, 1000));
+        assert_eq!(
+            (pid, handler, owner.fd),
+            (AGENT, GroupKey::Context(HANDLER), 1000)
+        );
         assert_eq!(
             trace,
             super::super::rollout_trace_id(&RolloutId::parse("3-0").expect("an id"))
@@ -230,7 +242,7 @@ mod tests {
             stitcher.take_injections(),
             vec![TraceInjection::Withdraw {
                 pid: AGENT,
-                context: HANDLER
+                handler: GroupKey::Context(HANDLER)
             }]
         );
     }
@@ -252,7 +264,7 @@ mod tests {
             matches!(
                 published[..],
                 [TraceInjection::Publish {
-                    context: HANDLER,
+                    handler: GroupKey::Context(HANDLER),
                     ..
                 }]
             ),

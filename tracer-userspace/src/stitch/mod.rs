@@ -23,6 +23,7 @@
 mod calls;
 pub mod context_keys;
 pub mod injection;
+mod lineage;
 
 use crate::model::counters::counters;
 use std::collections::VecDeque;
@@ -35,8 +36,9 @@ use foldhash::{HashMap, HashMapExt};
 
 use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
-use crate::model::context::ContextChain;
+use crate::model::context::{ContextChain, OriginId};
 use crate::model::evidence::Token;
+use crate::model::exchange::InboundSocket;
 use crate::model::exchange::RequestStart;
 use crate::model::exchange::Role;
 use crate::model::ids::SpanId;
@@ -46,6 +48,7 @@ use crate::model::ids::parse_traceparent;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanKind;
 use crate::model::span::SpanRecord;
+pub use calls::GroupKey;
 use context_keys::LoopTails;
 
 /// How long the graph keeps a finished request: a call that outlives its caller (fire and
@@ -128,8 +131,11 @@ counters! {
         parents_none,
         /// candidates in flight but no evidence about any of them.
         parents_no_evidence,
-        /// Outbound calls given their parent, by the evidence that decided it: the rollout id
-        /// (path prefix or body),
+        /// Outbound calls given their parent, by the evidence that decided it: the task
+        /// lineage (`--task-lineage`: the task that wrote the call descends from the inbound
+        /// request's root task),
+        parents_by_lineage,
+        /// the rollout id (path prefix or body),
         parents_by_rollout_id,
         /// a session cookie the inbound request carried too,
         parents_by_cookie,
@@ -147,6 +153,24 @@ counters! {
         /// A handler task's calls whose evidence named two different requests: the calls
         /// placed by the task context since are left as they were.
         task_context_conflicts,
+        /// Calls of a probed process whose task lineage names no inbound request, by why:
+        /// the task was created outside any task and is no request's root (a timer's, a
+        /// background loop's),
+        lineage_calls_background,
+        /// it (or an ancestor) was created before the probe or forgotten to --max-tasks,
+        lineage_calls_unseen,
+        /// the call was written outside any task,
+        lineage_calls_no_task,
+        /// the running task could not be read.
+        lineage_calls_unreadable,
+        /// Calls whose lineage named an inbound request the graph no longer holds (evicted,
+        /// or on a connection the tracer does not follow): placed by a response of the same
+        /// request root, or by other evidence.
+        lineage_requests_unmatched,
+        /// Request roots whose evidence named two different inbound requests (the kernel's
+        /// birth and a response written by one of its tasks): their calls are left as they
+        /// were.
+        lineage_conflicts,
         /// Regroupings of a process's calls after its event loop's context tail changed.
         task_context_regroups,
         /// Server spans released before their caller's client span was seen: the edge came
@@ -184,6 +208,7 @@ enum Undecided {
 /// What decided a call's parent (see the `parents_by_*` counters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Evidence {
+    Lineage,
     RolloutId,
     Cookie,
     TaskContext,
@@ -207,6 +232,8 @@ struct Node {
     /// Outbound: the task context of its first write (boxed: most requests have none, and
     /// every request in the graph pays the field).
     context: Option<Box<ContextChain>>,
+    /// Outbound: the request root its writing task descends from (`--task-lineage`).
+    origin: Option<OriginId>,
     /// Outbound, until placed: why it has no parent.
     undecided: Option<Undecided>,
     parent: Parent,
@@ -227,7 +254,7 @@ struct Node {
     /// (its address is neither loopback nor the server's own).
     caller_on_other_host: bool,
     /// Inbound, plaintext: where its response goes ([`injection`]).
-    inbound_socket: Option<crate::model::exchange::InboundSocket>,
+    inbound_socket: Option<InboundSocket>,
     /// Set when a span of the request (or of a descendant) is released: fixed from then on.
     trace: Option<TraceId>,
     /// Used if the request turns out to be a root without a rollout id.
@@ -299,8 +326,10 @@ pub struct Stitcher {
     /// Orders starts and finishes (see [`Node::started`]).
     seq: u64,
     tails: LoopTails,
-    /// Calls per (process, handler task context); see [`calls`].
-    groups: HashMap<(u32, u64), calls::Group>,
+    /// Calls per (process, handler task context or request root); see [`calls`].
+    groups: HashMap<(u32, GroupKey), calls::Group>,
+    /// In-graph inbound requests by where they arrived (`--task-lineage` names them so).
+    inbound_sockets: HashMap<(u32, InboundSocket), SpanId>,
     /// In-flight inbound requests per (process, session token they carried).
     cookie_holders: HashMap<(u32, Token), Vec<SpanId>>,
     /// Calls per (process, id their response started with), while they are in the graph.
@@ -310,9 +339,9 @@ pub struct Stitcher {
     sessions: HashMap<(u32, Token), Session>,
     session_expiry: VecDeque<(Instant, (u32, Token))>,
     /// Handler groups whose trace the kernel was given, and the request each serves.
-    published: HashMap<(u32, u64), SpanId>,
+    published: HashMap<(u32, GroupKey), SpanId>,
     /// The same, by request: what its end withdraws, without a scan of them all.
-    published_by_owner: HashMap<SpanId, Vec<(u32, u64)>>,
+    published_by_owner: HashMap<SpanId, Vec<(u32, GroupKey)>>,
     /// Changes to the published traces not yet taken by the driver.
     injections: Vec<injection::TraceInjection>,
     pub counters: StitchCounters,
@@ -371,6 +400,7 @@ impl Stitcher {
             seq: 0,
             tails: LoopTails::default(),
             groups: HashMap::new(),
+            inbound_sockets: HashMap::new(),
             cookie_holders: HashMap::new(),
             echoed: HashMap::new(),
             sessions: HashMap::new(),
@@ -418,6 +448,7 @@ impl Stitcher {
             ended: None,
             cookies: start.cookies.clone(),
             context: start.context.map(Box::new),
+            origin: None,
             undecided: None,
             parent: Parent::None,
             rollout: facts.rollout_id,
@@ -480,6 +511,10 @@ impl Stitcher {
                     .entry(start.pid)
                     .or_default()
                     .push(start.span_id);
+                if let Some(socket) = start.inbound_socket {
+                    self.inbound_sockets
+                        .insert((start.pid, socket), start.span_id);
+                }
                 for token in &start.cookies {
                     self.cookie_holders
                         .entry((start.pid, *token))
@@ -500,9 +535,20 @@ impl Stitcher {
                 }
             }
         }
+        let born_of = match start.role {
+            Role::Client => self.lineage_at_start(&mut node, start.lineage),
+            Role::Server => None,
+        };
         self.nodes.insert(start.span_id, node);
         if start.role == Role::Client {
             self.join_group(start.span_id);
+            if let Some(owner) = born_of {
+                let key = self
+                    .nodes
+                    .get(&start.span_id)
+                    .and_then(|n| self.group_key(n));
+                self.bind_group(key, owner, Evidence::Lineage);
+            }
             self.place_call(start.span_id);
         }
     }
@@ -1687,6 +1733,7 @@ mod tests {
                 traceparent: None,
                 cookies: Vec::new(),
                 context: None,
+                lineage: None,
                 inbound_socket: None,
             };
             let facts = StartFacts {

@@ -23,6 +23,10 @@ pub struct InterpreterSymbols {
     /// `PyContext_Type` (public C API data): the type every contextvars `Context` object
     /// points at, which the kernel's context walk checks each link against.
     pub context_type: Option<Symbol>,
+    /// `PyDict_Type` and `PyCoro_Type`: what the task-lineage probe checks `current_tasks`
+    /// and a new task's coroutine against.
+    pub dict_type: Option<Symbol>,
+    pub coroutine_type: Option<Symbol>,
     /// The file's loadable segments as (link address, file offset, file size): with a
     /// mapping's file offset they give the load bias.
     segments: Vec<(u64, u64, u64)>,
@@ -71,6 +75,8 @@ pub fn read_symbols(data: &[u8]) -> Result<InterpreterSymbols, ElfProblem> {
         runtime,
         version: find("Py_Version"),
         context_type: find("PyContext_Type"),
+        dict_type: find("PyDict_Type"),
+        coroutine_type: find("PyCoro_Type"),
         segments,
     })
 }
@@ -107,6 +113,8 @@ mod tests {
             },
             version: None,
             context_type: None,
+            dict_type: None,
+            coroutine_type: None,
             segments,
         }
     }

@@ -85,6 +85,26 @@ pub struct ContextOffsets {
     pub ascii_data: u64,
 }
 
+/// What the task-lineage probe reads of `_asyncio` (see `tracer-ebpf/src/lineage.rs`).
+/// `asyncio_state` and `TaskObj` are private to `Modules/_asynciomodule.c`: their offsets are
+/// read off the machine code of pyenv's 3.12.1 and 3.13.0 builds (`_asyncio__enter_task` loads
+/// `md_state` at +32 and `current_tasks` at +48 of it; `_asyncio_Task_get_context` loads
+/// `task_context` — which every probed process's own `_asyncio` is checked against, see
+/// [`super::asyncio`]); `ht_module` and `cr_qualname` are `offsetof` on the installed headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsyncioOffsets {
+    /// `TaskObj.task_context`.
+    pub task_context: u64,
+    /// `PyHeapTypeObject.ht_module`.
+    pub type_module: u64,
+    /// `PyModuleObject.md_state`.
+    pub module_state: u64,
+    /// `asyncio_state.current_tasks`.
+    pub state_current_tasks: u64,
+    /// `PyCoroObject.cr_qualname`.
+    pub coroutine_qualname: u64,
+}
+
 /// Where the walk's fields sit inside `_Py_DebugOffsets` (itself versioned).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DebugOffsetsLayout {
@@ -153,6 +173,9 @@ pub struct VersionLayout {
     pub walk: HeaderWalk,
     pub debug_offsets: Option<DebugOffsetsLayout>,
     pub context: ContextOffsets,
+    /// `None`: task lineage is not known for this version (3.14 keeps the running task per
+    /// thread and changed `_asyncio`'s state; untested here).
+    pub asyncio: Option<AsyncioOffsets>,
 }
 
 /// The contextvars and HAMT layouts: unchanged from 3.12 to 3.14 in the default
@@ -187,6 +210,13 @@ const LAYOUTS: [VersionLayout; 3] = [
         }),
         debug_offsets: None,
         context: CONTEXT_312_TO_314,
+        asyncio: Some(AsyncioOffsets {
+            task_context: 0x98,
+            type_module: 888,
+            module_state: 32,
+            state_current_tasks: 48,
+            coroutine_qualname: 32,
+        }),
     },
     VersionLayout {
         minor: 13,
@@ -208,6 +238,13 @@ const LAYOUTS: [VersionLayout; 3] = [
             thread_native_id: 200,
         }),
         context: CONTEXT_312_TO_314,
+        asyncio: Some(AsyncioOffsets {
+            task_context: 0x88,
+            type_module: 888,
+            module_state: 32,
+            state_current_tasks: 48,
+            coroutine_qualname: 32,
+        }),
     },
     VersionLayout {
         minor: 14,
@@ -226,6 +263,7 @@ const LAYOUTS: [VersionLayout; 3] = [
             thread_native_id: 208,
         }),
         context: CONTEXT_312_TO_314,
+        asyncio: None,
     },
 ];
 

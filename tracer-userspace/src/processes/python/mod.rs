@@ -8,6 +8,7 @@
 //! disagreement is a typed [`RuntimeOff`] reason: an interpreter this build does not know is
 //! turned off for that process, never misread.
 
+pub mod asyncio;
 mod elf;
 mod layout;
 mod maps;
@@ -67,6 +68,12 @@ pub struct PythonRuntime {
     /// interpreter's file does not export it (then the kernel cannot check what it reads,
     /// and reads no context).
     pub context_type: Option<u64>,
+    /// `PyDict_Type` and `PyCoro_Type` in the process, each checked by its `tp_name`: the
+    /// task-lineage probe's checks (`None`: not exported, or not what its name says).
+    pub dict_type: Option<u64>,
+    pub coroutine_type: Option<u64>,
+    /// What the task-lineage probe reads of `_asyncio`, when this version's is known.
+    pub asyncio: Option<layout::AsyncioOffsets>,
 }
 
 /// One thread state found by the walk.
@@ -231,6 +238,12 @@ fn inspect_interpreter(
         )?),
         None => None,
     };
+    // Only task lineage needs these: one that cannot be checked turns lineage off, not the
+    // context reads.
+    let checked_type = |symbol: Option<elf::Symbol>, name: &[u8]| {
+        let address = address_of(symbol?.address).ok()?;
+        threads::checked_type(address, name, memory).ok()
+    };
     let runtime = PythonRuntime {
         version,
         linkage,
@@ -240,6 +253,9 @@ fn inspect_interpreter(
         walk_source,
         context: layout.context,
         context_type,
+        dict_type: checked_type(symbols.dict_type, b"dict\0"),
+        coroutine_type: checked_type(symbols.coroutine_type, b"coroutine\0"),
+        asyncio: layout.asyncio,
     };
     // A walk that fails now would fail in the kernel too: refuse the process up front.
     if runtime.thread_states(memory)?.is_empty() {
@@ -402,6 +418,9 @@ pub mod testing {
             walk_source: WalkSource::DebugOffsets,
             context: layout.context,
             context_type: Some(context_type),
+            dict_type: None,
+            coroutine_type: None,
+            asyncio: layout.asyncio,
         }
     }
 }

@@ -24,13 +24,27 @@ const CONTEXT_TYPE_NAME: &[u8] = b"_contextvars.Context\0";
 /// `address` if the type object there is named `_contextvars.Context`: proof that the
 /// symbol's address was mapped with the right bias before the kernel compares with it.
 pub(super) fn checked_context_type(address: u64, memory: &impl Memory) -> Result<u64, RuntimeOff> {
+    checked_type(address, CONTEXT_TYPE_NAME, memory).map_err(|error| match error {
+        RuntimeOff::LayoutMismatch(_) => {
+            RuntimeOff::LayoutMismatch("PyContext_Type is not named _contextvars.Context")
+        }
+        other => other,
+    })
+}
+
+/// `address` if the type object there is named `name` (with its NUL).
+pub(super) fn checked_type(
+    address: u64,
+    name: &[u8],
+    memory: &impl Memory,
+) -> Result<u64, RuntimeOff> {
     let name_field = address
         .checked_add(TYPE_NAME_OFFSET)
         .ok_or(ReadError::Overflow(address))?;
-    let name = memory.read_pointer(name_field)?;
-    if memory.read_bytes(name, CONTEXT_TYPE_NAME.len())? != CONTEXT_TYPE_NAME {
+    let found = memory.read_pointer(name_field)?;
+    if memory.read_bytes(found, name.len())? != name {
         return Err(RuntimeOff::LayoutMismatch(
-            "PyContext_Type is not named _contextvars.Context",
+            "a type object is not named as its symbol says",
         ));
     }
     Ok(address)
