@@ -2,16 +2,52 @@
 
 `openai_model` forwards `POST /v1/responses` to `{openai_base_url}/responses` and
 `POST /v1/chat/completions` to `{openai_base_url}/chat/completions` (aiohttp, Bearer key).
-This server answers both with fixed replies shaped for `example_single_tool_call`:
+This server answers both with canned replies, chosen by what the request holds, for
+`example_single_tool_call` and for two environments whose `/verify` calls an LLM judge through
+a model server (`equivalence_llm_judge`, `arena_judge`). Non-streamed, in this order:
 
-- Responses API, no `function_call_output` in the input yet: one `get_weather` function call
-  (the agent then calls the resources server's `/get_weather`);
-- Responses API, a `function_call_output` present: a final assistant message (the agent
-  then stops and verifies; the verifier rewards the earlier `get_weather` call with 1.0);
-- chat completions: a fixed assistant message.
+- Responses API, the input's text holds both judge labels (`--judge-labels`, default
+  `[[A=B]]` `[[A!=B]]`, equivalence_llm_judge.yaml's `judge_equal_label` and
+  `judge_not_equal_label`; its prompt template, prompt_templates/equivalence_llm_judge.txt,
+  names both): equivalence_llm_judge's judge call (its app.py `_generate_judge_evaluation`
+  posts it to the judge model server's /v1/responses, here `policy_model`). The answer is a
+  final message whose text ends with the equal label, or with the not-equal label if the
+  judged text holds LOSE (below). The server reads the last label of the last output's last
+  text part (`_parse_judge_verdict`) and rewards 1.0 for the equal label, else 0.0.
+- Responses API, no `tools` in the request (equivalence_llm_judge's and arena_judge's rows
+  have none): a final assistant message, POLICY_ANSWER, with " " + LOSE appended when the
+  request's input holds LOSE (the policy "repeats" it, so every judge of the answer sees it).
+- Responses API with tools, no `function_call_output` in the input yet: one `get_weather`
+  function call (the agent then calls the resources server's `/get_weather`);
+- Responses API with tools, a `function_call_output` present: a final assistant message (the
+  agent then stops and verifies; example_single_tool_call rewards the earlier `get_weather`
+  call with 1.0);
+- chat completions whose messages hold arena-hard's answer slots ("<|The Start of Assistant
+  A's Answer|>" and B's, prompts/arena.yaml, arena_creative.yaml): arena_judge's judge call
+  (its app.py `_judge_once`, two at once per rollout under `asyncio.gather`: A=candidate,
+  B=baseline, then swapped). The candidate is the slot whose answer starts with
+  POLICY_ANSWER (else slot A). Unless the messages hold LOSE, the verdict favours the
+  candidate: `[[A>B]]` when it is A, `[[B>A]]` when it is B; with LOSE, the other way round.
+  `_parse_verdict` takes the one label; the reward is 1.0 iff the A=candidate call says A>>B
+  or A>B, so: 1.0 without LOSE, 0.0 with it;
+- any other chat completion: a fixed assistant message.
+
+The verdict rule, for a test to reproduce from the rollout body it sent: a rollout is judged
+"lose" (reward 0.0) iff LOSE (`[canned-judge:lose]`) is in a text its judge is sent. Put it in
+the rollout's prompt (any message of `responses_create_params.input`, e.g. `prompt_suffix` or
+`RealGymRun.rollout_body(lose=True)`): equivalence_llm_judge sends the judge the last user
+message and the policy's answer, arena_judge sends the policy's answer, which repeats it. A
+row's `expected_answer` (equivalence) or `question` / `baseline_answer` (arena) reach the judge
+too. Without LOSE: reward 1.0.
+
+`--delay-s S` sleeps S seconds before answering every request (streamed or not, any path, but
+not `/_canned/*`), as a model that takes its time, in the connection's thread: requests on other
+connections are not held up. The listen backlog is 4096 (socketserver's default of 5 makes a
+burst of connects stall in SYN retries of 1, 3, 7, 15 s); one thread per connection.
 
 Token usage differs per call, as a function of the call's number n (1-based, its place in the
-log): `usage(n)` input 1000 + 7n, output 2000 + 13n. It sits where OpenAI puts it: in a
+order of arrival, which is the log's while it has not dropped any): `usage(n)` input 1000 + 7n,
+output 2000 + 13n. It sits where OpenAI puts it: in a
 Responses API object after the other fields (then `user`, `metadata`), in a chat completion
 after `choices`.
 
@@ -26,16 +62,26 @@ Over HTTPS with `--tls-cert`/`--tls-key` (PEM), plain HTTP without.
 
 Each request is logged: method, path, auth_ok (the `Authorization` header carried the
 expected key), stream, the `model` its body asked for, `model_offset` (the byte offset of the
-body's top-level `"model"` key, or null) and `body_bytes`, and the usage answered (`{"input",
-"output"}`, or null). `GET /_canned/requests` returns that log, and is not in it. The key itself
-is never logged. Standard library only.
+body's top-level `"model"` key, or null) and `body_bytes`, the usage answered (`{"input",
+"output"}`, or null), `kind` (`policy`, `tool_call`, `judge` or null: which rule above
+answered), `verdict` (a judge's label, e.g. `[[A=B]]`, `[[B>A]]`, else null) and `t_ns` (its
+arrival, wall clock). `GET /_canned/requests` returns that log, and is not in it; it keeps the
+last `--log-max` entries (default 20,000, under 1 KB each), while the call number n goes on
+counting. `GET /_canned/summary` returns counts over every request: {"requests": n so far,
+"logged": entries kept, "counts": {"METHOD PATH KIND": count}, "verdicts": {label: count},
+"peak_in_flight": {"METHOD PATH KIND": most answered at once}, "auth_failed": requests to
+/v1/... without the expected key}. The key itself is never logged, nor any prompt. Standard
+library only.
 
     python canned_upstream.py --port PORT --api-key KEY [--ready-file PATH]
-                              [--tls-cert CERT.pem --tls-key KEY.pem]
+                              [--tls-cert CERT.pem --tls-key KEY.pem] [--delay-s S]
+                              [--judge-labels EQUAL NOT_EQUAL] [--log-max N]
 """
 
 import argparse
+import collections
 import json
+import re
 import ssl
 import threading
 import time
@@ -47,6 +93,19 @@ CITY = "San Francisco"
 ANSWER = f"It is cold in {CITY}."
 # Between two events of a streamed answer: each event leaves in its own TLS record and write.
 STREAM_EVENT_GAP_S = 0.005
+
+# The verdict marker: a judged text holding it is judged against the policy's answer.
+LOSE = "[canned-judge:lose]"
+# The policy's answer where no tool is offered: a plausible final answer (boxed, as
+# equivalence_llm_judge's prompts ask).
+POLICY_ANSWER = "Here is my answer, reasoned step by step: the final answer is \\boxed{42}."
+JUDGE_LABELS = ("[[A=B]]", "[[A!=B]]")
+# arena-hard's answer slots (resources_servers/arena_judge/prompts/arena.yaml).
+ARENA_SLOT = re.compile(
+    r"<\|The Start of Assistant (A|B)'s Answer\|>\n?(.*?)\n?<\|The End of Assistant \1's Answer\|>", re.DOTALL)
+# The listen backlog: net.core.somaxconn here, so a burst of 1,000+ connects is queued, not
+# dropped into SYN retries.
+LISTEN_BACKLOG = 4096
 
 
 def usage(n):
@@ -110,8 +169,60 @@ def _message(n, text=ANSWER, status="completed"):
     }
 
 
-def responses_reply(body, n):
+def _texts(value):
+    """Every string inside a request's input or messages, in order (content strings, text
+    parts), as one text: what a judge was given to read."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, list):
+            for item in v:
+                walk(item)
+        elif isinstance(v, dict):
+            for key in ("content", "text", "output"):
+                if key in v:
+                    walk(v[key])
+
+    walk(value)
+    return "\n".join(out)
+
+
+def equivalence_verdict(text, labels=JUDGE_LABELS):
+    """The judge's verdict text: the equal label, or the not-equal one if `text` holds LOSE."""
+    equal, not_equal = labels
+    if LOSE in text:
+        return not_equal, f"The candidate does not match the GOLD reference.\n\n{not_equal} they are not equivalent"
+    return equal, f"The candidate states the same answer as the GOLD reference.\n\n{equal} they are equivalent"
+
+
+def arena_verdict(text):
+    """arena_judge's verdict for one side-ordering: favour the candidate's slot (the answer
+    that starts with POLICY_ANSWER, else A), or the other slot if `text` holds LOSE."""
+    slots = {slot: answer.strip() for slot, answer in ARENA_SLOT.findall(text)}
+    candidate = "B" if slots.get("B", "").startswith(POLICY_ANSWER) and not slots.get("A", "").startswith(
+        POLICY_ANSWER) else "A"
+    winner = candidate if LOSE not in text else ("B" if candidate == "A" else "A")
+    label = "[[A>B]]" if winner == "A" else "[[B>A]]"
+    return label, (f"My own answer agrees with Assistant {winner}'s, which is correct and concise.\n\n"
+                   f"My final verdict is: {label}")
+
+
+def is_arena_judge(text):
+    return "<|The Start of Assistant A's Answer|>" in text and "<|The Start of Assistant B's Answer|>" in text
+
+
+def responses_reply(body, n, labels=JUDGE_LABELS):
+    """(the Responses API answer, kind, verdict label or None)."""
     items = body.get("input")
+    text = _texts(items)
+    if all(label in text for label in labels):
+        label, verdict = equivalence_verdict(text, labels)
+        return _response([_message(n, verdict)], f"resp_canned_{n}", n), "judge", label
+    if not body.get("tools"):
+        answer = POLICY_ANSWER + (" " + LOSE if LOSE in text else "")
+        return _response([_message(n, answer)], f"resp_canned_{n}", n), "policy", None
     answered = isinstance(items, list) and any(
         isinstance(item, dict) and item.get("type") == "function_call_output" for item in items
     )
@@ -124,12 +235,11 @@ def responses_reply(body, n):
             "arguments": json.dumps({"city": CITY}),
             "status": "completed",
         }]
-    else:
-        output = [_message(n)]
-    return _response(output, f"resp_canned_{n}", n)
+        return _response(output, f"resp_canned_{n}", n), "tool_call", None
+    return _response([_message(n)], f"resp_canned_{n}", n), "policy", None
 
 
-def chat_reply(n):
+def chat_reply(n, content=ANSWER):
     return {
         "id": f"chatcmpl-canned-{n}",
         "object": "chat.completion",
@@ -138,11 +248,20 @@ def chat_reply(n):
         "choices": [{
             "index": 0,
             "finish_reason": "stop",
-            "message": {"role": "assistant", "content": ANSWER},
+            "message": {"role": "assistant", "content": content},
         }],
         "usage": chat_usage(n),
         "system_fingerprint": None,
     }
+
+
+def chat_answer(body, n):
+    """(the chat completion, kind, verdict label or None)."""
+    text = _texts(body.get("messages"))
+    if is_arena_judge(text):
+        label, verdict = arena_verdict(text)
+        return chat_reply(n, verdict), "judge", label
+    return chat_reply(n), None, None
 
 
 def _pieces(text):
@@ -221,11 +340,69 @@ def top_level_keys(raw):
     return offsets
 
 
+class Log:
+    """The request log: the last `maxlen` entries, the call count, counts over every request,
+    and how many of each were being answered at once (at most)."""
+
+    def __init__(self, maxlen=20_000):
+        self.entries = collections.deque(maxlen=maxlen)
+        self.count = 0
+        self.counts = collections.Counter()
+        self.verdicts = collections.Counter()
+        self.in_flight = collections.Counter()
+        self.peak = collections.Counter()
+        self.auth_failed = 0
+        self.lock = threading.Lock()
+
+    def add(self, entry, answers_usage):
+        """Appends `entry` (with `usage(n)` when `answers_usage`); returns its number n."""
+        with self.lock:
+            self.count += 1
+            n = self.count
+            self.auth_failed += not entry["auth_ok"] and entry["path"].startswith("/v1/")
+            if answers_usage:
+                tokens_in, tokens_out = usage(n)
+                entry["usage"] = {"input": tokens_in, "output": tokens_out}
+            self.entries.append(entry)
+            return n
+
+    @staticmethod
+    def key(entry):
+        return f"{entry['method']} {entry['path']} {entry['kind']}"
+
+    def settle(self, entry, kind, verdict):
+        """Says which rule answers `entry` (logged already, so n was its arrival's); it is
+        being answered until `finish`."""
+        with self.lock:
+            entry["kind"], entry["verdict"] = kind, verdict
+            key = self.key(entry)
+            self.counts[key] += 1
+            if verdict:
+                self.verdicts[verdict] += 1
+            self.in_flight[key] += 1
+            self.peak[key] = max(self.peak[key], self.in_flight[key])
+
+    def finish(self, entry):
+        with self.lock:
+            self.in_flight[self.key(entry)] -= 1
+
+    def snapshot(self):
+        with self.lock:
+            return list(self.entries)
+
+    def summary(self):
+        with self.lock:
+            return {"requests": self.count, "logged": len(self.entries), "counts": dict(self.counts),
+                    "verdicts": dict(self.verdicts), "peak_in_flight": dict(self.peak),
+                    "auth_failed": self.auth_failed}
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     api_key = ""
-    log = []
-    lock = threading.Lock()
+    log = Log()
+    delay_s = 0.0
+    judge_labels = JUDGE_LABELS
 
     def log_message(self, *args):
         pass
@@ -238,8 +415,8 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def _record(self, raw=b"", body=None, answers_usage=False):
-        """Logs this request (with `usage(n)` when `answers_usage`); returns its number n
-        (1-based)."""
+        """Logs this request (with `usage(n)` when `answers_usage`); returns (its number n
+        (1-based), its log entry)."""
         body = body if isinstance(body, dict) else {}
         entry = {
             "method": self.command,
@@ -250,14 +427,26 @@ class Handler(BaseHTTPRequestHandler):
             "model_offset": top_level_keys(raw).get("model") if "model" in body else None,
             "body_bytes": len(raw),
             "usage": None,
+            "kind": None,
+            "verdict": None,
+            "t_ns": time.time_ns(),
         }
-        with self.lock:
-            n = len(self.log) + 1
-            if answers_usage:
-                tokens_in, tokens_out = usage(n)
-                entry["usage"] = {"input": tokens_in, "output": tokens_out}
-            self.log.append(entry)
-            return n
+        return self.log.add(entry, answers_usage), entry
+
+    def _answer(self, entry, kind=None, verdict=None):
+        """Settles `entry`, then waits the configured delay before the answer goes out."""
+        self.log.settle(entry, kind, verdict)
+        self._answering = entry
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+
+    def handle_one_request(self):
+        self._answering = None
+        try:
+            super().handle_one_request()
+        finally:
+            if self._answering is not None:
+                self.log.finish(self._answering)
 
     def _send(self, status, payload):
         data = json.dumps(payload).encode()
@@ -293,9 +482,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/_canned/requests":
-            with self.lock:
-                return self._send(200, list(self.log))
-        n = self._record()
+            return self._send(200, self.log.snapshot())
+        if self.path == "/_canned/summary":
+            return self._send(200, self.log.summary())
+        n, entry = self._record()
+        self._answer(entry)
         if self.path.rstrip("/") == "/v1/models":
             return self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0,
                                                                 "owned_by": "canned"}]})
@@ -303,21 +494,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         raw, body = self._body()
-        n = self._record(raw, body, answers_usage=self.path in ("/v1/responses", "/v1/chat/completions"))
+        n, entry = self._record(raw, body, answers_usage=self.path in ("/v1/responses", "/v1/chat/completions"))
         stream = isinstance(body, dict) and body.get("stream") is True
+        body = body if isinstance(body, dict) else {}
         if self.path == "/v1/responses":
             if stream:
+                self._answer(entry, "policy")
                 return self._stream([(name, json.dumps(data)) for name, data in responses_events(n)])
-            return self._send(200, responses_reply(body if isinstance(body, dict) else {}, n))
+            reply, kind, verdict = responses_reply(body, n, self.judge_labels)
+            self._answer(entry, kind, verdict)
+            return self._send(200, reply)
         if self.path == "/v1/chat/completions":
             if stream:
+                self._answer(entry)
                 return self._stream([(None, json.dumps(chunk)) for chunk in chat_chunks(n)] + [(None, "[DONE]")])
-            return self._send(200, chat_reply(n))
+            reply, kind, verdict = chat_answer(body, n)
+            self._answer(entry, kind, verdict)
+            return self._send(200, reply)
+        self._answer(entry)
         self._send(404, {"error": {"message": "not found"}})
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def handle_error(self, request, client_address):
         pass  # a client that hung up, or failed the TLS handshake
@@ -331,10 +531,20 @@ def main():
     parser.add_argument("--ready-file")
     parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--delay-s", type=float, default=0.0, help="wait this long before every answer")
+    parser.add_argument("--judge-labels", nargs=2, metavar=("EQUAL", "NOT_EQUAL"), default=list(JUDGE_LABELS),
+                        help="equivalence_llm_judge's judge_equal_label and judge_not_equal_label")
+    parser.add_argument("--log-max", type=int, default=20_000, help="keep the last N requests in the log")
     args = parser.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     Handler.api_key = args.api_key
+    Handler.delay_s = max(0.0, args.delay_s)
+    Handler.judge_labels = tuple(args.judge_labels)
+    Handler.log = Log(args.log_max)
+    # One thread per connection; a small stack keeps thousands of them cheap (the handlers
+    # recurse no deeper than json does on these small bodies).
+    threading.stack_size(2 << 20)
     server = Server((args.host, args.port), Handler)
     if args.tls_cert:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
