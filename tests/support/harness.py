@@ -53,7 +53,7 @@ def wait_listening(process, port, what, timeout=30, describe_exit=lambda: ""):
 
 def server_env(env=None):
     """The environment a Gym-shaped server runs in: ours, with the support dir importable."""
-    return dict(os.environ, PYTHONPATH=str(SUPPORT_DIR), **(env or {}))
+    return {**os.environ, "PYTHONPATH": str(SUPPORT_DIR), **(env or {})}
 
 
 def interrupt(process, timeout):
@@ -134,17 +134,20 @@ def example_binary(name):
 
 class UvicornServer:
     """One uvicorn process serving `app` (module:attr under support/servers); `extra_args` go
-    to uvicorn (e.g. a `--backlog` for a flood of connections)."""
+    to uvicorn (e.g. a `--backlog` for a flood of connections); `python` runs it (another
+    venv's, for another CPython minor)."""
 
-    def __init__(self, app="servers.gym_shaped:app", loop="uvloop", http="httptools", env=None, extra_args=()):
+    def __init__(self, app="servers.gym_shaped:app", loop="uvloop", http="httptools", env=None, extra_args=(),
+                 python=sys.executable):
         self.port = free_port()
         self.app, self.loop, self.http = app, loop, http
         self.env = server_env(env)
         self.extra_args = list(extra_args)
+        self.python = str(python)
         self.process = None
 
     def command(self):
-        return [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(self.port),
+        return [self.python, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(self.port),
                 "--loop", self.loop, "--http", self.http, "--no-access-log", "--log-level", "warning",
                 *self.extra_args]
 

@@ -64,6 +64,7 @@ pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     }
     toolchain(ctx)?;
     venv::ensure_venv(ctx)?;
+    venv::ensure_py312_venv(ctx)?;
     // The benchmark's load generator and the compiler of its syscall loop: `cargo xtask
     // bench` and tests/test_bench.py (run by `cargo xtask test`) need them; the HTTPS tests
     // make their certificates with openssl and use wget as a client whose TLS is GnuTLS.

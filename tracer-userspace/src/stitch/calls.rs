@@ -180,6 +180,13 @@ impl Stitcher {
     }
 
     fn set_parent(&mut self, call: SpanId, parent: SpanId, how: Evidence) {
+        // A span of the call's (or below it) already went out in a trace of its own: the
+        // edge came too late, and drawing it would name a parent in another trace.
+        let fixed = self.nodes.get(&call).and_then(|node| node.trace);
+        if fixed.is_some_and(|trace| trace != self.trace_of(parent)) {
+            self.counters.parents_decided_late += 1;
+            return;
+        }
         if let Some(node) = self.nodes.get_mut(&call) {
             node.parent = Parent::Local(parent);
             node.undecided = None;
@@ -741,6 +748,66 @@ mod tests {
         assert_eq!(s.parent(&u1), Some(x1.span_id));
         assert_eq!(s.parent(&u2), Some(x2.span_id));
         assert_eq!(s.stitcher.counters.parents_by_echoed_id, 2);
+    }
+
+    /// The echoed id comes after the callee's spans went out: the call's trace was fixed
+    /// then (a root's), so the late edge is not drawn, and no span names a parent in another
+    /// trace.
+    #[test]
+    fn a_parent_decided_after_the_callee_went_out_is_not_drawn() {
+        let mut s = Scene::new();
+        let (x1, _x2) = (
+            s.inbound(MODEL, "/v1/responses", &[]),
+            s.inbound(MODEL, "/v1/responses", &[]),
+        );
+        let upstream = s.call(MODEL, &[0x1, 0x10], &[]);
+        assert_eq!(s.parent(&upstream), None);
+        // The callee's span, on another traced process over the same connection, goes out.
+        let callee = super::super::testing_server_of(&upstream);
+        s.stitcher
+            .start(&callee, super::super::testing_facts(), s.now);
+        let mut out = Vec::new();
+        let span = testing::span(
+            "served",
+            crate::model::span::SpanKind::Server,
+            callee.span_id,
+        );
+        s.stitcher.hold(
+            callee.span_id,
+            super::super::SpanRole::Own,
+            span,
+            s.now,
+            &mut out,
+        );
+        s.stitcher.finish(callee.span_id, s.now);
+        s.stitcher.release(s.now + Duration::from_secs(1), &mut out);
+        let served = out.pop().expect("released");
+        assert_eq!(served.parent_span_id, Some(upstream.span_id));
+        // Now the echo binds the call: too late.
+        let token = Token::of(TokenKind::ResponseId, b"resp_late");
+        s.stitcher.response_id(upstream.span_id, token);
+        s.stitcher.response_id(x1.span_id, token);
+        assert_eq!(s.parent(&upstream), None);
+        assert_eq!(s.stitcher.counters.parents_decided_late, 1);
+        assert_eq!(s.stitcher.counters.parents_by_echoed_id, 0);
+        let span = testing::span(
+            "call",
+            crate::model::span::SpanKind::Client,
+            upstream.span_id,
+        );
+        s.stitcher.hold(
+            upstream.span_id,
+            super::super::SpanRole::Own,
+            span,
+            s.now,
+            &mut out,
+        );
+        s.stitcher.release(s.now + Duration::from_secs(2), &mut out);
+        let call = out.pop().expect("released");
+        assert_eq!(
+            (call.parent_span_id, call.trace_id),
+            (None, served.trace_id)
+        );
     }
 
     /// A plain FastAPI handler writes its own response: the response's task context binds

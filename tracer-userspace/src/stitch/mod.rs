@@ -176,6 +176,10 @@ counters! {
         /// Server spans released before their caller's client span was seen: the edge came
         /// later than `--stitch-delay-ms` and is lost.
         spans_flushed_unmatched,
+        /// Calls whose parent was decided after one of their spans (or one below them, such
+        /// as the callee's) had gone out in a trace of its own: the edge came later than
+        /// `--stitch-delay-ms` and is lost, so that no span names a parent in another trace.
+        parents_decided_late,
         /// Spans released before their delay because too many were held.
         spans_released_early,
         /// Requests dropped from the graph because it was full.
@@ -1066,6 +1070,31 @@ impl Stitcher {
             (Some(caller), Some(_)) => Some(CrossHost::Joined(caller)),
             _ => Some(CrossHost::Unjoined),
         }
+    }
+}
+
+/// The server end, on another traced process, of the call `client` (same connection, same
+/// request): what the callee's agent-side start looks like.
+#[cfg(test)]
+pub(crate) fn testing_server_of(client: &RequestStart) -> RequestStart {
+    RequestStart {
+        pid: client.pid + 1000,
+        role: Role::Server,
+        local: client.peer,
+        peer: client.local,
+        span_id: SpanId::random(),
+        ..client.clone()
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn testing_facts() -> StartFacts {
+    StartFacts {
+        rollout_id: None,
+        emits_own: true,
+        emits_semantic: false,
+        inbound_hidden: false,
+        caller_traced: false,
     }
 }
 

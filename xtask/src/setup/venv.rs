@@ -21,6 +21,11 @@ fn pyenv_python_3_13_0(ctx: &Ctx) -> PathBuf {
     pyenv_root(ctx).join("versions/3.13.0/bin/python")
 }
 
+/// pyenv's Python 3.12.1 (may not exist).
+fn pyenv_python_3_12_1(ctx: &Ctx) -> PathBuf {
+    pyenv_root(ctx).join("versions/3.12.1/bin/python")
+}
+
 /// Picks the Python for the test venv: pyenv's 3.13.0, else python3.13, else python3.
 fn choose_python(ctx: &Ctx) -> PathBuf {
     let pyenv_python = pyenv_python_3_13_0(ctx);
@@ -75,6 +80,8 @@ struct RequirementsVenv<'a> {
     requirements: PathBuf,
     /// What to do when pip fails (after "pip could not install ...: ").
     pip_hint: &'a str,
+    /// The interpreter the venv is made with; `None`: [`choose_python`].
+    base: Option<PathBuf>,
 }
 
 impl RequirementsVenv<'_> {
@@ -91,7 +98,7 @@ impl RequirementsVenv<'_> {
         if !python.exists() {
             create_venv(
                 ctx,
-                &choose_python(ctx),
+                &self.base.clone().unwrap_or_else(|| choose_python(ctx)),
                 &self.venv,
                 self.what,
                 "could not create the Python venv: install Python 3 with the venv module \
@@ -127,6 +134,28 @@ pub(super) fn ensure_venv(ctx: &Ctx) -> Result<()> {
         venv: ctx.root.join("target/venv"),
         requirements: ctx.root.join("tests/requirements.txt"),
         pip_hint: "delete target/venv to start over, then rerun `cargo xtask setup`",
+        base: None,
+    }
+    .ensure(ctx)
+}
+
+/// The web stack under pyenv's Python 3.12.1 (target/venv-py312), for the tests that run the
+/// same servers under the other CPython minor the tracer reads (task lineage, task contexts).
+pub(super) fn ensure_py312_venv(ctx: &Ctx) -> Result<()> {
+    let base = pyenv_python_3_12_1(ctx);
+    if !base.exists() {
+        bail!(
+            "pyenv's Python 3.12.1 is not at {}: install it (`pyenv install 3.12.1`); the \
+             tests run servers under CPython 3.12 and 3.13",
+            base.display()
+        );
+    }
+    RequirementsVenv {
+        what: "CPython 3.12 test",
+        venv: ctx.root.join("target/venv-py312"),
+        requirements: ctx.root.join("tests/requirements-py312.txt"),
+        pip_hint: "delete target/venv-py312 to start over, then rerun `cargo xtask setup`",
+        base: Some(base),
     }
     .ensure(ctx)
 }
@@ -206,6 +235,7 @@ pub(crate) fn ensure_phoenix_venv(ctx: &Ctx) -> Result<()> {
         requirements: ctx.root.join("tests/support/phoenix/requirements.txt"),
         pip_hint: "delete target/phoenix-venv to start over, then rerun `cargo xtask setup` \
                    (or skip the trace-UI test with `cargo xtask test --no-phoenix`)",
+        base: None,
     }
     .ensure(ctx)
 }
