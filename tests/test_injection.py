@@ -45,6 +45,7 @@ import urllib.request
 
 from harness import SUPPORT_DIR, free_port, wait_until
 from netns import TwoHosts
+from servers.capture_server import next_request
 
 WARMUPS = 3
 MEASURED = 5
@@ -107,25 +108,9 @@ class CaptureServer:
         try:
             with connection:
                 while True:
-                    while b"\r\n\r\n" not in buffered:
-                        chunk = connection.recv(65536)
-                        if not chunk:
-                            if buffered:
-                                raise ValueError(f"connection closed inside a request head: {buffered!r}")
-                            return
-                        buffered += chunk
-                    head_end = buffered.index(b"\r\n\r\n") + 4
-                    lengths = [int(line.split(b":", 1)[1]) for line in buffered[:head_end].split(b"\r\n")[1:]
-                               if line.lower().startswith(b"content-length:")]
-                    if len(lengths) > 1:
-                        raise ValueError(f"several Content-Length headers: {buffered[:head_end]!r}")
-                    end = head_end + (lengths[0] if lengths else 0)
-                    while len(buffered) < end:
-                        chunk = connection.recv(65536)
-                        if not chunk:
-                            raise ValueError(f"connection closed inside a request body: {buffered!r}")
-                        buffered += chunk
-                    request, buffered = buffered[:end], buffered[end:]
+                    request, buffered = next_request(connection, buffered)
+                    if request is None:
+                        return
                     path = request.split(b"\r\n", 1)[0].split(b" ")[1].decode()
                     with self.lock:
                         self.requests[path].append(request)

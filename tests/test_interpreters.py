@@ -73,6 +73,20 @@ def drive(port):
         list(pool.map(one, range(REQUESTS)))
 
 
+def wrong_and_orphans(calls, fronts):
+    """Of the CLIENT spans `calls` (each to /leaf/n/i): the paths of those under another than
+    their request n's SERVER span (`fronts[n]`), and how many have no parent."""
+    wrong, orphans = [], 0
+    for call in calls:
+        path = "/" + call["attributes"]["url.full"].split("://", 1)[1].split("/", 1)[1]
+        n = int(LEAF.match(path).group(1))
+        if not call["parent_span_id"]:
+            orphans += 1
+        elif call["parent_span_id"] != fronts[n]["span_id"]:
+            wrong.append(path)
+    return wrong, orphans
+
+
 @pytest.mark.parametrize("version,known", [("3.13.0", True), ("3.12.1", True), ("3.11.7", False)])
 def test_task_contexts_on_each_cpython_minor(stdlib_server, agents, version, known):
     process, port = stdlib_server(version)
@@ -96,14 +110,7 @@ def test_task_contexts_on_each_cpython_minor(stdlib_server, agents, version, kno
     assert sorted(fronts) == list(range(REQUESTS))
     calls = by_kind["CLIENT"]
     assert len(calls) == 2 * REQUESTS
-    wrong, orphans = [], 0
-    for call in calls:
-        path = "/" + call["attributes"]["url.full"].split("://", 1)[1].split("/", 1)[1]
-        n = int(LEAF.match(path).group(1))
-        if not call["parent_span_id"]:
-            orphans += 1
-        elif call["parent_span_id"] != fronts[n]["span_id"]:
-            wrong.append(path)
+    wrong, orphans = wrong_and_orphans(calls, fronts)
     print(f"\nPython {version}: {len(calls)} calls, {orphans} without a parent, {len(wrong)} wrong; "
           + ", ".join(f"{k}={v}" for k, v in summary.items() if k.startswith(("parents_", "python_", "context_"))))
     assert not wrong, f"calls under a wrong request: {wrong}"
@@ -170,14 +177,7 @@ def test_task_lineage_on_each_cpython_minor(server_factory, agents, minor, strip
     fronts = {int(s["attributes"]["url.path"].split("/")[2]): s for s in agent.spans()
               if s["kind"] == "SERVER" and s["resource"].get("process.pid") == front.pid}
     assert sorted(fronts) == list(range(LINEAGE_REQUESTS))
-    wrong, orphans = [], 0
-    for call in calls():
-        path = "/" + call["attributes"]["url.full"].split("://", 1)[1].split("/", 1)[1]
-        n = int(LEAF.match(path).group(1))
-        if not call["parent_span_id"]:
-            orphans += 1
-        elif call["parent_span_id"] != fronts[n]["span_id"]:
-            wrong.append(path)
+    wrong, orphans = wrong_and_orphans(calls(), fronts)
     print(f"\nPython {minor}{' (stripped _asyncio)' if stripped else ''}: {len(calls())} calls, {orphans} without "
           f"a parent, {len(wrong)} wrong; " + ", ".join(f"{k}={v}" for k, v in summary.items()
                                                         if k.startswith(("parents_", "lineage_"))))

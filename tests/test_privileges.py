@@ -129,6 +129,15 @@ def test_doctor_as_root_reports_a_working_host(server_factory):
     assert rows["tracepoint layout"][0] == "ok", rows["tracepoint layout"]
     assert "task_newtask pid@" in rows["tracepoint layout"][1]
     assert rows[f"pid {server.pid}"][0] == "ok"
+    # The task-creation probe would go on the server's own `_asyncio`, its TaskObj layout
+    # confirmed by that file's machine code (3.13: task_context at 0x88); `auto` leaves a
+    # server that is no Gym judge.
+    import _asyncio  # the test venv is the server's interpreter, pyenv's 3.13.0
+    status, detail = rows[f"pid {server.pid} lineage"]
+    assert status == "on", rows[f"pid {server.pid} lineage"]
+    assert detail.startswith(f"task lineage possible: a uprobe on Task.__init__ in {os.path.realpath(_asyncio.__file__)} "
+                             "(Task.task_context at 0x88, confirmed by its machine code); --task-lineage auto leaves "
+                             "it"), detail
     for feature in ["tracing", "fork following", "discovery", "route harvest", "connection addresses"]:
         assert rows[feature][0] == "on", f"{feature}: {rows[feature]}"
     assert "FAIL" not in result.stdout

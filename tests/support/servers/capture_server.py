@@ -16,28 +16,42 @@ import socket
 import threading
 
 
+def next_request(connection, buffered):
+    """The next whole HTTP/1.1 request on `connection` (head, then Content-Length bytes of
+    body) after the bytes already `buffered`: (request, the bytes after it), or (None, b"")
+    when the peer closed between requests. A request it cannot frame raises ValueError."""
+    while b"\r\n\r\n" not in buffered:
+        chunk = connection.recv(65536)
+        if not chunk:
+            if buffered:
+                raise ValueError(f"connection closed inside a request head: {buffered[:200]!r}")
+            return None, b""
+        buffered += chunk
+    head_end = buffered.index(b"\r\n\r\n") + 4
+    lengths = [int(line.split(b":", 1)[1]) for line in buffered[:head_end].split(b"\r\n")[1:]
+               if line.lower().startswith(b"content-length:")]
+    if len(lengths) > 1:
+        raise ValueError(f"several Content-Length headers: {buffered[:head_end]!r}")
+    end = head_end + (lengths[0] if lengths else 0)
+    while len(buffered) < end:
+        chunk = connection.recv(65536)
+        if not chunk:
+            raise ValueError(f"connection closed inside a request body: {buffered[:200]!r}")
+        buffered += chunk
+    return buffered[:end], buffered[end:]
+
+
 def serve(connection, out, lock):
     buffered = b""
     with connection:
         while True:
-            while b"\r\n\r\n" not in buffered:
-                chunk = connection.recv(65536)
-                if not chunk:
-                    if buffered:
-                        record(out, lock, {"error": f"closed inside a head: {buffered[:200]!r}"})
-                    return
-                buffered += chunk
-            head_end = buffered.index(b"\r\n\r\n") + 4
-            lengths = [int(line.split(b":", 1)[1]) for line in buffered[:head_end].split(b"\r\n")[1:]
-                       if line.lower().startswith(b"content-length:")]
-            end = head_end + (lengths[0] if lengths else 0)
-            while len(buffered) < end:
-                chunk = connection.recv(65536)
-                if not chunk:
-                    record(out, lock, {"error": f"closed inside a body: {buffered[:200]!r}"})
-                    return
-                buffered += chunk
-            request, buffered = buffered[:end], buffered[end:]
+            try:
+                request, buffered = next_request(connection, buffered)
+            except ValueError as error:
+                record(out, lock, {"error": str(error)})
+                return
+            if request is None:
+                return
             path = request.split(b"\r\n", 1)[0].split(b" ")[1].decode()
             record(out, lock, {"path": path, "request": base64.b64encode(request).decode()})
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")

@@ -488,6 +488,7 @@ mod tests {
     use crate::model::evidence::{Token, TokenKind};
     use crate::model::exchange::{RequestStart, Role};
     use crate::model::ids::SpanId;
+    use crate::model::span::{SpanKind, SpanRecord};
     use crate::pipeline::testing;
 
     const AGENT: u32 = 1;
@@ -584,6 +585,23 @@ mod tests {
 
         fn finish(&mut self, request: &RequestStart) {
             self.stitcher.finish(request.span_id, self.now);
+        }
+
+        /// Holds and finishes `request`'s own span, and releases it `after` from now.
+        fn release_own(
+            &mut self,
+            request: &RequestStart,
+            kind: SpanKind,
+            after: Duration,
+        ) -> SpanRecord {
+            let mut out = Vec::new();
+            let span = testing::span("own", kind, request.span_id);
+            let role = super::super::SpanRole::Own;
+            self.stitcher
+                .hold(request.span_id, role, span, self.now, &mut out);
+            self.stitcher.finish(request.span_id, self.now);
+            self.stitcher.release(self.now + after, &mut out);
+            out.pop().expect("released")
         }
     }
 
@@ -766,22 +784,7 @@ mod tests {
         let callee = super::super::testing_server_of(&upstream);
         s.stitcher
             .start(&callee, super::super::testing_facts(), s.now);
-        let mut out = Vec::new();
-        let span = testing::span(
-            "served",
-            crate::model::span::SpanKind::Server,
-            callee.span_id,
-        );
-        s.stitcher.hold(
-            callee.span_id,
-            super::super::SpanRole::Own,
-            span,
-            s.now,
-            &mut out,
-        );
-        s.stitcher.finish(callee.span_id, s.now);
-        s.stitcher.release(s.now + Duration::from_secs(1), &mut out);
-        let served = out.pop().expect("released");
+        let served = s.release_own(&callee, SpanKind::Server, Duration::from_secs(1));
         assert_eq!(served.parent_span_id, Some(upstream.span_id));
         // Now the echo binds the call: too late.
         let token = Token::of(TokenKind::ResponseId, b"resp_late");
@@ -790,20 +793,7 @@ mod tests {
         assert_eq!(s.parent(&upstream), None);
         assert_eq!(s.stitcher.counters.parents_decided_late, 1);
         assert_eq!(s.stitcher.counters.parents_by_echoed_id, 0);
-        let span = testing::span(
-            "call",
-            crate::model::span::SpanKind::Client,
-            upstream.span_id,
-        );
-        s.stitcher.hold(
-            upstream.span_id,
-            super::super::SpanRole::Own,
-            span,
-            s.now,
-            &mut out,
-        );
-        s.stitcher.release(s.now + Duration::from_secs(2), &mut out);
-        let call = out.pop().expect("released");
+        let call = s.release_own(&upstream, SpanKind::Client, Duration::from_secs(2));
         assert_eq!(
             (call.parent_span_id, call.trace_id),
             (None, served.trace_id)

@@ -89,13 +89,7 @@ mod tests {
     }
 
     fn facts() -> StartFacts {
-        StartFacts {
-            rollout_id: None,
-            emits_own: true,
-            emits_semantic: false,
-            inbound_hidden: false,
-            caller_traced: false,
-        }
+        super::super::testing_facts()
     }
 
     fn socket(fd: i32) -> InboundSocket {
