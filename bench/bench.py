@@ -10,6 +10,10 @@ Method (also in README.md, "Performance"):
   with OpenTelemetry's FastAPI + aiohttp-client instrumentation, exporting OTLP/HTTP to the
   same receiver). Each run: start servers, warm up with wrk (untimed; before the agent
   attaches), attach, run wrk for --duration, let exports settle, read /proc, stop.
+  Also `tracer-no-ctx` (the task-context reads off), `tracer-lineage` (the task-lineage
+  uprobe on every server: `--task-lineage on`) and, on /run, `tracer-inject`; the agent's
+  counters of a traced run are taken over the measured window only (its /metrics before,
+  its exit summary after), so the warm-up's requests and tasks are not in them.
 - Every figure of a row is the median over the repeats, taken figure by figure.
 
 The results go to stdout (one table) and to target/bench/bench-<UTC time>.json and
@@ -51,10 +55,21 @@ SERVER_CPU, LOAD_CPU = 0, 1
 # (issue #13) are priced on their own: the difference to gym-tracer is what they cost.
 # tracer-inject: gym-tracer with --inject-traceparent (issue #17), on the `run` workload only
 # (the one whose servers make outbound calls): throughput and errors beside the others.
-VARIANTS = ("untraced", "gym-tracer", "tracer-no-ctx", "tracer-inject", "otel")
-TRACED = {"gym-tracer": [], "tracer-no-ctx": ["--no-task-contexts"], "tracer-inject": ["--inject-traceparent"]}
+# tracer-lineage: gym-tracer with --task-lineage on, so that the uprobe on `_asyncio`'s
+# Task.__init__ is priced on its own: the difference to gym-tracer (whose default, `auto`,
+# probes none of the bench's servers: no resources server here names a model server) is what
+# the probe hits cost the servers, and the agent's lineage_tasks_probed counts them.
+VARIANTS = ("untraced", "gym-tracer", "tracer-lineage", "tracer-no-ctx", "tracer-inject", "otel")
+TRACED = {"gym-tracer": [], "tracer-lineage": ["--task-lineage", "on"], "tracer-no-ctx": ["--no-task-contexts"],
+          "tracer-inject": ["--inject-traceparent"]}
 ONLY_ON = {"tracer-inject": "run"}
 WORKLOADS = ("verify", "run")
+# `--only lineage`: both workloads with these variants only (what the lineage lines need).
+LINEAGE_VARIANTS = ("untraced", "gym-tracer", "tracer-lineage", "otel")
+# The agent's task-lineage counters, read as deltas over the measured window of every traced run.
+LINEAGE_COUNTERS = ("lineage_tasks_probed", "lineage_request_roots", "lineage_roots_without_request",
+                    "lineage_other_roots", "lineage_inherited", "lineage_creator_unseen",
+                    "lineage_creator_unreadable", "parents_by_lineage")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # After wrk ends: the agent holds finished spans 500 ms (--stitch-delay-ms), then exports.
 SETTLE_SECONDS = 1.5
@@ -297,14 +312,25 @@ def measure(workload, variant, params, receiver, scripts):
     url = f"{entry.base_url}/{workload}"
     pids = [server.pid for server in run.servers.values()]
     agent = None
+    health_port = free_port() if variant in TRACED else None
     try:
         if variant in TRACED:
             # Before the warm-up: connections already open at attach are not traced, and the
             # agent server's aiohttp pool keeps the ones it opens to its peers.
-            agent = start_agent(pids, receiver.url, options=TRACED[variant])
+            agent = start_agent(pids, receiver.url, health_port, options=TRACED[variant])
         warmup = run_wrk(url, scripts[workload], params.connections, params.warmup)
         spans_before = receiver.wait_stable(pids)  # the warm-up's spans, not counted
         entry_before = receiver.counts([entry.pid])
+        metrics_before = None
+        if agent:
+            # The warm-up's tasks and calls are done (its spans are in): the agent's counters
+            # now, from a /metrics snapshot taken after them (it refreshes every second).
+            time.sleep(1.1)
+            metrics_before = agent_metrics(health_port)
+            probed = metrics_before["gym_tracer_lineage_processes_total"]
+            if variant == "tracer-lineage" and probed < len(pids):
+                raise BenchError(f"{workload}/{variant}: the agent probes task creations in {probed:.0f} of the "
+                                 f"{len(pids)} servers (lineage_processes): see its log:\n{agent.stderr()[-4000:]}")
         server_cpu_before = sum(cpu_seconds(pid) for pid in pids)
         agent_cpu_before = cpu_seconds(agent.process.pid) if agent else 0.0
         load = run_wrk(url, scripts[workload], params.connections, params.duration)
@@ -329,6 +355,14 @@ def measure(workload, variant, params, receiver, scripts):
             result["traceparents_not_known_per_req"] = summary["traceparents_not_known"] / max(
                 warmup["sent"] + load["sent"], 1)
             result["traceparents_failed"] = summary["traceparents_failed"]
+            # Task lineage over the measured window alone: the exit summary less /metrics
+            # before the load (the servers are idle in between and after it).
+            window = {name: summary[name] - metrics_before[f"gym_tracer_{name}_total"] for name in LINEAGE_COUNTERS}
+            result["lineage_window"] = window
+            result["lineage_processes"] = summary["lineage_processes"]
+            result["lineage_processes_off"] = summary["lineage_processes_off"]
+            result["lineage_tasks_per_req"] = window["lineage_tasks_probed"] / max(load["sent"], 1)
+            result["lineage_parents_per_req"] = window["parents_by_lineage"] / max(load["sent"], 1)
         elif variant == "otel":
             run.stop()  # the SDK flushes its batch processor at exit
         if variant != "untraced":
@@ -726,6 +760,139 @@ def context_reads(params, receiver):
 
 
 # ---------------------------------------------------------------------------------------
+# lineage: the task-lineage uprobe per task created, on a CPython process alone
+# ---------------------------------------------------------------------------------------
+
+def wait_lineage_on(agent, health_port, timeout=30):
+    """Until the agent counts a process whose task creations it probes (its /metrics; it looks
+    again every few seconds at a process whose `_asyncio` was not loaded yet)."""
+    deadline = time.monotonic() + timeout
+    while agent_metrics(health_port)["gym_tracer_lineage_processes_total"] < 1:
+        if time.monotonic() > deadline or agent.process.poll() is not None:
+            raise BenchError(f"the agent did not put its task-lineage probe on the loop within {timeout} s "
+                             f"(lineage_processes stays 0): see its log:\n{agent.stderr()[-4000:]}")
+        time.sleep(0.2)
+
+
+def lineage_loop(command, n, options, receiver):
+    """One run of a loop program (`command`: it prints its CPU µs per iteration once it got a
+    line on stdin) on the server CPU, without an agent (`options` None) or traced with
+    `options`: (µs per iteration, the agent's eBPF ns per iteration, its exit summary)."""
+    loop = CHILDREN.add(subprocess.Popen(["taskset", "-c", str(SERVER_CPU), sys.executable, *command],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    agent = None
+    try:
+        # Both programs import asyncio before they read stdin: once `_asyncio` is mapped, the
+        # agent finds it at attach (else it looks again seconds later).
+        deadline = time.monotonic() + 20
+        while "_asyncio" not in Path(f"/proc/{loop.pid}/maps").read_text():
+            if time.monotonic() > deadline or loop.poll() is not None:
+                raise BenchError(f"{' '.join(command)} did not load _asyncio: see its error above")
+            time.sleep(0.02)
+        if options is not None:
+            health_port = free_port()
+            agent = start_agent([loop.pid], receiver.url, health_port, servers=False, options=options)
+            if "on" in options:
+                wait_lineage_on(agent, health_port)
+        before = bpf_stats.run_time(agent.process.pid) if agent else None
+        out, _ = loop.communicate("go\n", timeout=300)
+        if loop.returncode != 0:
+            raise BenchError(f"{' '.join(command)} failed ({loop.returncode}): see its error above")
+        if not agent:
+            return float(out), None, None
+        kernel_ns = (bpf_stats.run_time(agent.process.pid)[0] - before[0]) / n
+        agent.stop()
+        return float(out), kernel_ns, Counters(agent.summary(), "exit summary (--summary-file)")
+    finally:
+        stop_agent(agent)
+        if loop.poll() is None:
+            loop.kill()
+
+
+def task_lineage_alone(params, receiver):
+    """The two costs of task lineage to a CPython process, each on a loop of its own on the
+    server CPU, traced with --task-lineage off and on (and, for the tasks, without an agent),
+    interleaved, median and least of `ctx_repeats` runs, with the agent's eBPF run time
+    (kernel.bpf_stats_enabled):
+    - a probe hit: bench/lineage_tasks.py, an asyncio task creating and awaiting
+      `lineage_tasks` tasks one after the other, no I/O; on − off per hit (lineage_tasks_probed
+      ÷ tasks) is the uprobe trap and its program;
+    - the reads at a message-start write: bench/context_writer.py (the ctx section's), an
+      asyncio task's `ctx_requests` requests to an untraced sink, one message-start write
+      each; on − off is the kernel's extra reads of the running task there.
+    A workload's lineage cost is then about hits × the first + message-start writes × the
+    second."""
+    n, requests = params.lineage_tasks, params.ctx_requests
+    task_modes = {"untraced": None, "traced, --task-lineage off": ["--task-lineage", "off"],
+                  "traced, --task-lineage on": ["--task-lineage", "on"]}
+    write_modes = {mode: options for mode, options in task_modes.items() if options}
+    tasks = {mode: [] for mode in task_modes}
+    writes = {mode: [] for mode in write_modes}
+    task_kernel = {mode: [] for mode in write_modes}
+    write_kernel = {mode: [] for mode in write_modes}
+    hits, processes = [], []
+    sink_port = free_port()
+    with spawning_on(LOAD_CPU):
+        sink = CHILDREN.add(subprocess.Popen([sys.executable, str(BENCH_DIR / "context_sink.py"), str(sink_port)],
+                                             stdout=subprocess.PIPE, text=True))
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise BenchError("bench/context_sink.py did not start: see its error above")
+        with bpf_stats.stats_enabled():
+            for _ in range(params.ctx_repeats):
+                for mode, options in task_modes.items():
+                    us, kernel_ns, summary = lineage_loop([str(BENCH_DIR / "lineage_tasks.py"), str(n)], n, options,
+                                                          receiver)
+                    tasks[mode].append(us)
+                    if summary is None:
+                        continue
+                    task_kernel[mode].append(kernel_ns)
+                    probed = summary["lineage_tasks_probed"]
+                    if "on" in options:
+                        if probed < n:
+                            raise BenchError(f"lineage, {mode}: the agent counted {probed:.0f} probe hits for {n} "
+                                             "tasks created: the uprobe on Task.__init__ did not fire for each")
+                        hits.append(probed / n)
+                        processes.append(summary["lineage_processes"])
+                    elif probed:
+                        raise BenchError(f"lineage, {mode}: {probed:.0f} probe hits with --task-lineage off")
+                for mode, options in write_modes.items():
+                    us, kernel_ns, summary = lineage_loop(
+                        [str(BENCH_DIR / "context_writer.py"), str(sink_port), str(requests)], requests, options,
+                        receiver)
+                    if summary["context_chains_read"] < requests:
+                        raise BenchError(f"lineage, writes, {mode}: {summary['context_chains_read']:.0f} task "
+                                         f"contexts read for {requests} message-start writes")
+                    writes[mode].append(us)
+                    write_kernel[mode].append(kernel_ns)
+    finally:
+        sink.kill()
+        sink.wait()
+    on, off = "traced, --task-lineage on", "traced, --task-lineage off"
+
+    def summarise(runs, kernel):
+        medians_us = {mode: statistics.median(values) for mode, values in runs.items()}
+        least_us = {mode: min(values) for mode, values in runs.items()}
+        kernel_medians = {mode: statistics.median(values) for mode, values in kernel.items()}
+        return {"runs": runs, "median_us": medians_us, "least_us": least_us, "kernel_ns_runs": kernel,
+                "kernel_ns": kernel_medians, "cost_us": medians_us[on] - medians_us[off],
+                "cost_least_us": least_us[on] - least_us[off], "cost_kernel_ns": kernel_medians[on] - kernel_medians[off]}
+
+    per_task = statistics.median(hits)
+    task_figures = summarise(tasks, task_kernel)
+    write_figures = summarise(writes, write_kernel)
+    return {"repeats": params.ctx_repeats, "tasks": n, "requests": requests,
+            "hits_per_task": hits, "lineage_processes": processes,
+            # Per task created (one hit each) and per message-start write.
+            "task_loop": task_figures, "write_loop": write_figures,
+            "us_per_hit": task_figures["cost_us"] / per_task,
+            "least_us_per_hit": task_figures["cost_least_us"] / per_task,
+            "kernel_ns_per_hit": task_figures["cost_kernel_ns"] / per_task,
+            "us_per_write": write_figures["cost_us"], "least_us_per_write": write_figures["cost_least_us"],
+            "kernel_ns_per_write": write_figures["cost_kernel_ns"]}
+
+
+# ---------------------------------------------------------------------------------------
 # tls: an HTTPS client's cost per call with the SSL uprobes attached
 # ---------------------------------------------------------------------------------------
 
@@ -984,7 +1151,8 @@ def soak(params, receiver, scripts):
 MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_us_per_req", "agent_peak_rss_kib",
                  "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
                  "non_2xx", "context_chains_per_req", "traceparents_injected_per_req",
-                 "traceparents_not_known_per_req", "traceparents_failed")
+                 "traceparents_not_known_per_req", "traceparents_failed", "lineage_processes", "lineage_processes_off",
+                 "lineage_tasks_per_req", "lineage_parents_per_req")
 
 
 def medians(runs):
@@ -1034,6 +1202,58 @@ def context_cost(table, workload):
             "agent_cpu_us_per_req_on": on["agent_cpu_us_per_req"],
             "agent_cpu_us_per_req_off": off["agent_cpu_us_per_req"],
             "context_chains_per_req": on.get("context_chains_per_req")}
+
+
+def lineage_cost(table, runs, workload):
+    """What the task-lineage uprobe costs the servers, gym-tracer --task-lineage on against
+    gym-tracer (whose `auto` probes none of the bench's servers): server CPU per request, the
+    probe hits per request over the measured window (lineage_tasks_probed), and so the server
+    CPU each hit cost; beside it in-process OpenTelemetry's cost against untraced. Percentages
+    are of the untraced server CPU per request, the one base of both. Also the same difference
+    repeat by repeat (the variants run interleaved, so a repeat's pair shares its drift)."""
+    on, off = table.get((workload, "tracer-lineage")), table.get((workload, "gym-tracer"))
+    base, otel = table.get((workload, "untraced")), table.get((workload, "otel"))
+    if not on or not off or "lineage_tasks_per_req" not in on:
+        return None
+
+    def per_hit(delta_us, hits):
+        return delta_us / hits if hits >= 0.5 else None
+
+    delta = on["server_cpu_us_per_req"] - off["server_cpu_us_per_req"]
+    hits = on["lineage_tasks_per_req"]
+    base_us = base["server_cpu_us_per_req"] if base else None
+    by_repeat = []
+    for repeat in sorted({r["repeat"] for r in runs if r["workload"] == workload}):
+        pair = {r["variant"]: r for r in runs if r["workload"] == workload and r["repeat"] == repeat}
+        if "tracer-lineage" in pair and "gym-tracer" in pair:
+            d = pair["tracer-lineage"]["server_cpu_us_per_req"] - pair["gym-tracer"]["server_cpu_us_per_req"]
+            h = pair["tracer-lineage"]["lineage_tasks_per_req"]
+            by_repeat.append({"repeat": repeat, "delta_us": d, "probe_hits_per_req": h, "us_per_hit": per_hit(d, h)})
+    return {"server_cpu_us_per_req_lineage": on["server_cpu_us_per_req"],
+            "server_cpu_us_per_req_gym_tracer": off["server_cpu_us_per_req"],
+            "server_cpu_us_per_req_untraced": base_us,
+            "delta_us": delta, "delta_pct_of_untraced": 100 * delta / base_us if base_us else None,
+            "probe_hits_per_req": hits, "us_per_hit": per_hit(delta, hits),
+            "parents_by_lineage_per_req": on["lineage_parents_per_req"],
+            # Message-start writes whose task the kernel read (task contexts), per request.
+            "writes_per_req": on["context_chains_per_req"],
+            "lineage_processes": on["lineage_processes"], "lineage_processes_off": on["lineage_processes_off"],
+            # gym-tracer's own (the default, auto): none of the bench's servers, so 0.
+            "gym_tracer_probe_hits_per_req": off.get("lineage_tasks_per_req"),
+            "agent_cpu_us_per_req_lineage": on["agent_cpu_us_per_req"],
+            "agent_cpu_us_per_req_gym_tracer": off["agent_cpu_us_per_req"],
+            "rps_lineage": on["rps"], "rps_gym_tracer": off["rps"],
+            # gym-tracer with lineage against no tracing at all, and in-process OpenTelemetry.
+            "lineage_total_us": on["server_cpu_us_per_req"] - base_us if base_us else None,
+            "lineage_total_pct": 100 * (on["server_cpu_us_per_req"] / base_us - 1) if base_us else None,
+            "otel_us": otel["server_cpu_us_per_req"] - base_us if otel and base_us else None,
+            "otel_pct": 100 * (otel["server_cpu_us_per_req"] / base_us - 1) if otel and base_us else None,
+            "by_repeat": by_repeat,
+            # The median of the repeats' own differences: steadier than the difference of the
+            # medians when a repeat's servers all ran slow or fast.
+            "paired_delta_us": statistics.median(r["delta_us"] for r in by_repeat) if by_repeat else None,
+            "paired_us_per_hit": (per_hit(statistics.median(r["delta_us"] for r in by_repeat), hits)
+                                  if by_repeat else None)}
 
 
 def fmt(value, spec, missing="-"):
@@ -1140,7 +1360,7 @@ def render(report):
                  f"interleaved; every figure is the median of the repeats")
     table = report["table"]
     if table:
-        header = (f"{'workload':8} {'variant':13} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
+        header = (f"{'workload':8} {'variant':14} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'srv µs/req':>10} "
                   f"{'agent µs/req':>12} {'agent RSS MiB':>13} {'lost':>5} {'drops':>5} {'spans/req':>9} "
                   f"{'SERVER/sent':>11} {'req/s ×':>8} {'srv CPU ×':>9}")
         lines += ["", header, "-" * len(header)]
@@ -1151,7 +1371,7 @@ def render(report):
                     continue
                 rss = row.get("agent_peak_rss_kib")
                 lines.append(
-                    f"{workload:8} {variant:13} {row['rps']:7.0f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                    f"{workload:8} {variant:14} {row['rps']:7.0f} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
                     f"{row['server_cpu_us_per_req']:10.0f} {fmt(row.get('agent_cpu_us_per_req'), '12.1f'):>12} "
                     f"{fmt(rss and rss / 1024, '13.1f'):>13} {fmt(row.get('events_lost'), '5.0f'):>5} "
                     f"{fmt(row.get('agent_drops'), '5.0f'):>5} {fmt(row.get('spans_per_req'), '9.3f'):>9} "
@@ -1185,7 +1405,32 @@ def render(report):
                     f"CPU {c['server_cpu_us_per_req_on']:.0f} µs/req with, {c['server_cpu_us_per_req_off']:.0f} without "
                     f"({c['server_cpu_us_per_req_delta']:+.1f} µs); agent {c['agent_cpu_us_per_req_on']:.1f} vs "
                     f"{c['agent_cpu_us_per_req_off']:.1f} µs/req")
-        lines.append("(a negative cost is below this machine's noise: compare with the spread of the runs in the JSON)")
+        for workload, c in report.get("lineage", {}).items():
+            if c:
+                spread = [r["delta_us"] for r in c["by_repeat"]]
+                lines.append(
+                    f"{workload}: task lineage: {c['delta_us']:+.1f} µs server CPU per request "
+                    f"({fmt(c['delta_pct_of_untraced'], '+.1f', '?')} %) for {c['probe_hits_per_req']:.2f} probe hits "
+                    f"per request ({fmt(c['us_per_hit'], '.1f', 'n/a')} µs each); in-process OpenTelemetry: "
+                    f"{fmt(c['otel_us'], '+.1f', '?')} µs ({fmt(c['otel_pct'], '+.1f', '?')} %)")
+                lines.append(
+                    f"  server CPU {c['server_cpu_us_per_req_lineage']:.0f} µs/req with lineage, "
+                    f"{c['server_cpu_us_per_req_gym_tracer']:.0f} without, {fmt(c['server_cpu_us_per_req_untraced'], '.0f')} "
+                    f"untraced (gym-tracer with lineage, all told: {fmt(c['lineage_total_us'], '+.1f', '?')} µs, "
+                    f"{fmt(c['lineage_total_pct'], '+.1f', '?')} %); repeat by repeat "
+                    + ", ".join(f"{d:+.1f}" for d in spread) + " µs"
+                    + f" (median {fmt(c['paired_delta_us'], '+.1f', '?')} µs, "
+                    f"{fmt(c['paired_us_per_hit'], '.1f', 'n/a')} µs a hit)"
+                    + f"; {c['lineage_processes']:.0f} processes probed, parents by lineage "
+                    f"{c['parents_by_lineage_per_req']:.2f} per request; gym-tracer (auto) "
+                    f"{fmt(c['gym_tracer_probe_hits_per_req'], '.2f')} hits per request"
+                    + (f"; from the loops below ({c['probe_hits_per_req']:.2f} hits × "
+                       f"{report['lineage_alone']['us_per_hit']:.2f} µs + {c['writes_per_req']:.2f} message-start writes "
+                       f"× {report['lineage_alone']['kernel_ns_per_write'] / 1000:.2f} µs of eBPF): "
+                       f"{c['expected_us']:+.1f} µs expected"
+                       if c.get("expected_us") is not None else ""))
+        lines.append("(a negative cost is below this machine's noise: compare with the spread of the runs in the JSON; "
+                     "task lineage's % and OpenTelemetry's are of the untraced server CPU per request)")
     if report.get("saturation"):
         s = report["saturation"]
         lines.append("")
@@ -1252,6 +1497,24 @@ def render(report):
         lines.append("  the agent's eBPF programs, per request (kernel.bpf_stats_enabled, median): "
                      + ", ".join(f"{mode} {value:.0f} ns" for mode, value in c["kernel_ns_per_req"].items())
                      + f"; the reads: {c['reads_kernel_ns']:+.0f} ns per request")
+    if report.get("lineage_alone"):
+        c = report["lineage_alone"]
+        t, w = c["task_loop"], c["write_loop"]
+
+        def modes(figures):
+            return ", ".join(f"{mode} {value:.2f} ({figures['least_us'][mode]:.2f})"
+                             for mode, value in figures["median_us"].items())
+
+        lines.append("")
+        lines.append(f"task lineage alone (CPython loops on CPU {SERVER_CPU}, {c['repeats']} runs interleaved; CPU per "
+                     f"iteration, median (least), µs):")
+        lines.append(f"  creating and awaiting {c['tasks']} asyncio tasks, no I/O (bench/lineage_tasks.py): {modes(t)}; "
+                     f"one probe hit ({min(c['hits_per_task']):.3f}-{max(c['hits_per_task']):.3f} per task): "
+                     f"{c['us_per_hit']:+.2f} µs ({c['least_us_per_hit']:+.2f} between the least), "
+                     f"{c['kernel_ns_per_hit']:+.0f} ns of it in the agent's eBPF programs")
+        lines.append(f"  {c['requests']} requests of one message-start write each (bench/context_writer.py): {modes(w)}; "
+                     f"the lineage reads at a write: {c['us_per_write']:+.2f} µs ({c['least_us_per_write']:+.2f} between "
+                     f"the least), {c['kernel_ns_per_write']:+.0f} ns in the eBPF programs")
     if report.get("tls_calls"):
         t = report["tls_calls"]
         lines.append("")
@@ -1323,7 +1586,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
+SECTIONS = ("verify", "run", "lineage", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
 
 
 def parse_args(argv):
@@ -1357,6 +1620,7 @@ def parse_args(argv):
     args.tax_iterations = 50_000 if quick else 200_000
     args.ctx_requests = 5_000 if quick else 40_000
     args.ctx_repeats = 3 if quick else 9
+    args.lineage_tasks = 5_000 if quick else 20_000
     args.tls_requests = args.tls_requests or (500 if quick else 3000)
     args.tls_repeats = args.tls_repeats or args.ctx_repeats
     args.sections = SECTIONS if not args.only else tuple(s.strip() for s in args.only.split(","))
@@ -1415,11 +1679,14 @@ def main(argv=None):
         for workload in WORKLOADS:
             scripts[workload] = workdir / f"{workload}.lua"
             scripts[workload].write_text(wrk_script(workload))
-        workloads = [w for w in WORKLOADS if w in args.sections]
+        # `lineage` alone runs both workloads with LINEAGE_VARIANTS only.
+        workloads = [w for w in WORKLOADS if w in args.sections or "lineage" in args.sections]
         for repeat in range(args.repeats):
             for workload in workloads:
                 for variant in VARIANTS:
                     if ONLY_ON.get(variant, workload) != workload:
+                        continue
+                    if workload not in args.sections and variant not in LINEAGE_VARIANTS:
                         continue
                     result = measure(workload, variant, args, receiver, scripts)
                     result["repeat"] = repeat
@@ -1427,11 +1694,14 @@ def main(argv=None):
                     print(f"  {workload}/{variant} repeat {repeat + 1}/{args.repeats}: {result['rps']:.0f} req/s, "
                           f"server {result['server_cpu_us_per_req']:.0f} µs/req, agent "
                           f"{fmt(result.get('agent_cpu_us_per_req'), '.1f')} µs/req, spans/req "
-                          f"{fmt(result.get('spans_per_req'), '.3f')}", flush=True)
+                          f"{fmt(result.get('spans_per_req'), '.3f')}"
+                          + (f", lineage probe hits/req {result['lineage_tasks_per_req']:.2f}"
+                             if result.get("lineage_tasks_per_req") else ""), flush=True)
         table = medians(report["runs"])
         report["table"] = {f"{w}/{v}": row for (w, v), row in table.items()}
         report["headline"] = {w: headline(table, w) for w in workloads}
         report["context_cost"] = {w: context_cost(table, w) for w in workloads}
+        report["lineage"] = {w: lineage_cost(table, report["runs"], w) for w in workloads}
         if "saturation" in args.sections:
             report["saturation"] = saturation(args, receiver, scripts)
         if "connections" in args.sections:
@@ -1444,6 +1714,15 @@ def main(argv=None):
             report["context_reads"] = context_reads(args, receiver)
         if "pipeline" in args.sections:
             report["pipeline_cost"] = pipeline_cost(args.pipeline_cost, args.quick)
+        if "lineage" in args.sections:
+            report["lineage_alone"] = alone = task_lineage_alone(args, receiver)
+            for c in report["lineage"].values():
+                if c:
+                    # A hit: the trap and its program, seen in the loop's CPU. The reads at a
+                    # write: more work in a program that runs anyway (no trap), below the
+                    # noise of the CPU figure: its eBPF run time.
+                    c["expected_us"] = (c["probe_hits_per_req"] * alone["us_per_hit"]
+                                        + c["writes_per_req"] * alone["kernel_ns_per_write"] / 1000)
         if "tls" in args.sections:
             report["tls_calls"] = tls_calls(args, receiver)
         if args.soak:

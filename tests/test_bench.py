@@ -33,7 +33,8 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     for key in ("machine", "commit", "parameters", "runs", "table", "headline", "text"):
         assert key in report, key
     table = report["table"]
-    assert set(table) == {"verify/untraced", "verify/gym-tracer", "verify/tracer-no-ctx", "verify/otel"}
+    assert set(table) == {"verify/untraced", "verify/gym-tracer", "verify/tracer-lineage", "verify/tracer-no-ctx",
+                          "verify/otel"}
     for row in table.values():
         for column in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "rps_vs_untraced"):
             assert row[column] > 0, (column, row)
@@ -56,6 +57,80 @@ def test_quick_bench_writes_a_complete_report(tmp_path):
     cost = report["context_cost"]["verify"]
     assert 0.9 <= cost["context_chains_per_req"] <= 1.05, cost  # + the route harvest's response
     assert table["verify/tracer-no-ctx"]["context_chains_per_req"] == 0, table["verify/tracer-no-ctx"]
+    # The task-lineage uprobe priced on its own (gym-tracer --task-lineage on against
+    # gym-tracer): its runs traced every request and lost nothing, and it counted probe hits
+    # over the measured window (at least the task uvicorn runs each request in); gym-tracer's
+    # default (auto) probes none of these servers.
+    check_lineage_runs(report, "verify")
+    assert "verify: task lineage:" in out.stdout, out.stdout
+
+
+HITS_PER_REQUEST = {"verify": 3, "run": 3 * 3 + 2}
+
+
+def check_lineage_runs(report, workload):
+    """The tracer-lineage runs of `workload` traced every request and lost nothing, the probe
+    fired in every server, and the lineage figures are in the report."""
+    table = report["table"]
+    row = table[f"{workload}/tracer-lineage"]
+    assert row["events_lost"] == 0 and row["agent_drops"] == 0, row
+    for run in (r for r in report["runs"] if r["workload"] == workload and r["variant"] == "tracer-lineage"):
+        assert run["one_span_per_request"], run
+        assert run["lineage_processes_off"] == 0, run
+    lineage = report["lineage"][workload]
+    # Exactly the tasks the servers' code creates per request: uvicorn's run_asgi, the task
+    # `@app.middleware("http")`'s call_next runs the app in, and the one Starlette's
+    # receive_or_disconnect starts to read the body, in each server; on /run also one eager
+    # write_bytes task per aiohttp call with a body (the model call and the verify call).
+    assert abs(lineage["probe_hits_per_req"] - HITS_PER_REQUEST[workload]) < 0.02, lineage
+    assert lineage["lineage_processes"] == (1 if workload == "verify" else 3), lineage
+    assert lineage["gym_tracer_probe_hits_per_req"] == 0, lineage
+    assert table[f"{workload}/gym-tracer"]["lineage_processes"] == 0, table[f"{workload}/gym-tracer"]
+    # A difference of noisy figures: present and finite, not necessarily positive.
+    for key in ("delta_us", "us_per_hit", "otel_us"):
+        assert isinstance(lineage[key], float) and abs(lineage[key]) < float("inf"), (key, lineage)
+    assert len(lineage["by_repeat"]) == report["parameters"]["repeats"], lineage
+
+
+def test_quick_bench_prices_task_lineage(tmp_path):
+    """The lineage section, shortest form: both workloads with untraced, gym-tracer,
+    tracer-lineage and otel only, the lineage lines of each (probe hits per request over the
+    measured window, the CPU they cost, OpenTelemetry's beside), and the two loops that price
+    lineage's costs alone: a probe hit per task created, and the reads at a message-start
+    write."""
+    out = run_bench(tmp_path, "--only", "lineage", "--duration", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("verify: task lineage:", "run: task lineage:"):
+        assert text in out.stdout, (text, out.stdout)
+
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert set(report["table"]) == {f"{w}/{v}" for w in ("verify", "run")
+                                    for v in ("untraced", "gym-tracer", "tracer-lineage", "otel")}
+    for workload in ("verify", "run"):
+        check_lineage_runs(report, workload)
+    lineage = report["lineage"]
+    # /run's three servers each create the tasks /verify's one does, and the agent server's
+    # aiohttp client adds its own; its two calls are placed (by lineage among other evidence).
+    assert lineage["verify"]["parents_by_lineage_per_req"] == 0, lineage["verify"]
+    assert abs(lineage["run"]["parents_by_lineage_per_req"] - 2) < 0.02, lineage["run"]
+
+    # The two costs alone: a probe hit per task created (the loop's own task, asyncio.run's,
+    # too), in the one process; the reads at each message-start write.
+    alone = report["lineage_alone"]
+    assert all(1 <= hits < 1.01 for hits in alone["hits_per_task"]), alone["hits_per_task"]
+    assert alone["lineage_processes"] == [1, 1, 1], alone
+    for loop, modes in (("task_loop", {"untraced", "traced, --task-lineage off", "traced, --task-lineage on"}),
+                        ("write_loop", {"traced, --task-lineage off", "traced, --task-lineage on"})):
+        figures = alone[loop]
+        assert set(figures["median_us"]) == modes, (loop, figures)
+        assert all(len(runs) == 3 for runs in figures["runs"].values()), (loop, figures["runs"])
+        assert all(value > 0 for value in figures["median_us"].values()), (loop, figures)
+    assert alone["kernel_ns_per_hit"] > 0, alone
+    for key in ("us_per_hit", "least_us_per_hit", "us_per_write", "least_us_per_write", "kernel_ns_per_write"):
+        assert isinstance(alone[key], float) and abs(alone[key]) < float("inf"), (key, alone)
+    for workload in ("verify", "run"):
+        assert isinstance(lineage[workload]["expected_us"], float), lineage[workload]
+    assert "task lineage alone" in out.stdout, out.stdout
 
 
 def test_quick_bench_prices_the_tls_uprobes(tmp_path):

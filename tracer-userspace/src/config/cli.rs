@@ -53,13 +53,16 @@ const LONG_ABOUT: &str = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n
     exported.\n\n\
     Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
     is one trace with Gym's parent edges: a call hangs under the inbound request that made \
-    it (the in-flight request with the call's rollout id, else the only one in flight, else \
-    the innermost of nested ones; otherwise none, counted), and the \
-    callee's SERVER span under the caller's CLIENT span (the agent sees both ends of the \
-    connection). Across hosts, each agent derives a rollout's trace id from its rollout id \
-    (first 16 bytes of SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its \
-    rollout lands in the same trace; an edge between hosts is drawn only where an inbound \
-    traceparent header proves it.\n\n\
+    it, as evidence decides (the request its task descends from, with --task-lineage; the \
+    rollout id it names, a session cookie, its handler task's context, the response id the \
+    request echoes; in a process without task contexts the only request in flight, else the \
+    innermost of nested ones; otherwise none, counted by why), and the callee's SERVER span \
+    under the caller's CLIENT span (the agent sees both ends of the connection). Across \
+    hosts, each agent derives a rollout's trace id from its rollout id (first 16 bytes of \
+    SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its rollout lands in the \
+    same trace; a SERVER span hangs under its caller's CLIENT span on another host where both \
+    agents know the request's TCP sequence number and the server's knows its rollout, or an \
+    inbound traceparent header names it.\n\n\
     Needs root, or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH \
     (`gym-tracer doctor` checks this kernel and these privileges).";
 
@@ -255,8 +258,8 @@ pub struct RunArgs {
     /// written by any task a handler spawned (asyncio.gather and TaskGroup children, the
     /// tasks middleware runs the app in, an LLM judge called from /verify) hangs under the
     /// inbound request that caused it, decided as the call is written, whatever else is in
-    /// flight. Each probed server pays a uprobe trap per task it creates (about 13 µs on a
-    /// VM, 7 to 10 tasks per Gym request: `cargo xtask bench --only lineage`). auto: the Gym
+    /// flight. Each probed server pays a uprobe hit per task it creates (about 3 µs on the
+    /// benchmark's VM, 3 to 10 tasks per request: `cargo xtask bench --only lineage`). auto: the Gym
     /// servers whose calls carry no evidence of their own — resources servers whose config
     /// names a model server (LLM judges) — and no other process; on: every traced CPython
     /// 3.12 or 3.13 process; off: none. Needs the task-context reads (not with

@@ -3,12 +3,17 @@
 //!
 //! Every request gets its span id when its head is seen ([`RequestStart`]), long before it
 //! ends, so edges can be drawn while both ends are still in flight:
-//! - inside a process, an outbound call hangs under the inbound request that caused it (the
-//!   one in-flight inbound request with the call's rollout id, else the only one in flight,
-//!   else nothing — never a guess);
+//! - inside a process, an outbound call hangs under the inbound request that caused it, as
+//!   evidence decides ([`calls`], [`lineage`]): the request root its writing task descends
+//!   from (`--task-lineage`); the rollout id it names and the session cookie it carries; the
+//!   handler task's context it shares with calls already placed, or with the request's
+//!   response; the response id the request's answer echoes; in a process without task
+//!   contexts, the only request in flight, else the innermost of nested ones. Otherwise
+//!   nothing — never a guess — counted by why;
 //! - across processes on this host, the server end of a TCP connection hangs under the client
-//!   end: both count the connection's requests in the same order, so (client address, server
-//!   address, request number) names one request from either side, whichever is seen first;
+//!   end: (client address, server address, the TCP sequence number of the request's first
+//!   byte, or its ordinal where that is unknown) names one request from either side,
+//!   whichever is seen first;
 //! - an inbound `traceparent` wins over both;
 //! - across hosts, nothing is shared: a CLIENT span whose request's TCP sequence number is
 //!   known gets an id derived from it ([`SpanId::of_tcp_request`]), and a SERVER span whose
