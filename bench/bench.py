@@ -71,7 +71,7 @@ LINEAGE_COUNTERS = ("lineage_tasks_probed", "lineage_request_roots", "lineage_ro
                     "lineage_other_roots", "lineage_inherited", "lineage_creator_unseen",
                     "lineage_creator_unreadable", "parents_by_lineage")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-# After wrk ends: the agent holds finished spans 500 ms (--stitch-delay-ms), then exports.
+# After wrk ends: the agent releases spans as their chains settle (within its 100 ms tick), then exports.
 SETTLE_SECONDS = 1.5
 # Counters of the agent whose growth means a request was not traced or a span not delivered.
 LOSS_COUNTERS = ("events_lost_in_kernel", "spans_dropped_queue_full", "requests_dropped_overflow",

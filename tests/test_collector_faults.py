@@ -28,7 +28,7 @@ def start_agent(agents, server, receiver, protocol, *args, metric_interval=3600,
         metric_interval=metric_interval,
         extra_args=[
             "--otlp-endpoint", endpoint_of(receiver, protocol), "--otlp-protocol", protocol,
-            "--otlp-timeout", str(otlp_timeout_ms), "--stitch-delay-ms", "50", "--no-route-harvest", *args,
+            "--otlp-timeout", str(otlp_timeout_ms), "--no-route-harvest", *args,
         ],
     )
 
@@ -304,7 +304,7 @@ def test_self_telemetry_arrives_as_gym_tracer_metrics(server_factory, collector,
 
 def test_self_telemetry_is_printed_among_the_json_metrics(server_factory, agents):
     server = server_factory()
-    agent = agents([server.pid], extra_args=["--stitch-delay-ms", "50", "--no-route-harvest"])
+    agent = agents([server.pid], extra_args=["--no-route-harvest"])
     send_verify(server, 5)
     time.sleep(1.5)
     summary = stopped(agent)  # the final export prints every metric once

@@ -49,7 +49,7 @@ resource-attributes = "team=file"
     assert f'pid = ["{server.pid}"]  # file' in lines, shown.stdout
     assert 'service-name = "env-group"  # env' in lines, shown.stdout
     assert 'resource-attributes = "team=flag"  # flag' in lines, shown.stdout
-    assert 'stitch-delay-ms = 500  # default' in lines, shown.stdout
+    assert 'max-pending-spans = 100000  # default' in lines, shown.stdout
 
 
 def test_check_config_rejects_what_run_would_reject(tmp_path):
@@ -145,7 +145,7 @@ def test_health_turns_unhealthy_while_the_collector_is_unreachable(server_factor
     closed_port = free_port()  # nothing listens there
     agent = agents(pids=[server.pid], extra_args=[
         "--health-listen", "127.0.0.1:0", "--otlp-endpoint", f"http://127.0.0.1:{closed_port}",
-        "--otlp-protocol", "http/protobuf", "--otlp-timeout", "2000", "--stitch-delay-ms", "50",
+        "--otlp-protocol", "http/protobuf", "--otlp-timeout", "2000",
     ])
     base = f"http://127.0.0.1:{health_port(agent)}"
     assert get(f"{base}/healthz")[0] == 200, "nothing failed yet"

@@ -46,12 +46,7 @@ warm-ups, and the batch's first or last /verify alone, if any): every other judg
 root, counted in parents_no_evidence, the rollout's trace ends at gym.verify, and the judge's
 subtree is a trace of its own. A judge call that has a parent has its own rollout's gym.verify.
 
-The agent's own calls (its model call, placed by the response id its /v1/responses answer
-echoes) are decided when that answer is written, which a saturated agent does up to ~0.9 s
-after the model call ended: past the default 500 ms stitch delay. Deciding such edges by the
-event instead of a delay is the [gym-scale] issue; here the tracer runs with STITCH_DELAY_MS,
-so that this test checks lineage, and the judges' edges, which lineage decides as each call is
-written, would hold with any delay. The summary's counters are the whole agent's: nothing else
+The summary's counters are the whole agent's: nothing else
 Gym-shaped may run on the machine meanwhile (`cargo xtask test` runs one test at a time).
 
 Needs target/gym-venv with arena_judge's packages (`cargo xtask setup`; see test_real_gym.py).
@@ -75,7 +70,6 @@ WARMUP_ROLLOUT = 900  # the warm-ups' rollout index: ids "0-900", "1-900", apart
 LOSE_EVERY = 4  # the upstream's judge decides against every 4th rollout (reward 0.0)
 UPSTREAM_DELAY_S = 1.0
 # See the module docstring: the agent's echoed-id edges under a saturated event loop.
-STITCH_DELAY_MS = 3000
 MODES = {"gym-default": False, "observability": True}
 CASES = [(environment, mode) for environment in JUDGE_CALLS for mode in MODES]
 # Room between a span's and its parent's clocks: the same machine's, converted per process.
@@ -206,7 +200,7 @@ def stop_when_exported(agent, run, want):
         wait_until(lambda: len(traced_spans(agent, run)) >= want, 60, f"{want} spans", interval=0.5)
     except AssertionError:
         pass
-    time.sleep(STITCH_DELAY_MS / 1000 + 1.0)  # the stitch delay, and room for a span too many
+    time.sleep(1.0)  # room for a span too many
     agent.stop()
     assert agent.returncode == 0, agent.stderr()[-5000:]
     return traced_spans(agent, run), agent.summary()
@@ -318,7 +312,7 @@ def test_judge_calls_hang_under_their_rollout(judge_gym, tracer, environment, mo
     WARMUPS alone, under the default --task-lineage auto."""
     run = judge_gym(environment, MODES[mode])
     by_pid = {pid: name for name, pid in run.pids.items()}
-    agent = attached_tracer(tracer, run, "--stitch-delay-ms", str(STITCH_DELAY_MS))
+    agent = attached_tracer(tracer, run)
     tree = expected_tree(run)
     per_rollout, judge_calls = tree_size(tree), JUDGE_CALLS[environment][1]
 

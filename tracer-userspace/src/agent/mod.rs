@@ -210,7 +210,6 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
         agent_resource,
         groups: args.span_groups,
         stitch: StitchConfig {
-            delay: Duration::from_millis(args.stitch_delay_ms),
             max_pending: args.max_pending_spans,
             max_nodes: args.max_pending_spans.saturating_mul(4),
             inject_traces: args.inject_traceparent,

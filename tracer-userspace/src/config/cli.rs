@@ -451,19 +451,10 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub metric_interval: u64,
 
-    /// Milliseconds a finished span is held before export, so that a parent/child edge seen
-    /// a little late (the two ends of a connection are reported by different CPUs) still
-    /// applies. Spans released without their match are counted (spans_flushed_unmatched).
-    #[arg(
-        long,
-        value_name = "MS",
-        env = "GYM_TRACER_STITCH_DELAY_MS",
-        default_value_t = 500
-    )]
-    pub stitch_delay_ms: u64,
-
-    /// Finished spans held for stitching at most; past it the oldest are exported early
-    /// (counted as spans_released_early).
+    /// Finished spans held for stitching at most. A span is held until nothing can change
+    /// its parent any more (its caller's end seen, the requests that could be its parent
+    /// ended: events, not a delay), however long the servers queue; past this many the
+    /// oldest are exported early (counted as spans_released_early).
     #[arg(long, value_name = "N", env = "GYM_TRACER_MAX_PENDING_SPANS", default_value_t = 100_000,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_pending_spans: usize,

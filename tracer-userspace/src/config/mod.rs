@@ -391,7 +391,6 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("output", Some(value_name(&args.output))),
         ("service_name", shown(&args.service_name)),
         ("metric_interval", Some(args.metric_interval.to_string())),
-        ("stitch_delay_ms", Some(args.stitch_delay_ms.to_string())),
         (
             "max_pending_spans",
             Some(args.max_pending_spans.to_string()),
@@ -612,15 +611,15 @@ mod tests {
         let loaded = load_with(
             &["run"],
             &[],
-            Some("discover = \"gym\"\nstitch-delay-ms = 250\nroute = [\"/a/{x}\", \"/b\"]\nno_route_harvest = true\n"),
+            Some("discover = \"gym\"\nmetric-interval = 25\nroute = [\"/a/{x}\", \"/b\"]\nno_route_harvest = true\n"),
         )
         .unwrap();
         let args = run_args(&loaded);
         assert!(args.discover.is_some());
-        assert_eq!(args.stitch_delay_ms, 250);
+        assert_eq!(args.metric_interval, 25);
         assert_eq!(args.routes.len(), 2);
         assert!(args.no_route_harvest);
-        assert_eq!(loaded.source("stitch_delay_ms"), Source::File);
+        assert_eq!(loaded.source("metric_interval"), Source::File);
         assert_eq!(loaded.source("max_connections"), Source::Default);
     }
 
@@ -672,7 +671,7 @@ mod tests {
             !format!("{error:#}").contains("sk-123"),
             "no secret in the error: {error:#}"
         );
-        let error = load_with(&["run"], &[], Some("stitch-delay-ms = [1, 2]\n"))
+        let error = load_with(&["run"], &[], Some("metric-interval = [1, 2]\n"))
             .err()
             .unwrap();
         assert!(error.to_string().contains("takes one value"), "{error}");

@@ -84,7 +84,6 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
             agent_resource: AgentResource::new(Some("gym".to_string()), Vec::new()),
             groups: SpanGroups::ALL,
             stitch: StitchConfig {
-                delay: Duration::from_millis(500),
                 max_pending: 100_000,
                 max_nodes: 400_000,
                 inject_traces: false,

@@ -320,9 +320,13 @@ impl<M: RequestMetrics> Pipeline<M> {
             self.end_request(&exchange, now, observer);
         }
         self.exchanges = exchanges;
+        for pair in self.table.ended_connections.drain(..) {
+            self.stitcher.connection_ended(pair);
+        }
     }
 
-    /// Releases the spans whose stitch delay has passed (called on a timer).
+    /// Releases the spans whose chains settled (called on a timer: it batches, the events
+    /// decide).
     pub fn release(&mut self, now: Instant) {
         self.stitcher.release(now, &mut self.output.released);
     }
@@ -388,6 +392,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
                     inbound_hidden: false,
                     caller_traced: caller_is_gym_server(process, stripped.route_path),
+                    caller_seen_here: start.peer.is_some_and(|p| self.table.is_traced_client(p)),
                 };
                 if let (Some(local), Some(name)) = (start.local, server_name) {
                     self.name_peer(local, &name, server_type);
@@ -400,6 +405,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                 emits_semantic: false,
                 inbound_hidden: self.tls.hides_inbound(start.pid),
                 caller_traced: false,
+                caller_seen_here: false,
             },
         };
         self.stitcher.start(start, facts, now);
@@ -409,11 +415,11 @@ impl<M: RequestMetrics> Pipeline<M> {
         self.counters.exchanges += 1;
         if self.own_requests.remove(&exchange.span_id) {
             self.counters.self_requests_ignored += 1;
-            self.stitcher.finish(exchange.span_id, now);
+            self.stitcher.finish(exchange.span_id);
             return;
         }
         let Some(process) = self.processes.get_mut(exchange.pid) else {
-            self.stitcher.finish(exchange.span_id, now);
+            self.stitcher.finish(exchange.span_id);
             return;
         };
         let meaning = classify(process, exchange);
@@ -446,10 +452,9 @@ impl<M: RequestMetrics> Pipeline<M> {
         self.stitcher.hold_all(
             exchange.span_id,
             &mut self.span_batch,
-            now,
             &mut self.output.released,
         );
-        self.stitcher.finish(exchange.span_id, now);
+        self.stitcher.finish(exchange.span_id);
     }
 
     /// A TLS connection whose requests were never read: one span of what the syscalls showed

@@ -416,7 +416,6 @@ impl Replay {
             agent_resource: AgentResource::new(Some("fuzz".to_string()), Vec::new()),
             groups: SpanGroups::ALL,
             stitch: StitchConfig {
-                delay: Duration::from_millis(50),
                 max_pending: MAX_PENDING_SPANS,
                 max_nodes: MAX_PENDING_SPANS * 4,
                 inject_traces: true,

@@ -236,6 +236,12 @@ pub struct ConnectionTable {
     pub tls_opened: Vec<u32>,
     /// See [`ConnectionTable::take_ciphertext`].
     last_was_ciphertext: bool,
+    /// Client connections by their local address: which peers of a server are traced
+    /// sockets ([`ConnectionTable::is_traced_client`]).
+    client_ends: HashMap<SocketAddr, SocketId>,
+    /// Connections that left the table (closed, evicted, replaced), as (client, server)
+    /// addresses, for the caller to take: what waited for their other end waits no more.
+    pub ended_connections: Vec<(SocketAddr, SocketAddr)>,
 }
 
 /// What the table asks of the caller besides exchanges.
@@ -278,6 +284,8 @@ impl ConnectionTable {
             ended_opaque: Vec::new(),
             tls_opened: Vec::new(),
             last_was_ciphertext: false,
+            client_ends: HashMap::new(),
+            ended_connections: Vec::new(),
             counters: ReassemblyCounters::default(),
         }
     }
@@ -470,6 +478,11 @@ impl ConnectionTable {
         {
             counters.connections_dropped += 1;
             return;
+        }
+        if open.role == Role::Client
+            && let Some(local) = open.local
+        {
+            self.client_ends.insert(local, id);
         }
         self.connections.insert(
             id,
@@ -687,7 +700,25 @@ impl ConnectionTable {
         self.pending_contexts.remove(id);
         let connection = self.connections.remove(id)?;
         self.buffered_bytes -= connection.buffered_bytes();
+        if let (Some(local), Some(peer)) = (connection.local, connection.peer) {
+            let pair = match connection.role {
+                Role::Client => {
+                    if self.client_ends.get(&local) == Some(id) {
+                        self.client_ends.remove(&local);
+                    }
+                    (local, peer)
+                }
+                Role::Server => (peer, local),
+            };
+            self.ended_connections.push(pair);
+        }
         Some(connection)
+    }
+
+    /// Whether `address` is the local end of a client connection of a traced process: its
+    /// connect was reported before it could write, so every request it sends will be seen.
+    pub fn is_traced_client(&self, address: SocketAddr) -> bool {
+        self.client_ends.contains_key(&address)
     }
 
     /// Requests still waiting for their response (reported at shutdown: they are not

@@ -121,13 +121,17 @@ impl Stitcher {
         let (Parent::Local(parent), Some(rollout)) = (node.parent, node.rollout.as_ref()) else {
             return;
         };
-        if self
-            .effective_rollout(parent)
-            .is_some_and(|theirs| theirs != rollout)
+        // An edge below which a span went out stays: taking it back would leave that span
+        // in another trace than the call's.
+        if node.trace.is_none()
+            && self
+                .effective_rollout(parent)
+                .is_some_and(|theirs| theirs != rollout)
             && let Some(node) = self.nodes.get_mut(&call)
         {
-            node.parent = Parent::None;
             node.undecided = Some(Undecided::Contradicted);
+            self.draw_edge(call, Parent::None);
+            self.await_evidence(call);
         }
     }
 
@@ -188,9 +192,9 @@ impl Stitcher {
             return;
         }
         if let Some(node) = self.nodes.get_mut(&call) {
-            node.parent = Parent::Local(parent);
             node.undecided = None;
         }
+        self.draw_edge(call, Parent::Local(parent));
         let counter = match how {
             Evidence::Lineage => &mut self.counters.parents_by_lineage,
             Evidence::RolloutId => &mut self.counters.parents_by_rollout_id,
@@ -260,7 +264,12 @@ impl Stitcher {
         };
         let candidate =
             |x: &SpanId| self.in_flight_at(*x, node.started) && !self.excluded(*x, call, key);
-        let in_flight = self.inbound.get(&node.pid).map_or(&[][..], Vec::as_slice);
+        let in_flight = || {
+            self.inbound
+                .get(&node.pid)
+                .into_iter()
+                .flat_map(|l| l.values())
+        };
         let mut survivors: Option<Vec<SpanId>> = None;
         let mut decided_by = Evidence::OnlyInbound;
         let mut narrow = |named: Vec<SpanId>, how: Evidence| {
@@ -274,8 +283,7 @@ impl Stitcher {
             });
         };
         if let Some(rollout) = &node.rollout {
-            let same = in_flight
-                .iter()
+            let same = in_flight()
                 .filter(|x| self.effective_rollout(**x) == Some(rollout) && candidate(x))
                 .copied()
                 .collect();
@@ -297,7 +305,7 @@ impl Stitcher {
             Some([]) => Verdict::Undecided(Undecided::Contradicted),
             Some(_) => Verdict::Undecided(Undecided::Ambiguous),
             None => {
-                let mut candidates = in_flight.iter().filter(|x| candidate(x));
+                let mut candidates = in_flight().filter(|x| candidate(x));
                 match (candidates.next(), candidates.next()) {
                     (None, _) => Verdict::Undecided(Undecided::NoInbound),
                     (Some(_), None) if node.inbound_hidden => {
@@ -448,6 +456,7 @@ impl Stitcher {
     /// A traced process is gone: its event loops' tails and its sessions go with it (a new
     /// process may reuse its pid and addresses). Its calls' groups go as the calls leave the graph.
     pub fn forget_process(&mut self, pid: u32) {
+        self.process_gone(pid);
         self.tails.forget(pid);
         self.withdraw_process(pid);
         self.sessions.retain(|(owner, _), _| *owner != pid);
@@ -488,7 +497,7 @@ mod tests {
     use crate::model::evidence::{Token, TokenKind};
     use crate::model::exchange::{RequestStart, Role};
     use crate::model::ids::SpanId;
-    use crate::model::span::{SpanKind, SpanRecord};
+    use crate::model::span::SpanKind;
     use crate::pipeline::testing;
 
     const AGENT: u32 = 1;
@@ -522,7 +531,6 @@ mod tests {
         fn new() -> Self {
             Self {
                 stitcher: Stitcher::new(StitchConfig {
-                    delay: Duration::from_millis(100),
                     max_pending: 1000,
                     max_nodes: 1000,
                     inject_traces: false,
@@ -562,6 +570,7 @@ mod tests {
                 emits_semantic: false,
                 inbound_hidden: false,
                 caller_traced: false,
+                caller_seen_here: false,
             };
             self.stitcher.start(&start, facts, self.now);
             start
@@ -584,24 +593,7 @@ mod tests {
         }
 
         fn finish(&mut self, request: &RequestStart) {
-            self.stitcher.finish(request.span_id, self.now);
-        }
-
-        /// Holds and finishes `request`'s own span, and releases it `after` from now.
-        fn release_own(
-            &mut self,
-            request: &RequestStart,
-            kind: SpanKind,
-            after: Duration,
-        ) -> SpanRecord {
-            let mut out = Vec::new();
-            let span = testing::span("own", kind, request.span_id);
-            let role = super::super::SpanRole::Own;
-            self.stitcher
-                .hold(request.span_id, role, span, self.now, &mut out);
-            self.stitcher.finish(request.span_id, self.now);
-            self.stitcher.release(self.now + after, &mut out);
-            out.pop().expect("released")
+            self.stitcher.finish(request.span_id);
         }
     }
 
@@ -620,6 +612,7 @@ mod tests {
             emits_semantic: false,
             inbound_hidden: true,
             caller_traced: false,
+            caller_seen_here: false,
         };
         s.stitcher.start(&start, facts, s.now);
         assert_eq!(s.parent(&start), None);
@@ -772,7 +765,7 @@ mod tests {
     /// then (a root's), so the late edge is not drawn, and no span names a parent in another
     /// trace.
     #[test]
-    fn a_parent_decided_after_the_callee_went_out_is_not_drawn() {
+    fn an_echo_that_arrives_late_still_places_the_upstream_call() {
         let mut s = Scene::new();
         let (x1, _x2) = (
             s.inbound(MODEL, "/v1/responses", &[]),
@@ -780,11 +773,63 @@ mod tests {
         );
         let upstream = s.call(MODEL, &[0x1, 0x10], &[]);
         assert_eq!(s.parent(&upstream), None);
-        // The callee's span, on another traced process over the same connection, goes out.
+        // The callee, another traced process over the same connection, answers; the call
+        // ends. Both spans wait while the requests that could be the call's are in flight,
+        // however long that is.
         let callee = super::super::testing_server_of(&upstream);
         s.stitcher
             .start(&callee, super::super::testing_facts(), s.now);
-        let served = s.release_own(&callee, SpanKind::Server, Duration::from_secs(1));
+        let mut out = Vec::new();
+        for (request, kind) in [(&callee, SpanKind::Server), (&upstream, SpanKind::Client)] {
+            let span = testing::span("own", kind, request.span_id);
+            let role = super::super::SpanRole::Own;
+            s.stitcher.hold(request.span_id, role, span, &mut out);
+            s.finish(request);
+        }
+        s.stitcher
+            .release(s.now + Duration::from_secs(60), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // A minute later the model server's answer echoes the upstream's id.
+        let token = Token::of(TokenKind::ResponseId, b"resp_late");
+        s.stitcher.response_id(upstream.span_id, token);
+        s.stitcher.response_id(x1.span_id, token);
+        s.stitcher
+            .release(s.now + Duration::from_secs(60), &mut out);
+        let [served, call] = &out[..] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(call.parent_span_id, Some(x1.span_id));
+        assert_eq!(served.parent_span_id, Some(call.span_id));
+        assert_eq!(served.trace_id, call.trace_id);
+        assert_eq!(s.stitcher.counters.parents_by_echoed_id, 1);
+    }
+
+    /// Released early (too many held), the callee's span fixed its trace: the echo that
+    /// comes after is not drawn, so no span names a parent in another trace.
+    #[test]
+    fn a_parent_decided_after_the_callee_went_out_is_not_drawn() {
+        let mut s = Scene::new();
+        s.stitcher.config.max_pending = 1;
+        let (x1, x2) = (
+            s.inbound(MODEL, "/v1/responses", &[]),
+            s.inbound(MODEL, "/v1/responses", &[]),
+        );
+        let upstream = s.call(MODEL, &[0x1, 0x10], &[]);
+        let callee = super::super::testing_server_of(&upstream);
+        s.stitcher
+            .start(&callee, super::super::testing_facts(), s.now);
+        let mut out = Vec::new();
+        for (request, kind) in [(&callee, SpanKind::Server), (&upstream, SpanKind::Client)] {
+            let span = testing::span("own", kind, request.span_id);
+            let role = super::super::SpanRole::Own;
+            s.stitcher.hold(request.span_id, role, span, &mut out);
+            s.finish(request);
+        }
+        let [served] = &out[..] else {
+            panic!("{out:?}")
+        };
+        let served = served.clone();
+        assert_eq!(s.stitcher.counters.spans_released_early, 1);
         assert_eq!(served.parent_span_id, Some(upstream.span_id));
         // Now the echo binds the call: too late.
         let token = Token::of(TokenKind::ResponseId, b"resp_late");
@@ -793,7 +838,10 @@ mod tests {
         assert_eq!(s.parent(&upstream), None);
         assert_eq!(s.stitcher.counters.parents_decided_late, 1);
         assert_eq!(s.stitcher.counters.parents_by_echoed_id, 0);
-        let call = s.release_own(&upstream, SpanKind::Client, Duration::from_secs(2));
+        s.finish(&x1);
+        s.finish(&x2);
+        s.stitcher.release(s.now, &mut out);
+        let call = &out[1];
         assert_eq!(
             (call.parent_span_id, call.trace_id),
             (None, served.trace_id)

@@ -140,7 +140,7 @@ impl Stitcher {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::super::GroupKey;
     use super::super::{StartFacts, StitchConfig, Stitcher};
@@ -173,12 +173,12 @@ mod tests {
             emits_semantic: false,
             inbound_hidden: false,
             caller_traced: false,
+            caller_seen_here: false,
         }
     }
 
     fn stitcher(inject: bool) -> Stitcher {
         Stitcher::new(StitchConfig {
-            delay: Duration::from_millis(10),
             max_pending: 100,
             max_nodes: 1000,
             inject_traces: inject,
@@ -237,7 +237,7 @@ mod tests {
         // Later calls of the group change nothing; the request's end withdraws it.
         call(&mut stitcher, 2001, None);
         assert!(stitcher.take_injections().is_empty());
-        stitcher.finish(run.span_id, Instant::now());
+        stitcher.finish(run.span_id);
         assert_eq!(
             stitcher.take_injections(),
             vec![TraceInjection::Withdraw {

@@ -69,7 +69,7 @@ impl Stitcher {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::super::{Parent, StartFacts, StitchConfig, Stitcher};
     use crate::model::context::{Lineage, OriginId, WriterTask};
@@ -81,7 +81,6 @@ mod tests {
 
     fn stitcher() -> Stitcher {
         Stitcher::new(StitchConfig {
-            delay: Duration::from_millis(100),
             max_pending: 1000,
             max_nodes: 1000,
             inject_traces: false,
@@ -183,7 +182,7 @@ mod tests {
             (Some(second.span_id), Some(second.span_id))
         );
         // After its response, a background task of that root still belongs to it.
-        s.finish(second.span_id, Instant::now());
+        s.finish(second.span_id);
         let late = judge_call(&mut s, unborn(0x200));
         assert_eq!(parent(&s, &late), Some(second.span_id));
         // A root answers one request: a response of another request under it is a conflict.

@@ -21,17 +21,18 @@
 //!   (a rollout id) and its caller is a Gym server, traced by an agent of its own host.
 //!
 //! Trace ids are resolved when a span is released, not when it is built: a finished span is
-//! held for a short delay ([`StitchConfig::delay`]) so an edge found a little late still
-//! applies. A trace with a rollout id gets a trace id derived from it ([`rollout_trace_id`]),
-//! so agents on different hosts agree without talking.
+//! held until no event can change its parent or any ancestor's ([`settle`] says, per kind of
+//! evidence, which event closes it). A trace with a rollout id gets a trace id derived from
+//! it ([`rollout_trace_id`]), so agents on different hosts agree without talking.
 
 mod calls;
 pub mod context_keys;
 pub mod injection;
 mod lineage;
+mod settle;
 
 use crate::model::counters::counters;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -56,16 +57,6 @@ use crate::model::span::SpanRecord;
 pub use calls::GroupKey;
 use context_keys::LoopTails;
 
-/// How long the graph keeps a finished request: a call that outlives its caller (fire and
-/// forget) still finds its parent within this. The graph's memory is the request rate times
-/// this (about 300 bytes a request), so it is kept short: Gym awaits its calls.
-const FINISHED_LINGER: Duration = Duration::from_secs(10);
-
-/// A one-sided connection entry (the other end is not traced, or is another host) is given up
-/// after this. Both ends of a connection on one host reach the same ring buffer within
-/// milliseconds; this also covers a server that reads a request seconds after it was sent.
-const UNMATCHED_LINGER: Duration = Duration::from_secs(10);
-
 /// A table whose capacity is more than this many times its length gives the memory back (a
 /// burst of requests leaves its high-water mark otherwise).
 const SHRINK_FACTOR: usize = 4;
@@ -80,8 +71,6 @@ const SESSION_LINGER: Duration = Duration::from_secs(1800);
 
 #[derive(Clone, Copy, Debug)]
 pub struct StitchConfig {
-    /// How long a finished span waits for edges found late.
-    pub delay: Duration,
     /// Finished spans held at most; past it the oldest is released early (and counted).
     pub max_pending: usize,
     /// Requests (in flight or recently finished) the graph holds at most.
@@ -178,20 +167,41 @@ counters! {
         lineage_conflicts,
         /// Regroupings of a process's calls after its event loop's context tail changed.
         task_context_regroups,
-        /// Server spans released before their caller's client span was seen: the edge came
-        /// later than `--stitch-delay-ms` and is lost.
+        /// Outbound requests to an address of this host: each waits for its server's end,
+        /// and ends in exactly one of cross_process_links, local_calls_parented_by_header or
+        /// a local_calls_unlinked_* reason (their sum is this, once nothing waits).
+        local_calls,
+        /// Local calls whose server end named another parent in its `traceparent` (the
+        /// caller's own instrumentation).
+        local_calls_parented_by_header,
+        /// Local calls whose server end was never seen, by what ended the wait: another
+        /// request started on the connection first (the server is not traced, or missed it),
+        local_calls_unlinked_next_request,
+        /// the connection ended,
+        local_calls_unlinked_closed,
+        /// the calling process exited,
+        local_calls_unlinked_process_exit,
+        /// the agent shut down.
+        local_calls_unlinked_shutdown,
+        /// Server requests from a traced client socket on this host whose client end was
+        /// never seen (the connection ended, or went on, first): exported as roots.
+        callers_unseen,
+        /// Server spans released before their caller's client span was seen (released early,
+        /// or a caller that was not known to be traced when the request started): the edge
+        /// is lost.
         spans_flushed_unmatched,
         /// Calls whose parent was decided after one of their spans (or one below them, such
-        /// as the callee's) had gone out in a trace of its own: the edge came later than
-        /// `--stitch-delay-ms` and is lost, so that no span names a parent in another trace.
+        /// as the callee's) had gone out in a trace of its own (released early): the edge is
+        /// lost, so that no span names a parent in another trace.
         parents_decided_late,
-        /// Spans released before their delay because too many were held.
+        /// Spans released before their chain settled because --max-pending-spans were held.
         spans_released_early,
-        /// Requests dropped from the graph because it was full.
+        /// Finished requests dropped from a full graph before RETIRED_KEEP others retired
+        /// after them (a call made after its caller answered then finds no parent).
         stitch_nodes_evicted,
-        /// One-sided connection keys (a call or a request waiting for its other end) forgotten
-        /// before their linger because `max_nodes` of them were waiting.
-        stitch_keys_evicted,
+        /// Requests not entered into a full graph whose requests are all still needed:
+        /// their spans stand alone.
+        stitch_nodes_refused,
     }
 }
 
@@ -269,20 +279,30 @@ struct Node {
     /// Used if the request turns out to be a root without a rollout id.
     random_trace: TraceId,
     finished: bool,
+    /// What its parent still waits for ([`settle`]); `None` once nothing can change it.
+    awaiting: Option<settle::Awaiting>,
+    /// What keeps it in the graph once finished: requests hanging under it, its own spans
+    /// held, its connection key waiting for the server's end.
+    children: u32,
+    held_spans: u32,
+    keyed: bool,
+}
+
+impl Node {
+    /// Whether anything still needs the request in the graph.
+    fn pinned(&self) -> bool {
+        !self.finished
+            || self.children > 0
+            || self.held_spans > 0
+            || self.keyed
+            || self.awaiting.is_some()
+    }
 }
 
 fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
     if map.capacity() > SHRINK_FACTOR * map.len() + 1024 {
         map.shrink_to(2 * map.len());
     }
-}
-
-/// One request on one TCP connection, named the same from both ends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct ConnectionKey {
-    client: SocketAddr,
-    server: SocketAddr,
-    position: RequestPosition,
 }
 
 /// Where a request is in its connection, as both ends see it.
@@ -306,10 +326,16 @@ impl RequestPosition {
 }
 
 struct Held {
-    release_at: Instant,
     node: SpanId,
     role: SpanRole,
     span: SpanRecord,
+}
+
+/// Whether a connection's two ends are on one host: the peer is a loopback address or this
+/// host's own (a call between processes here, whose other end this agent may see).
+fn on_one_host((local, peer): (SocketAddr, SocketAddr)) -> bool {
+    let (local, peer) = (local.ip().to_canonical(), peer.ip().to_canonical());
+    peer.is_loopback() || peer == local
 }
 
 /// The trace id of every span of a rollout: the first 16 bytes of
@@ -324,14 +350,23 @@ pub fn rollout_trace_id(rollout_id: &RolloutId) -> TraceId {
 pub struct Stitcher {
     config: StitchConfig,
     nodes: HashMap<SpanId, Node>,
-    /// In-flight inbound requests per process: the candidates for an outbound call's parent.
-    inbound: HashMap<u32, Vec<SpanId>>,
-    waiting_clients: HashMap<ConnectionKey, SpanId>,
-    waiting_servers: HashMap<ConnectionKey, SpanId>,
-    /// Connection keys in the order they were registered, to expire one-sided ones.
-    key_expiry: VecDeque<(Instant, ConnectionKey)>,
-    finished: VecDeque<(Instant, SpanId)>,
-    held: VecDeque<Held>,
+    /// In-flight inbound requests per process, by start: the candidates for an outbound
+    /// call's parent.
+    inbound: HashMap<u32, BTreeMap<u64, SpanId>>,
+    /// Undecided calls per process, by start, while a candidate is in flight ([`settle`]).
+    open_calls: HashMap<u32, BTreeMap<u64, SpanId>>,
+    /// Per connection, the request of each end waiting for the other end's.
+    waiting_clients: HashMap<settle::ConnectionPair, settle::Waiting>,
+    waiting_servers: HashMap<settle::ConnectionPair, settle::Waiting>,
+    /// Finished requests nothing needs, oldest first ([`settle::RETIRED_KEEP`]).
+    retired: VecDeque<SpanId>,
+    /// Held spans by handle, the handles in the order held, and per unsettled request the
+    /// handles of the spans waiting for it; `woken`: requests settled since the last release.
+    held: HashMap<u64, Held>,
+    held_order: VecDeque<u64>,
+    next_held: u64,
+    blocked: HashMap<SpanId, Vec<u64>>,
+    woken: Vec<SpanId>,
     /// Orders starts and finishes (see [`Node::started`]).
     seq: u64,
     tails: LoopTails,
@@ -372,6 +407,10 @@ pub struct StartFacts {
     /// `/run`, which rollout collection sends), so an agent on the caller's host exports its
     /// CLIENT span. Only then may a SERVER span name a parent that is not on this host.
     pub caller_traced: bool,
+    /// Inbound: the peer is a client socket of a traced process on this host (its connect
+    /// was reported before it could write), so its start will be seen: the request waits
+    /// for it ([`settle`]).
+    pub caller_seen_here: bool,
 }
 
 /// Where a request whose caller is on another host hangs (see [`Stitcher::cross_host_parent`]).
@@ -401,11 +440,15 @@ impl Stitcher {
             config,
             nodes: HashMap::new(),
             inbound: HashMap::new(),
+            open_calls: HashMap::new(),
             waiting_clients: HashMap::new(),
             waiting_servers: HashMap::new(),
-            key_expiry: VecDeque::new(),
-            finished: VecDeque::new(),
-            held: VecDeque::new(),
+            retired: VecDeque::new(),
+            held: HashMap::new(),
+            held_order: VecDeque::new(),
+            next_held: 0,
+            blocked: HashMap::new(),
+            woken: Vec::new(),
             seq: 0,
             tails: LoopTails::default(),
             groups: HashMap::new(),
@@ -433,22 +476,19 @@ impl Stitcher {
 
     /// Registers a request whose head was just seen, and draws the edges that are known now.
     pub fn start(&mut self, start: &RequestStart, facts: StartFacts, now: Instant) {
-        if self.nodes.len() >= self.config.max_nodes {
-            self.evict_one();
+        if self.nodes.len() >= self.config.max_nodes && !self.evict_one() {
+            self.counters.stitch_nodes_refused += 1;
+            return;
         }
-        let key = match (start.role, start.local, start.peer) {
-            (Role::Server, Some(local), Some(peer)) => Some(ConnectionKey {
-                client: peer,
-                server: local,
-                position: RequestPosition::of(start),
-            }),
-            (Role::Client, Some(local), Some(peer)) => Some(ConnectionKey {
-                client: local,
-                server: peer,
-                position: RequestPosition::of(start),
-            }),
+        let id = start.span_id;
+        // The connection, as both ends name it, when its other end may be on this host.
+        let pair = match (start.role, start.local, start.peer) {
+            (Role::Server, Some(local), Some(peer)) => Some((peer, local)),
+            (Role::Client, Some(local), Some(peer)) => Some((local, peer)),
             _ => None,
-        };
+        }
+        .filter(|_| start.local.zip(start.peer).is_some_and(on_one_host));
+        let position = RequestPosition::of(start);
         self.seq += 1;
         let mut node = Node {
             pid: start.pid,
@@ -460,7 +500,7 @@ impl Stitcher {
             origin: None,
             undecided: None,
             parent: Parent::None,
-            rollout: facts.rollout_id,
+            rollout: facts.rollout_id.clone(),
             emits_own: facts.emits_own,
             semantic_span_id: (start.role == Role::Server && facts.emits_semantic)
                 .then(SpanId::random),
@@ -468,97 +508,138 @@ impl Stitcher {
             tcp_span_id: start.tcp_seq.map(SpanId::of_tcp_request),
             caller_on_other_host: start.role == Role::Server
                 && facts.caller_traced
-                && start.local.zip(start.peer).is_some_and(|(local, peer)| {
-                    let (local, peer) = (local.ip().to_canonical(), peer.ip().to_canonical());
-                    !peer.is_loopback() && peer != local
-                }),
+                && start
+                    .local
+                    .zip(start.peer)
+                    .is_some_and(|ends| !on_one_host(ends)),
             inbound_socket: start.inbound_socket,
             trace: None,
             random_trace: TraceId::random(),
             finished: false,
+            awaiting: None,
+            children: 0,
+            held_spans: 0,
+            keyed: false,
         };
-        match start.role {
-            Role::Server => {
-                let remote = start.traceparent.as_deref().and_then(parse_traceparent);
-                let client = key.and_then(|key| self.waiting_clients.remove(&key));
-                node.parent = match (remote, client) {
-                    // The header this host's kernel inserted (`--inject-traceparent`) names
-                    // the caller seen here: the local edge says the same and more.
-                    (Some((_, span)), Some(client)) if self.injected_by_us(client, span) => {
-                        self.counters.cross_process_links += 1;
-                        Parent::Local(client)
-                    }
-                    (Some((trace, span)), client) => {
-                        self.counters.parents_from_traceparent += 1;
-                        if client.is_none()
-                            && let Some(key) = key
-                        {
-                            // The caller, if seen later, may turn out to be who inserted it.
-                            self.make_room_for_key();
-                            self.waiting_servers.insert(key, start.span_id);
-                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
-                        }
-                        Parent::Remote(trace, span)
-                    }
-                    (None, Some(client)) => {
-                        self.counters.cross_process_links += 1;
-                        Parent::Local(client)
-                    }
-                    (None, None) => {
-                        if let Some(key) = key {
-                            self.make_room_for_key();
-                            self.waiting_servers.insert(key, start.span_id);
-                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
-                        }
-                        Parent::None
-                    }
-                };
-                if node.rollout.is_none() {
-                    node.rollout = self.session_rollout(start.pid, &start.cookies, now);
-                }
-                self.inbound
-                    .entry(start.pid)
-                    .or_default()
-                    .push(start.span_id);
-                if let Some(socket) = start.inbound_socket {
-                    self.inbound_sockets
-                        .insert((start.pid, socket), start.span_id);
-                }
-                for token in &start.cookies {
-                    self.cookie_holders
-                        .entry((start.pid, *token))
-                        .or_default()
-                        .push(start.span_id);
-                }
-            }
-            Role::Client => {
-                if let Some(key) = key {
-                    match self.waiting_servers.remove(&key) {
-                        Some(server) => self.link_server(server, start.span_id, node.tcp_span_id),
-                        None => {
-                            self.make_room_for_key();
-                            self.waiting_clients.insert(key, start.span_id);
-                            self.key_expiry.push_back((now + UNMATCHED_LINGER, key));
-                        }
-                    }
-                }
-            }
-        }
         let born_of = match start.role {
             Role::Client => self.lineage_at_start(&mut node, start.lineage),
             Role::Server => None,
         };
-        self.nodes.insert(start.span_id, node);
-        if start.role == Role::Client {
-            self.join_group(start.span_id);
-            if let Some(owner) = born_of {
-                let key = self
-                    .nodes
-                    .get(&start.span_id)
-                    .and_then(|n| self.group_key(n));
-                self.bind_group(key, owner, Evidence::Lineage);
+        self.nodes.insert(id, node);
+        match start.role {
+            Role::Server => self.start_inbound(start, &facts, pair, position, now),
+            Role::Client => {
+                if let Some(pair) = pair {
+                    self.counters.local_calls += 1;
+                    match self.take_other_end(Role::Server, pair, position) {
+                        Some(server) => self.link_server(server, id),
+                        None => {
+                            let waiting = settle::Waiting {
+                                position,
+                                request: id,
+                            };
+                            self.wait_for_other_end(Role::Client, pair, waiting);
+                        }
+                    }
+                }
+                self.join_group(id);
+                if let Some(owner) = born_of {
+                    let key = self.nodes.get(&id).and_then(|n| self.group_key(n));
+                    self.bind_group(key, owner, Evidence::Lineage);
+                }
+                self.place_call(id);
+                self.await_evidence(id);
             }
-            self.place_call(start.span_id);
+        }
+    }
+
+    /// The server side of [`Stitcher::start`]: its caller (the client end, if seen; an
+    /// inbound `traceparent`), its rollout, and its place among the process's candidates.
+    fn start_inbound(
+        &mut self,
+        start: &RequestStart,
+        facts: &StartFacts,
+        pair: Option<settle::ConnectionPair>,
+        position: RequestPosition,
+        now: Instant,
+    ) {
+        let id = start.span_id;
+        let remote = start.traceparent.as_deref().and_then(parse_traceparent);
+        let client = pair.and_then(|pair| self.take_other_end(Role::Client, pair, position));
+        let waiting = settle::Waiting {
+            position,
+            request: id,
+        };
+        match (remote, client) {
+            // The header this host's kernel inserted (`--inject-traceparent`) names the
+            // caller seen here: the local edge says the same and more.
+            (Some((_, span)), Some(client)) if self.injected_by_us(client, span) => {
+                self.counters.cross_process_links += 1;
+                self.draw_edge(id, Parent::Local(client));
+            }
+            (Some((trace, span)), client) => {
+                self.counters.parents_from_traceparent += 1;
+                match (client, pair) {
+                    (Some(_), _) => self.counters.local_calls_parented_by_header += 1,
+                    // The caller, if seen later, may turn out to be who inserted it.
+                    (None, Some(pair)) => self.wait_for_other_end(Role::Server, pair, waiting),
+                    (None, None) => {}
+                }
+                self.draw_edge(id, Parent::Remote(trace, span));
+            }
+            (None, Some(client)) => {
+                self.counters.cross_process_links += 1;
+                self.draw_edge(id, Parent::Local(client));
+            }
+            (None, None) => {
+                if let Some(pair) = pair {
+                    if facts.caller_seen_here
+                        && let Some(node) = self.nodes.get_mut(&id)
+                    {
+                        node.awaiting = Some(settle::Awaiting::Caller);
+                    }
+                    self.wait_for_other_end(Role::Server, pair, waiting);
+                }
+            }
+        }
+        let Some(node) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        let (pid, started) = (node.pid, node.started);
+        if node.rollout.is_none() {
+            let rollout = self.session_rollout(pid, &start.cookies, now);
+            if let Some(node) = self.nodes.get_mut(&id) {
+                node.rollout = rollout;
+            }
+        }
+        self.inbound.entry(pid).or_default().insert(started, id);
+        if let Some(socket) = start.inbound_socket {
+            self.inbound_sockets.insert((pid, socket), id);
+        }
+        for token in &start.cookies {
+            self.cookie_holders
+                .entry((pid, *token))
+                .or_default()
+                .push(id);
+        }
+    }
+
+    /// Sets a request's parent, keeping the parent's count of requests under it.
+    fn draw_edge(&mut self, child: SpanId, parent: Parent) {
+        let Some(node) = self.nodes.get_mut(&child) else {
+            return;
+        };
+        let before = std::mem::replace(&mut node.parent, parent);
+        if let Parent::Local(new) = parent
+            && let Some(parent_node) = self.nodes.get_mut(&new)
+        {
+            parent_node.children += 1;
+        }
+        if let Parent::Local(old) = before {
+            self.release_child(old);
+        }
+        if parent != Parent::None {
+            self.settle(child);
         }
     }
 
@@ -662,7 +743,12 @@ impl Stitcher {
         rollout: Option<&RolloutId>,
         inbound_hidden: bool,
     ) -> Result<(SpanId, Evidence), Undecided> {
-        let candidates = self.inbound.get(&pid).map(Vec::as_slice).unwrap_or(&[]);
+        let candidates: Vec<SpanId> = self
+            .inbound
+            .get(&pid)
+            .map(|list| list.values().copied().collect())
+            .unwrap_or_default();
+        let candidates = candidates.as_slice();
         if let Some(rollout) = rollout {
             let same: Vec<SpanId> = candidates
                 .iter()
@@ -743,20 +829,24 @@ impl Stitcher {
         false
     }
 
-    /// `client_span` is the id the client's CLIENT span is exported with (the client may not
-    /// be in the graph yet).
-    fn link_server(&mut self, server: SpanId, client: SpanId, client_span: Option<SpanId>) {
-        let injected = matches!(self.nodes.get(&server).map(|n| n.parent),
-            Some(Parent::Remote(_, span)) if client_span == Some(span));
-        let Some(node) = self.nodes.get_mut(&server) else {
+    /// The client end of a server request that was waiting for it was seen: the request
+    /// hangs under it, unless a span of the request is out already or another caller's
+    /// `traceparent` named its parent (each counted: the local call is not linked).
+    fn link_server(&mut self, server: SpanId, client: SpanId) {
+        let client_span = self.nodes.get(&client).and_then(|c| c.tcp_span_id);
+        let Some(node) = self.nodes.get(&server) else {
             return;
         };
+        let injected = matches!(node.parent, Parent::Remote(_, span) if client_span == Some(span));
         if node.trace.is_some() {
             // Its spans are out already, under a trace of their own.
             self.counters.spans_flushed_unmatched += 1;
+            self.settle(server);
         } else if node.parent == Parent::None || injected {
-            node.parent = Parent::Local(client);
             self.counters.cross_process_links += 1;
+            self.draw_edge(server, Parent::Local(client));
+        } else {
+            self.counters.local_calls_parented_by_header += 1;
         }
     }
 
@@ -769,21 +859,24 @@ impl Stitcher {
     }
 
     /// A request ended (its spans, if any, are [`hold`](Self::hold)-ed by the caller).
-    pub fn finish(&mut self, request: SpanId, now: Instant) {
+    pub fn finish(&mut self, request: SpanId) {
         let Some(node) = self.nodes.get_mut(&request) else {
             return;
         };
         node.finished = true;
         self.seq += 1;
         node.ended = Some(self.seq);
-        let pid = node.pid;
+        let (pid, role, started) = (node.pid, node.role, node.started);
         let cookies = std::mem::take(&mut node.cookies);
         self.withdraw_traces(request);
-        if let Some(list) = self.inbound.get_mut(&pid) {
-            list.retain(|id| *id != request);
+        if role == Role::Server
+            && let Some(list) = self.inbound.get_mut(&pid)
+        {
+            list.remove(&started);
             if list.is_empty() {
                 self.inbound.remove(&pid);
             }
+            self.close_evidence(pid);
         }
         for token in cookies {
             if let Some(list) = self.cookie_holders.get_mut(&(pid, token)) {
@@ -793,7 +886,7 @@ impl Stitcher {
                 }
             }
         }
-        self.finished.push_back((now, request));
+        self.maybe_retire(request);
     }
 
     /// Holds the spans one finished request produced (draining `spans`), each in the role
@@ -802,7 +895,6 @@ impl Stitcher {
         &mut self,
         request: SpanId,
         spans: &mut Vec<SpanRecord>,
-        now: Instant,
         out: &mut Vec<SpanRecord>,
     ) {
         for span in spans.drain(..) {
@@ -811,96 +903,24 @@ impl Stitcher {
             } else {
                 SpanRole::Own
             };
-            self.hold(request, role, span, now, out);
+            self.hold(request, role, span, out);
         }
     }
 
-    /// Holds a finished span until its delay has passed.
-    pub fn hold(
-        &mut self,
-        request: SpanId,
-        role: SpanRole,
-        span: SpanRecord,
-        now: Instant,
-        out: &mut Vec<SpanRecord>,
-    ) {
-        if self.held.len() >= self.config.max_pending
-            && let Some(oldest) = self.held.pop_front()
-        {
-            self.counters.spans_released_early += 1;
-            out.push(self.resolve(oldest));
-        }
-        self.held.push_back(Held {
-            release_at: now + self.config.delay,
-            node: request,
-            role,
-            span,
-        });
-    }
-
-    /// Releases the spans whose delay has passed, and forgets what is too old to matter.
+    /// Releases the spans whose chains settled, and forgets what nothing needs any more.
     pub fn release(&mut self, now: Instant, out: &mut Vec<SpanRecord>) {
-        while self.held.front().is_some_and(|h| h.release_at <= now) {
-            let held = self.held.pop_front().expect("checked");
-            out.push(self.resolve(held));
-        }
-        while self
-            .key_expiry
-            .front()
-            .is_some_and(|(expiry, _)| *expiry <= now)
-        {
-            let (_, key) = self.key_expiry.pop_front().expect("checked");
-            self.waiting_clients.remove(&key);
-            self.waiting_servers.remove(&key);
-        }
-        let mut forgotten = false;
-        while self
-            .finished
-            .front()
-            .is_some_and(|(at, _)| *at + FINISHED_LINGER <= now)
-        {
-            let (_, id) = self.finished.pop_front().expect("checked");
-            forgotten |= self.nodes.remove(&id).is_some();
-        }
-        if forgotten {
+        self.release_settled(out);
+        if self.trim_retired(settle::RETIRED_KEEP) {
             self.forget_gone_calls();
         }
         self.expire_sessions(now);
         shrink_if_sparse(&mut self.nodes);
         shrink_if_sparse(&mut self.waiting_clients);
         shrink_if_sparse(&mut self.waiting_servers);
-        if self.key_expiry.capacity() > SHRINK_FACTOR * self.key_expiry.len() + 1024 {
-            self.key_expiry.shrink_to(2 * self.key_expiry.len());
-        }
-        if self.finished.capacity() > SHRINK_FACTOR * self.finished.len() + 1024 {
-            self.finished.shrink_to(2 * self.finished.len());
-        }
-    }
-
-    /// Releases everything held (at shutdown).
-    pub fn release_all(&mut self, out: &mut Vec<SpanRecord>) {
-        while let Some(held) = self.held.pop_front() {
-            out.push(self.resolve(held));
-        }
-    }
-
-    /// Keys wait [`UNMATCHED_LINGER`] at most, but at a high request rate with no other end
-    /// (a client of an untraced server) that is many: past `max_nodes` the oldest goes.
-    fn make_room_for_key(&mut self) {
-        while self.key_expiry.len() >= self.config.max_nodes {
-            let Some((_, key)) = self.key_expiry.pop_front() else {
-                break;
-            };
-            let forgotten = self.waiting_clients.remove(&key).is_some()
-                | self.waiting_servers.remove(&key).is_some();
-            self.counters.stitch_keys_evicted += u64::from(forgotten);
-        }
-    }
-
-    fn evict_one(&mut self) {
-        if let Some((_, id)) = self.finished.pop_front() {
-            self.nodes.remove(&id);
-            self.counters.stitch_nodes_evicted += 1;
+        shrink_if_sparse(&mut self.held);
+        shrink_if_sparse(&mut self.blocked);
+        if self.retired.capacity() > SHRINK_FACTOR * self.retired.len() + 1024 {
+            self.retired.shrink_to(2 * self.retired.len());
         }
     }
 
@@ -1100,6 +1120,7 @@ pub(crate) fn testing_facts() -> StartFacts {
         emits_semantic: false,
         inbound_hidden: false,
         caller_traced: false,
+        caller_seen_here: false,
     }
 }
 
@@ -1130,6 +1151,7 @@ mod tests {
             emits_semantic: semantic,
             inbound_hidden: false,
             caller_traced: false,
+            caller_seen_here: false,
         }
     }
 
@@ -1145,7 +1167,6 @@ mod tests {
 
     fn config() -> StitchConfig {
         StitchConfig {
-            delay: Duration::from_millis(100),
             max_pending: 100,
             max_nodes: 1000,
             inject_traces: false,
@@ -1190,44 +1211,37 @@ mod tests {
             served.span_id,
             SpanRole::Own,
             span("POST /v1/responses", served.span_id),
-            now,
             &mut out,
         );
         stitcher.hold(
             served.span_id,
             SpanRole::Semantic,
             span("gym.model.responses", served_semantic),
-            now,
             &mut out,
         );
-        stitcher.finish(served.span_id, now);
+        stitcher.finish(served.span_id);
         stitcher.hold(
             call.span_id,
             SpanRole::Own,
             span("HTTP POST", call.span_id),
-            now,
             &mut out,
         );
-        stitcher.finish(call.span_id, now);
+        stitcher.finish(call.span_id);
         let run_semantic = semantic(&stitcher, run.span_id);
         stitcher.hold(
             run.span_id,
             SpanRole::Own,
             span("POST /run", run.span_id),
-            now,
             &mut out,
         );
         stitcher.hold(
             run.span_id,
             SpanRole::Semantic,
             span("gym.rollout", run_semantic),
-            now,
             &mut out,
         );
-        stitcher.finish(run.span_id, now);
+        stitcher.finish(run.span_id);
         stitcher.release(now, &mut out);
-        assert!(out.is_empty(), "held for the delay");
-        stitcher.release(now + Duration::from_millis(100), &mut out);
         (out, stitcher.counters)
     }
 
@@ -1257,24 +1271,106 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_caller_seen_after_the_delay_is_counted_not_linked() {
+    /// A request's server end, read while its traced caller's write was still unreported
+    /// (`server_first`) or a minute after it (a saturated server's socket buffer).
+    fn late_pair(server_first: bool) -> (Stitcher, RequestStart, RequestStart, Vec<SpanRecord>) {
         let mut stitcher = Stitcher::new(config());
         let now = Instant::now();
+        let later = now + Duration::from_secs(60);
         let served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
-        stitcher.start(&served, facts(None, false), now);
-        let mut out = Vec::new();
-        stitcher.hold(
-            served.span_id,
-            SpanRole::Own,
-            span("POST /v1/responses", served.span_id),
-            now,
-            &mut out,
-        );
-        stitcher.finish(served.span_id, now);
-        stitcher.release(now + Duration::from_secs(1), &mut out);
         let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
-        stitcher.start(&call, facts(None, false), now + Duration::from_secs(1));
+        let seen_here = StartFacts {
+            caller_seen_here: true,
+            ..facts(None, false)
+        };
+        let mut out = Vec::new();
+        if server_first {
+            stitcher.start(&served, seen_here, now);
+        } else {
+            stitcher.start(&call, facts(None, false), now);
+            stitcher.release(later, &mut out);
+            stitcher.start(&served, seen_here, later);
+        }
+        let own = span("POST /v1/responses", served.span_id);
+        stitcher.hold(served.span_id, SpanRole::Own, own, &mut out);
+        stitcher.finish(served.span_id);
+        stitcher.release(later, &mut out);
+        (stitcher, served, call, out)
+    }
+
+    #[test]
+    fn a_server_end_waits_for_its_traced_callers_however_late() {
+        // Read a minute after the write: the client's key waited.
+        let (stitcher, served, call, out) = late_pair(false);
+        assert_eq!(out[0].parent_span_id, Some(call.span_id));
+        assert_eq!(
+            stitcher.nodes[&served.span_id].parent,
+            Parent::Local(call.span_id)
+        );
+        // Seen before its caller: its span waits for the caller's start, a minute later.
+        let (mut stitcher, served, call, mut out) = late_pair(true);
+        assert!(out.is_empty(), "waits for its caller");
+        assert_eq!(stitcher.held(), 1);
+        let later = Instant::now() + Duration::from_secs(60);
+        stitcher.start(&call, facts(None, false), later);
+        stitcher.release(later, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].span_id, served.span_id);
+        assert_eq!(out[0].parent_span_id, Some(call.span_id));
+        let counters = stitcher.counters;
+        assert_eq!((counters.local_calls, counters.cross_process_links), (1, 1));
+        assert_eq!(
+            counters.spans_flushed_unmatched + counters.callers_unseen,
+            0
+        );
+    }
+
+    #[test]
+    fn a_connection_that_ends_before_its_other_end_is_seen_gives_up_counted() {
+        // The server end waited for a caller that never wrote (counted), then went out.
+        let (mut stitcher, served, _, mut out) = late_pair(true);
+        stitcher.connection_ended((
+            SocketAddr::from(([127, 0, 0, 1], 40000)),
+            SocketAddr::from(([127, 0, 0, 1], 9000)),
+        ));
+        stitcher.release(Instant::now(), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].span_id, served.span_id);
+        assert_eq!(out[0].parent_span_id, None);
+        assert_eq!(stitcher.counters.callers_unseen, 1);
+        assert!(stitcher.waiting_servers.is_empty());
+        // A call whose server end never came: its key goes with the connection.
+        let mut stitcher = Stitcher::new(config());
+        let call = start(AGENT, Role::Client, 40001, 9001, 0, "/v1/responses");
+        stitcher.start(&call, facts(None, false), Instant::now());
+        stitcher.connection_ended((
+            SocketAddr::from(([127, 0, 0, 1], 40001)),
+            SocketAddr::from(([127, 0, 0, 1], 9001)),
+        ));
+        assert!(stitcher.waiting_clients.is_empty());
+        let counters = stitcher.counters;
+        assert_eq!(
+            (counters.local_calls, counters.local_calls_unlinked_closed),
+            (1, 1)
+        );
+        // Its node is no longer pinned by the key: only its being in flight keeps it.
+        assert!(stitcher.nodes[&call.span_id].pinned());
+        stitcher.finish(call.span_id);
+        assert!(!stitcher.nodes[&call.span_id].pinned());
+    }
+
+    #[test]
+    fn a_server_end_of_an_untraced_caller_goes_at_once() {
+        let mut stitcher = Stitcher::new(config());
+        let served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+        stitcher.start(&served, facts(None, false), Instant::now());
+        let mut out = Vec::new();
+        let own = span("POST /v1/responses", served.span_id);
+        stitcher.hold(served.span_id, SpanRole::Own, own, &mut out);
+        assert_eq!(out.len(), 1, "nothing to wait for");
+        // Its caller turned out to be traced after all (it attached late): counted.
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
+        stitcher.start(&call, facts(None, false), Instant::now());
         assert_eq!(stitcher.counters.spans_flushed_unmatched, 1);
         assert_eq!(stitcher.counters.cross_process_links, 0);
     }
@@ -1341,9 +1437,9 @@ mod tests {
         let now = Instant::now();
         let mut out = Vec::new();
         let own = testing::span("own", kind, request.span_id);
-        stitcher.hold(request.span_id, SpanRole::Own, own, now, &mut out);
-        stitcher.finish(request.span_id, now);
-        stitcher.release(now + Duration::from_secs(1), &mut out);
+        stitcher.hold(request.span_id, SpanRole::Own, own, &mut out);
+        stitcher.finish(request.span_id);
+        stitcher.release(now, &mut out);
         out.pop().expect("released")
     }
 
@@ -1381,12 +1477,19 @@ mod tests {
         let (mut host_a, mut host_b) = (Stitcher::new(config()), Stitcher::new(config()));
         let now = Instant::now();
         let mut calls = Vec::new();
+        let mut runs = Vec::new();
         for (rollout, seq) in [("1-0", 100), ("2-0", 612), ("1-0", 9000)] {
             let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
             host_a.start(&run, facts(Some(rollout), true), now);
             let call = between_hosts(AGENT, Role::Client, seq, HOST_A, HOST_B);
             host_a.start(&call, facts(Some(rollout), false), now);
             calls.push((rollout, call));
+            runs.push(run.span_id);
+        }
+        // The runs answered: the retry, made while two runs of its rollout were in flight,
+        // waits for no more evidence.
+        for run in runs {
+            host_a.finish(run);
         }
         // Host B reads the pipelined pair first, then the retry.
         let mut served = Vec::new();
@@ -1521,7 +1624,7 @@ mod tests {
             Some(Undecided::Ambiguous)
         );
         // One in flight but of another rollout: contradicting evidence, no edge.
-        stitcher.finish(a.span_id, now);
+        stitcher.finish(a.span_id);
         let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
         stitcher.start(&for_c, facts(Some("c"), false), now);
         assert_eq!(
@@ -1541,7 +1644,6 @@ mod tests {
                 call.span_id,
                 SpanRole::Own,
                 span("HTTP POST", call.span_id),
-                now,
                 &mut out,
             );
         }
@@ -1638,7 +1740,6 @@ mod tests {
             run.span_id,
             SpanRole::Own,
             span("POST /run", run.span_id),
-            now,
             &mut out,
         );
         stitcher.release_all(&mut out);
@@ -1649,7 +1750,7 @@ mod tests {
     }
 
     #[test]
-    fn a_traceparent_wins_and_one_sided_entries_expire() {
+    fn a_traceparent_wins() {
         let mut stitcher = Stitcher::new(config());
         let now = Instant::now();
         let mut served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
@@ -1659,12 +1760,7 @@ mod tests {
         stitcher.start(&call, facts(None, false), now);
         assert_eq!(stitcher.trace_of(served.span_id).0[0], 0x0a);
         assert_eq!(stitcher.counters.cross_process_links, 0);
-        // A client whose server never comes waits, then goes.
-        let lone = start(AGENT, Role::Client, 40001, 9000, 0, "/v1/responses");
-        stitcher.start(&lone, facts(None, false), now);
-        assert_eq!(stitcher.waiting_clients.len(), 1);
-        stitcher.release(now + UNMATCHED_LINGER, &mut Vec::new());
-        assert!(stitcher.waiting_clients.is_empty());
+        assert_eq!(stitcher.counters.local_calls_parented_by_header, 1);
     }
 
     /// With `--inject-traceparent`, a call from one traced process to another on this host
@@ -1720,68 +1816,104 @@ mod tests {
     }
 
     #[test]
-    fn held_spans_are_bounded() {
+    fn held_spans_are_bounded_oldest_first() {
         let mut stitcher = Stitcher::new(StitchConfig {
             max_pending: 2,
             ..config()
         });
         let now = Instant::now();
         let mut out = Vec::new();
+        let mut ids = Vec::new();
         for port in 0..3 {
+            // Each waits for a traced caller that has not written yet.
             let request = start(MODEL, Role::Server, 9000, 41000 + port, 0, "/x");
-            stitcher.start(&request, facts(None, false), now);
-            stitcher.hold(
-                request.span_id,
-                SpanRole::Own,
-                span("POST /x", request.span_id),
-                now,
-                &mut out,
-            );
+            let facts = StartFacts {
+                caller_seen_here: true,
+                ..facts(None, false)
+            };
+            stitcher.start(&request, facts, now);
+            let own = span("POST /x", request.span_id);
+            stitcher.hold(request.span_id, SpanRole::Own, own, &mut out);
+            ids.push(request.span_id);
         }
         assert_eq!(out.len(), 1);
+        assert_eq!(out[0].span_id, ids[0], "the oldest goes first");
         assert_eq!(stitcher.held(), 2);
         assert_eq!(stitcher.counters.spans_released_early, 1);
     }
 
     #[test]
-    fn one_sided_connection_keys_are_bounded() {
+    fn one_key_per_connection_waits() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        // Calls over one connection to a local server that is not traced: each next request
+        // gives up the one before it (its server end would have come first), counted.
+        for sequence in 0..200 {
+            let call = start(AGENT, Role::Client, 40000, 9000, sequence, "/");
+            stitcher.start(&call, facts(None, false), now);
+            stitcher.finish(call.span_id);
+        }
+        assert_eq!(stitcher.waiting_clients.len(), 1);
+        stitcher.release_all(&mut Vec::new());
+        let counters = stitcher.counters;
+        assert_eq!(counters.local_calls, 200);
+        assert_eq!(counters.local_calls_unlinked_next_request, 199);
+        assert_eq!(counters.local_calls_unlinked_shutdown, 1);
+        // A call to another host waits for nothing here.
+        let remote = RequestStart {
+            peer: Some(SocketAddr::from(([10, 0, 0, 1], 80))),
+            ..start(AGENT, Role::Client, 40001, 80, 0, "/")
+        };
+        stitcher.start(&remote, facts(None, false), now);
+        assert!(stitcher.waiting_clients.is_empty());
+        assert_eq!(stitcher.counters.local_calls, 200);
+    }
+
+    #[test]
+    fn finished_requests_stay_while_needed_then_a_bounded_while() {
         let mut stitcher = Stitcher::new(StitchConfig {
-            delay: Duration::from_millis(10),
-            max_pending: 100,
-            max_nodes: 50,
-            inject_traces: false,
+            max_nodes: 4 * settle::RETIRED_KEEP,
+            ..config()
         });
         let now = Instant::now();
-        for port in 0..200u16 {
-            // Calls to a server that is not traced: nothing ever takes their key.
-            let start = RequestStart {
-                pid: 1,
-                role: Role::Client,
-                local: Some(SocketAddr::from(([127, 0, 0, 1], 20_000 + port))),
-                peer: Some(SocketAddr::from(([10, 0, 0, 1], 80))),
-                sequence: 0,
-                tcp_seq: None,
-                span_id: SpanId::random(),
-                method: "GET".into(),
-                path: "/".into(),
-                traceparent: None,
-                cookies: Vec::new(),
-                context: None,
-                lineage: None,
-                inbound_socket: None,
-            };
-            let facts = StartFacts {
-                rollout_id: None,
-                emits_own: true,
-                emits_semantic: false,
-                inbound_hidden: false,
-                caller_traced: false,
-            };
-            stitcher.start(&start, facts, now);
-            stitcher.finish(start.span_id, now);
-        }
-        assert!(stitcher.waiting_clients.len() <= 50);
-        assert!(stitcher.key_expiry.len() <= 50);
-        assert_eq!(stitcher.counters.stitch_keys_evicted, 150);
+        let mut out = Vec::new();
+        let run = start(AGENT, Role::Server, 8000, 50000, 0, "/run");
+        stitcher.start(&run, facts(Some("r1"), false), now);
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/ng-rollout/r1/x");
+        stitcher.start(&call, facts(Some("r1"), false), now);
+        stitcher.finish(run.span_id);
+        stitcher.release(now, &mut out);
+        assert!(
+            stitcher.nodes.contains_key(&run.span_id),
+            "a call hangs under it"
+        );
+        stitcher.finish(call.span_id);
+        stitcher.connection_ended((
+            SocketAddr::from(([127, 0, 0, 1], 40000)),
+            SocketAddr::from(([127, 0, 0, 1], 9000)),
+        ));
+        stitcher.release(now, &mut out);
+        assert_eq!(
+            stitcher.retired.len(),
+            1,
+            "the call retired, kept; the run holds it"
+        );
+        // As many other requests retire after it: the call goes, then the run retires.
+        let mut port = 0;
+        let mut retire_others = |stitcher: &mut Stitcher, out: &mut Vec<SpanRecord>| {
+            for _ in 0..settle::RETIRED_KEEP {
+                port += 1;
+                let other = start(AGENT, Role::Server, 8001, port, 0, "/y");
+                stitcher.start(&other, facts(None, false), now);
+                stitcher.finish(other.span_id);
+            }
+            stitcher.release(now, out);
+        };
+        retire_others(&mut stitcher, &mut out);
+        assert!(!stitcher.nodes.contains_key(&call.span_id));
+        assert!(stitcher.nodes.contains_key(&run.span_id));
+        retire_others(&mut stitcher, &mut out);
+        assert!(!stitcher.nodes.contains_key(&run.span_id));
+        assert_eq!(stitcher.retired.len(), settle::RETIRED_KEEP);
     }
 }
