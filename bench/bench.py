@@ -49,6 +49,7 @@ from harness import Agent, free_port  # noqa: E402
 
 sys.path.insert(0, str(BENCH_DIR))
 import bpf_stats  # noqa: E402
+import gym_scale  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
 # tracer-no-ctx: gym-tracer with --no-task-contexts, so that the kernel's task-context reads
@@ -1565,6 +1566,8 @@ def render(report):
         for g in report["goals"]:
             lines.append(f"  {g['goal']} ({g['target']}): {g['figures']}"
                          + (f"; floor: {g['floor']}" if g["floor"] else "") + f" -> {g['status']}")
+    if report.get("gym_scale"):
+        lines += ["", gym_scale.render(report["gym_scale"])]
     return "\n".join(lines)
 
 
@@ -1586,7 +1589,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "lineage", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
+SECTIONS = ("verify", "run", "lineage", "gym-scale", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
 
 
 def parse_args(argv):
@@ -1725,6 +1728,8 @@ def main(argv=None):
                                         + c["writes_per_req"] * alone["kernel_ns_per_write"] / 1000)
         if "tls" in args.sections:
             report["tls_calls"] = tls_calls(args, receiver)
+        if "gym-scale" in args.sections:
+            report["gym_scale"] = gym_scale.gym_scale(args.quick)
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:

@@ -23,8 +23,9 @@ pub(crate) struct BenchArgs {
     /// Also run a memory soak of this many seconds under steady load (600 = the 10-minute soak).
     #[arg(long)]
     soak: Option<u32>,
-    /// Only these sections, comma-separated: verify, run, saturation, connections, tax, traced-tax,
-    /// ctx, tls, pipeline.
+    /// Only these sections, comma-separated: verify, run, lineage, gym-scale (the real nemo-gym
+    /// servers at 256, 1,024 and 4,096 rollouts in flight, about 10 minutes), saturation,
+    /// connections, tax, traced-tax, ctx, tls, pipeline.
     #[arg(long)]
     only: Option<String>,
 }

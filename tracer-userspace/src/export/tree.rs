@@ -21,8 +21,8 @@ use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TreeOptions {
     /// How long a trace with a root must see no new span before it is printed: the
-    /// stitcher holds spans up to `--stitch-delay-ms` (500 ms by default), so siblings of a
-    /// root can still be on their way when the root arrives.
+    /// stitcher releases spans as their chains settle, so siblings of a root can still be on
+    /// their way when the root arrives.
     pub quiet_period: Duration,
     pub max_traces: usize,
     pub max_spans_per_trace: usize,

@@ -214,8 +214,8 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             name: "gym_tracer.spans.held",
             kind: GAUGE,
             unit: "{span}",
-            description: "Spans held now, by `stage`: `stitching` (waiting for their \
-                          parent, --stitch-delay-ms), `export_buffer` (waiting for the \
+            description: "Spans held now, by `stage`: `stitching` (waiting until \
+                          nothing can change their parent, --max-pending-spans), `export_buffer` (waiting for the \
                           collector, --export-buffer-spans).",
         },
         observe: |health, _, gauges| {
