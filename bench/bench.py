@@ -523,6 +523,13 @@ def pipeline_cost(binary, quick):
         out = subprocess.run(["taskset", "-c", str(SERVER_CPU), str(binary), str(requests)],
                              capture_output=True, text=True, check=True, timeout=600)
         runs.append([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
+    # The stitcher alone at N in flight (`stitch_ns_per_call`): its own lines.
+    in_flight = {}
+    for run in runs:
+        for row in run:
+            if "stitch_in_flight" in row:
+                in_flight.setdefault(row["stitch_in_flight"], []).append(row["ns_per_call"])
+    runs = [[row for row in run if "workload" in row] for run in runs]
     workloads = {}
     for row in runs[0]:
         name = row["workload"]
@@ -531,7 +538,8 @@ def pipeline_cost(binary, quick):
                            for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span")}
         workloads[name].update(spans_per_request=row["spans"] / row["requests"],
                                stitched_per_request=row["stitched"] / row["requests"])
-    return {"requests": requests, "repeats": repeats, "workloads": workloads}
+    return {"requests": requests, "repeats": repeats, "workloads": workloads,
+            "stitch_ns_per_call_by_in_flight": {n: statistics.median(v) for n, v in sorted(in_flight.items())}}
 
 
 class FloorProbes:
@@ -1485,6 +1493,10 @@ def render(report):
             lines.append(f"  {name:14} {w['pipeline_ns_per_request'] / 1000:6.2f} µs per request in the pipeline "
                          f"({w['spans_per_request']:.0f} spans), encoding {w['encode_ns_per_span']:.0f} ns per span: "
                          f"{w['ns_per_span'] / 1000:.2f} µs per span")
+        by_n = c.get("stitch_ns_per_call_by_in_flight") or {}
+        if by_n:
+            lines.append("  the stitcher with N rollouts in flight in one process, one call each placed by its rollout "
+                         "id: " + ", ".join(f"{int(n):,} → {ns:.0f} ns" for n, ns in by_n.items()) + " per call")
     if report.get("context_reads"):
         c = report["context_reads"]
         lines.append("")

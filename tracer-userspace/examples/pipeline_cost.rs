@@ -2,7 +2,7 @@
 //! `gym_tracer::pipeline::cost`). `cargo xtask bench` runs it; alone:
 //! `cargo run --release -p tracer-userspace --example pipeline_cost [requests]`.
 
-use gym_tracer::pipeline::cost::{Workload, measure};
+use gym_tracer::pipeline::cost::{Workload, measure, stitch_ns_per_call};
 
 fn main() {
     let requests = match std::env::args().nth(1).map(|arg| arg.parse::<u64>()) {
@@ -29,5 +29,11 @@ fn main() {
             cost.encode_ns_per_span,
             cost.ns_per_span()
         );
+    }
+    // The stitcher with many rollouts in flight in one process: the same work per call.
+    for in_flight in [64, 1024, 4096, 16_384] {
+        let rounds = (65_536 / in_flight).max(2);
+        let ns = stitch_ns_per_call(in_flight, rounds);
+        println!("{{\"stitch_in_flight\": {in_flight}, \"ns_per_call\": {ns:.1}}}");
     }
 }

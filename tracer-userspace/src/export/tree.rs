@@ -798,7 +798,7 @@ trace 4bf92f3577b34da6a3ce929d0e0e4736  rollout -  (2 spans, 0.0 ms)  (incomplet
     #[test]
     fn falls_back_to_service_name() {
         let span = SpanRecord {
-            service: Arc::new(ServiceIdentity::for_test("python3")),
+            service: Arc::new(ServiceIdentity::named("python3")),
             ..Span::new("x", SpanKind::Server, "GET /", 1, 0, 260).0
         };
         let text = render_trace(TRACE, &[span], false);

@@ -94,7 +94,7 @@ pub fn start(
 /// A span of service `svc` with no attributes, parent or trace id yet.
 pub fn span(name: &str, kind: SpanKind, span_id: SpanId) -> SpanRecord {
     SpanRecord {
-        service: Arc::new(ServiceIdentity::for_test("svc")),
+        service: Arc::new(ServiceIdentity::named("svc")),
         name: name.to_owned().into(),
         kind,
         trace_id: TraceId([0; 16]),

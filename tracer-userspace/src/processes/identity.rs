@@ -125,8 +125,8 @@ impl ServiceIdentity {
         self.attributes.get(attr::GYM_SERVER_NAME)
     }
 
-    #[cfg(test)]
-    pub fn for_test(name: &str) -> Self {
+    /// A process known by its `service.name` alone (unit tests, the cost measurement).
+    pub fn named(name: &str) -> Self {
         let mut attributes = BTreeMap::new();
         attributes.insert(
             attr::SERVICE_NAME,

@@ -283,9 +283,9 @@ impl Stitcher {
             });
         };
         if let Some(rollout) = &node.rollout {
-            let same = in_flight()
-                .filter(|x| self.effective_rollout(**x) == Some(rollout) && candidate(x))
-                .copied()
+            let same = self
+                .in_flight_of_rollout(node.pid, rollout)
+                .filter(|x| candidate(x))
                 .collect();
             narrow(same, Evidence::RolloutId);
         }

@@ -29,6 +29,7 @@ mod calls;
 pub mod context_keys;
 pub mod injection;
 mod lineage;
+mod rollouts;
 mod settle;
 
 use crate::model::counters::counters;
@@ -283,7 +284,7 @@ struct Node {
     awaiting: Option<settle::Awaiting>,
     /// What keeps it in the graph once finished: requests hanging under it, its own spans
     /// held, its connection key waiting for the server's end.
-    children: u32,
+    children: Vec<SpanId>,
     held_spans: u32,
     keyed: bool,
 }
@@ -292,7 +293,7 @@ impl Node {
     /// Whether anything still needs the request in the graph.
     fn pinned(&self) -> bool {
         !self.finished
-            || self.children > 0
+            || !self.children.is_empty()
             || self.held_spans > 0
             || self.keyed
             || self.awaiting.is_some()
@@ -353,6 +354,10 @@ pub struct Stitcher {
     /// In-flight inbound requests per process, by start: the candidates for an outbound
     /// call's parent.
     inbound: HashMap<u32, BTreeMap<u64, SpanId>>,
+    /// In-flight inbound requests per (process, rollout they belong to): what a call naming
+    /// a rollout looks up, instead of scanning the requests in flight ([`rollouts`]). An
+    /// entry may be stale (checked on use), never missing.
+    rollout_inbound: HashMap<(u32, RolloutId), Vec<SpanId>>,
     /// Undecided calls per process, by start, while a candidate is in flight ([`settle`]).
     open_calls: HashMap<u32, BTreeMap<u64, SpanId>>,
     /// Per connection, the request of each end waiting for the other end's.
@@ -441,6 +446,7 @@ impl Stitcher {
             nodes: HashMap::new(),
             inbound: HashMap::new(),
             open_calls: HashMap::new(),
+            rollout_inbound: HashMap::new(),
             waiting_clients: HashMap::new(),
             waiting_servers: HashMap::new(),
             retired: VecDeque::new(),
@@ -517,7 +523,7 @@ impl Stitcher {
             random_trace: TraceId::random(),
             finished: false,
             awaiting: None,
-            children: 0,
+            children: Vec::new(),
             held_spans: 0,
             keyed: false,
         };
@@ -613,6 +619,7 @@ impl Stitcher {
             }
         }
         self.inbound.entry(pid).or_default().insert(started, id);
+        self.index_rollouts_below(id);
         if let Some(socket) = start.inbound_socket {
             self.inbound_sockets.insert((pid, socket), id);
         }
@@ -633,10 +640,14 @@ impl Stitcher {
         if let Parent::Local(new) = parent
             && let Some(parent_node) = self.nodes.get_mut(&new)
         {
-            parent_node.children += 1;
+            parent_node.children.push(child);
         }
         if let Parent::Local(old) = before {
-            self.release_child(old);
+            self.release_child(old, child);
+        }
+        if matches!(parent, Parent::Local(_)) {
+            // Its rollout, and its subtree's, may be known now.
+            self.index_rollouts_below(child);
         }
         if parent != Parent::None {
             self.settle(child);
@@ -648,7 +659,9 @@ impl Stitcher {
     pub fn set_rollout(&mut self, request: SpanId, rollout_id: RolloutId) {
         if let Some(node) = self.nodes.get_mut(&request) {
             node.rollout = Some(rollout_id);
-            match node.role {
+            let role = node.role;
+            self.index_rollouts_below(request);
+            match role {
                 Role::Client => {
                     self.recheck_rollout(request);
                     self.place_call(request);
@@ -743,18 +756,8 @@ impl Stitcher {
         rollout: Option<&RolloutId>,
         inbound_hidden: bool,
     ) -> Result<(SpanId, Evidence), Undecided> {
-        let candidates: Vec<SpanId> = self
-            .inbound
-            .get(&pid)
-            .map(|list| list.values().copied().collect())
-            .unwrap_or_default();
-        let candidates = candidates.as_slice();
         if let Some(rollout) = rollout {
-            let same: Vec<SpanId> = candidates
-                .iter()
-                .copied()
-                .filter(|id| self.effective_rollout(*id) == Some(rollout))
-                .collect();
+            let same: Vec<SpanId> = self.in_flight_of_rollout(pid, rollout).collect();
             match same.as_slice() {
                 [one] => return Ok((*one, Evidence::RolloutId)),
                 [] => {}
@@ -766,7 +769,14 @@ impl Stitcher {
                 }
             }
         }
-        match candidates {
+        // Without a rollout to look up, every request in flight is a candidate: nesting
+        // looks at each (a process without task contexts has no better evidence).
+        let candidates: Vec<SpanId> = self
+            .inbound
+            .get(&pid)
+            .map(|list| list.values().copied().collect())
+            .unwrap_or_default();
+        match candidates.as_slice() {
             [] => Err(Undecided::NoInbound),
             [_] if inbound_hidden => Err(Undecided::NoEvidence),
             [only] => {
@@ -778,6 +788,7 @@ impl Stitcher {
                         if let Some(node) = self.nodes.get_mut(&only) {
                             node.rollout = Some(rollout.clone());
                         }
+                        self.index_rollouts_below(only);
                         Ok((only, Evidence::OnlyInbound))
                     }
                     (None, _) => Ok((only, Evidence::OnlyInbound)),
@@ -869,6 +880,9 @@ impl Stitcher {
         let (pid, role, started) = (node.pid, node.role, node.started);
         let cookies = std::mem::take(&mut node.cookies);
         self.withdraw_traces(request);
+        if role == Role::Server {
+            self.unindex_rollout(request);
+        }
         if role == Role::Server
             && let Some(list) = self.inbound.get_mut(&pid)
         {
@@ -1915,5 +1929,47 @@ mod tests {
         retire_others(&mut stitcher, &mut out);
         assert!(!stitcher.nodes.contains_key(&run.span_id));
         assert_eq!(stitcher.retired.len(), settle::RETIRED_KEEP);
+    }
+
+    /// A request's rollout learned after it started (its caller placed later) is looked up
+    /// like one its head named: the calls that name the rollout find it.
+    #[test]
+    fn a_rollout_carried_down_later_is_found_by_the_calls_that_name_it() {
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        let run1 = start(AGENT, Role::Server, 8000, 50001, 0, "/run");
+        let run2 = start(AGENT, Role::Server, 8000, 50002, 0, "/run");
+        stitcher.start(&run1, facts(Some("1-0"), false), now);
+        stitcher.start(&run2, facts(Some("2-0"), false), now);
+        // The agent's call: two /run in flight, nothing names one yet.
+        let call = start(AGENT, Role::Client, 40000, 9000, 0, "/v1/responses");
+        stitcher.start(&call, facts(None, false), now);
+        assert_eq!(stitcher.nodes[&call.span_id].parent, Parent::None);
+        // The model server reads it (linked at once), and another rollout's request.
+        let served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+        stitcher.start(&served, facts(None, false), now);
+        let other = start(
+            MODEL,
+            Role::Server,
+            9000,
+            40001,
+            0,
+            "/ng-rollout/2-0/v1/responses",
+        );
+        stitcher.start(&other, facts(Some("2-0"), false), now);
+        // The call's body tail names rollout 1-0: it, and the model's request, are 1-0's.
+        stitcher.set_rollout(call.span_id, RolloutId::parse("1-0").unwrap());
+        assert_eq!(
+            stitcher.nodes[&call.span_id].parent,
+            Parent::Local(run1.span_id)
+        );
+        // The model server's upstream call names 1-0 too: its request is found by it.
+        let upstream = start(MODEL, Role::Client, 41000, 443, 0, "/v1/responses");
+        stitcher.start(&upstream, facts(Some("1-0"), false), now);
+        assert_eq!(
+            stitcher.nodes[&upstream.span_id].parent,
+            Parent::Local(served.span_id)
+        );
+        assert_eq!(stitcher.counters.parents_by_rollout_id, 2);
     }
 }

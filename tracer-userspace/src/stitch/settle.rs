@@ -412,15 +412,15 @@ impl Stitcher {
         }
         let node = self.nodes.remove(&request).expect("checked");
         if let Parent::Local(parent) = node.parent {
-            self.release_child(parent);
+            self.release_child(parent, request);
         }
         true
     }
 
-    /// A request no longer hangs under `parent`.
-    pub(super) fn release_child(&mut self, parent: SpanId) {
+    /// `child` no longer hangs under `parent`.
+    pub(super) fn release_child(&mut self, parent: SpanId, child: SpanId) {
         if let Some(node) = self.nodes.get_mut(&parent) {
-            node.children = node.children.saturating_sub(1);
+            node.children.retain(|c| *c != child);
         }
         self.maybe_retire(parent);
     }
