@@ -205,6 +205,30 @@ def test_quick_bench_prices_the_agent_user_space_alone(tmp_path):
     for figures in workloads.values():
         for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span"):
             assert figures[key] > 0, (key, figures)
+    by_in_flight = cost["stitch_ns_per_call_by_in_flight"]
+    assert sorted(int(n) for n in by_in_flight) == [64, 1024, 4096, 16384], by_in_flight
+    assert all(ns > 0 for ns in by_in_flight.values()), by_in_flight
+    assert "the stitcher with N rollouts in flight" in out.stdout, out.stdout
+
+
+def test_quick_bench_drives_gym_at_scale(tmp_path):
+    """The gym-scale section, shortest form (256 rollouts in flight through the real nemo-gym
+    servers, untraced then traced): every rollout answered, every one whole (one trace, the
+    tree of a lone rollout), the traced run's spans exactly 20 per rollout, nothing lost in
+    the kernel, and each figure of the table present."""
+    out = run_bench(tmp_path, "--only", "gym-scale", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [step] = json.loads((tmp_path / "latest.json").read_text())["gym_scale"]
+    untraced, traced = step["untraced"], step["traced"]
+    assert step["rollouts"] == 256
+    assert (untraced["failed"], traced["failed"]) == (0, 0), step
+    assert (traced["whole"], traced["spans"], traced["kernel_lost"]) == (256, 256 * 20, 0), step
+    for run in (untraced, traced):
+        for key in ("rollouts_per_s", "p50_s", "p99_s", "servers_cpu_s"):
+            assert run[key] > 0, (key, run)
+    for key in ("agent_us_per_span", "agent_us_per_rollout", "agent_share_of_servers", "agent_peak_rss_mib"):
+        assert traced[key] > 0, (key, traced)
+    assert "gym-scale: real nemo-gym" in out.stdout and "256/256" in out.stdout, out.stdout
 
 
 def test_quick_bench_measures_the_syscall_floors(tmp_path):
