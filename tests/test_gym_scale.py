@@ -28,11 +28,13 @@ configuration and with observability on (the /ng-rollout/<id> prefixes):
    model server's calls to its (untraced) upstream, no caller unseen, no span released early
    or decided late, no call undecided, nothing lost in the kernel.
 
+GYM_SCALE_ROLLOUTS sets ROLLOUTS (default 2,048) for a run by hand at another scale.
+
 Needs target/gym-venv (`cargo xtask setup`; see test_real_gym.py). The summary's counters are
 the whole agent's: nothing else Gym-shaped may run on the machine meanwhile.
 """
 
-import collections
+import os
 
 import pytest
 
@@ -42,7 +44,8 @@ from test_real_gym import (BODY_BYTES, EXPECTED_TREE, SPANS_PER_ROLLOUT, canonic
                            rollout_problems, tree_shape)
 from test_task_lineage import UNPARENTED, attached_tracer, stop_when_exported, timing_problems
 
-ROLLOUTS = 2048
+# CI's size; GYM_SCALE_ROLLOUTS=4096 (or more) runs the same checks at another scale by hand.
+ROLLOUTS = int(os.environ.get("GYM_SCALE_ROLLOUTS", "2048"))
 FIRST_ROLLOUT = 900  # the lone first rollout's index: id "0-900", apart from the batch's
 UPSTREAM_DELAY_S = 1.0
 TRACED_CALLS_PER_ROLLOUT = 6  # the SERVER spans of EXPECTED_TREE but /run (the driver's)
