@@ -348,6 +348,7 @@ impl Stitcher {
             .map(|list| list.into_values().collect())
             .unwrap_or_default();
         for request in in_flight {
+            self.unindex_rollout(request);
             if let Some(node) = self.nodes.get_mut(&request) {
                 node.finished = true;
             }
