@@ -392,7 +392,10 @@ impl<M: RequestMetrics> Pipeline<M> {
                     emits_semantic: semantic.is_some_and(|s| self.groups.contains(s.group)),
                     inbound_hidden: false,
                     caller_traced: caller_is_gym_server(process, stripped.route_path),
-                    caller_seen_here: start.peer.is_some_and(|p| self.table.is_traced_client(p)),
+                    caller_seen_here: start
+                        .peer
+                        .zip(start.local)
+                        .is_some_and(|(peer, local)| self.table.is_traced_client(peer, local)),
                 };
                 if let (Some(local), Some(name)) = (start.local, server_name) {
                     self.name_peer(local, &name, server_type);

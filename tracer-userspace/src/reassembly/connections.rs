@@ -236,9 +236,10 @@ pub struct ConnectionTable {
     pub tls_opened: Vec<u32>,
     /// See [`ConnectionTable::take_ciphertext`].
     last_was_ciphertext: bool,
-    /// Client connections by their local address: which peers of a server are traced
-    /// sockets ([`ConnectionTable::is_traced_client`]).
-    client_ends: HashMap<SocketAddr, SocketId>,
+    /// Client connections by (local, peer) address: which callers of a server are traced
+    /// sockets ([`ConnectionTable::is_traced_client`]). The pair, not the local address
+    /// alone: Linux gives one ephemeral port to connections to different servers.
+    client_ends: HashMap<(SocketAddr, SocketAddr), SocketId>,
     /// Connections that left the table (closed, evicted, replaced), as (client, server)
     /// addresses, for the caller to take: what waited for their other end waits no more.
     pub ended_connections: Vec<(SocketAddr, SocketAddr)>,
@@ -480,9 +481,9 @@ impl ConnectionTable {
             return;
         }
         if open.role == Role::Client
-            && let Some(local) = open.local
+            && let (Some(local), Some(peer)) = (open.local, open.peer)
         {
-            self.client_ends.insert(local, id);
+            self.client_ends.insert((local, peer), id);
         }
         self.connections.insert(
             id,
@@ -703,8 +704,8 @@ impl ConnectionTable {
         if let (Some(local), Some(peer)) = (connection.local, connection.peer) {
             let pair = match connection.role {
                 Role::Client => {
-                    if self.client_ends.get(&local) == Some(id) {
-                        self.client_ends.remove(&local);
+                    if self.client_ends.get(&(local, peer)) == Some(id) {
+                        self.client_ends.remove(&(local, peer));
                     }
                     (local, peer)
                 }
@@ -715,10 +716,10 @@ impl ConnectionTable {
         Some(connection)
     }
 
-    /// Whether `address` is the local end of a client connection of a traced process: its
-    /// connect was reported before it could write, so every request it sends will be seen.
-    pub fn is_traced_client(&self, address: SocketAddr) -> bool {
-        self.client_ends.contains_key(&address)
+    /// Whether the connection from `client` to `server` is a traced process's: its connect
+    /// was reported before it could write, so every request it sends will be seen.
+    pub fn is_traced_client(&self, client: SocketAddr, server: SocketAddr) -> bool {
+        self.client_ends.contains_key(&(client, server))
     }
 
     /// Requests still waiting for their response (reported at shutdown: they are not
@@ -1015,6 +1016,32 @@ mod tests {
             local: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000)),
             peer: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 40000)),
         })
+    }
+
+    /// A server's caller is a traced socket when that very connection is one: the same
+    /// ephemeral port on a connection to another server is someone else's; a closed
+    /// connection is no one's; every end that leaves the table is reported.
+    #[test]
+    fn traced_client_ends_are_known_by_both_addresses_until_they_leave() {
+        let mut table = ConnectionTable::new(16);
+        let (mut exchanges, mut actions) = (Vec::new(), Vec::new());
+        // Local 8000 -> peer 40000, as a client this time.
+        table.apply(&open(3, 1, Role::Client), &mut exchanges, &mut actions);
+        let at = |port| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+        assert!(table.is_traced_client(at(8000), at(40000)));
+        assert!(
+            !table.is_traced_client(at(8000), at(40001)),
+            "same port, other server"
+        );
+        let close = KernelEvent::Close {
+            pid: 7,
+            fd: 3,
+            conn_id: 1,
+            timestamp_ns: 2,
+        };
+        table.apply(&close, &mut exchanges, &mut actions);
+        assert!(!table.is_traced_client(at(8000), at(40000)));
+        assert_eq!(table.ended_connections, [(at(8000), at(40000))]);
     }
 
     fn data(

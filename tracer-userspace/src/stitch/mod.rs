@@ -412,9 +412,9 @@ pub struct StartFacts {
     /// `/run`, which rollout collection sends), so an agent on the caller's host exports its
     /// CLIENT span. Only then may a SERVER span name a parent that is not on this host.
     pub caller_traced: bool,
-    /// Inbound: the peer is a client socket of a traced process on this host (its connect
-    /// was reported before it could write), so its start will be seen: the request waits
-    /// for it ([`settle`]).
+    /// Inbound: the connection is a traced process's client connection on this host (its
+    /// connect was reported before it could write), so its start will be seen: the request
+    /// waits for it ([`settle`]).
     pub caller_seen_here: bool,
 }
 

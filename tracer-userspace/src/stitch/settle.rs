@@ -4,13 +4,14 @@
 //! filed under the first unsettled request on the chain, and looked at again when that
 //! request settles. Per kind of evidence, the event that closes it:
 //! - **the caller's end of a connection on this host** (a SERVER span's parent): a server
-//!   request whose peer is a traced client socket here ([`StartFacts::caller_seen_here`]:
-//!   the client's connect was reported before it could write) waits for the client's start,
+//!   request whose connection is a traced process's client connection here (both addresses:
+//!   [`StartFacts::caller_seen_here`]; the client's connect was reported before it could
+//!   write) waits for the client's start,
 //!   however long the request sat in the socket buffer. It stops waiting when the connection
 //!   ends (either end's close, or the table's eviction), when another request starts on the
 //!   connection (HTTP/1.x: the client wrote this one before it read the answer to the next
 //!   one's predecessor, so its start was reported first), or when the process exits; each
-//!   counted as `callers_unseen`. A server request whose peer is not a traced socket waits
+//!   counted as `callers_unseen`. A server request whose caller is not a traced socket waits
 //!   for nothing (its caller is not traced, or attached after the connection was opened);
 //! - **the call's own evidence** (a CLIENT span's parent: rollout id, cookie, task context,
 //!   lineage, the echoed response id, the response's task context, the loop tail learned from
