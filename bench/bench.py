@@ -1623,6 +1623,8 @@ def parse_args(argv):
                         help="the syscall_floor example binary (cargo xtask bench builds it): the floor rows of the "
                              "tax and traced-tax sections")
     parser.add_argument("--only", help=f"comma list of sections to run: {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--gym-scale-steps", help="comma list of rollouts in flight for the gym-scale section "
+                        "(default 256,1024,4096; quick 256), e.g. 16384")
     args = parser.parse_args(argv)
     quick = args.quick
     args.duration = args.duration or (3 if quick else 8)
@@ -1741,7 +1743,8 @@ def main(argv=None):
         if "tls" in args.sections:
             report["tls_calls"] = tls_calls(args, receiver)
         if "gym-scale" in args.sections:
-            report["gym_scale"] = gym_scale.gym_scale(args.quick)
+            steps = tuple(int(n) for n in args.gym_scale_steps.split(",")) if args.gym_scale_steps else None
+            report["gym_scale"] = gym_scale.gym_scale(args.quick, steps)
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:

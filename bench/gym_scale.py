@@ -89,7 +89,7 @@ def one_run(n, traced, binary_env):
                 agent.wait_for_routes(pid, timeout=30)
             agent_cpu_before = cpu_seconds(agent.process.pid)
         servers_before = sum(cpu_seconds(pid) for pid in pids.values())
-        results = run.drive_rollouts(n, pad_to=BODY_BYTES, timeout=900)
+        results = run.drive_rollouts(n, pad_to=BODY_BYTES, timeout=1800)
         servers_cpu = sum(cpu_seconds(pid) for pid in pids.values()) - servers_before
         figures = {"rollouts": n, "traced": traced, "servers_cpu_s": servers_cpu}
         failed = [r for r in results if (r["status"], r["reward"]) != (200, 1.0)]
@@ -100,7 +100,7 @@ def one_run(n, traced, binary_env):
                        wall_s=wall)
         if traced:
             expected = n * 20
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline and lines_in(agent.stdout_path) < expected:
                 time.sleep(1.0)
             time.sleep(1.0)
@@ -126,15 +126,17 @@ def one_run(n, traced, binary_env):
         run.stop()
 
 
-def gym_scale(quick):
-    """Every step, untraced then traced; the figures by step."""
+def gym_scale(quick, steps=None):
+    """Every step (`steps`, else STEPS, or QUICK_STEPS when quick), untraced then traced; the
+    figures by step."""
     all_cpus = set(range(os.cpu_count() or 1))
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, all_cpus)  # Gym's servers use every CPU, as in production
     env = {"GYM_TRACER_BIN": os.environ.get("GYM_TRACER_BIN", "")}
+    ns = steps or (QUICK_STEPS if quick else STEPS)
     steps = []
     try:
-        for n in QUICK_STEPS if quick else STEPS:
+        for n in ns:
             started = time.monotonic()
             untraced = one_run(n, False, env)
             traced = one_run(n, True, env)
