@@ -297,9 +297,9 @@ fn data(pid: u32, fd: i32, direction: u8, bytes: &[u8], seq: u32, timestamp_ns: 
 pub fn stitch_ns_per_call(in_flight: u32, rounds: u32) -> f64 {
     use crate::gym::rollout_id::RolloutId;
     use crate::model::exchange::{RequestStart, Role};
-    use crate::model::ids::{SpanId, TraceId};
+    use crate::model::ids::SpanId;
     use crate::model::service::ServiceIdentity;
-    use crate::model::span::{SpanKind, SpanRecord, SpanStatus};
+    use crate::model::span::{SpanKind, SpanRecord};
     use crate::stitch::{SpanRole, StartFacts, Stitcher};
 
     let service = std::sync::Arc::new(ServiceIdentity::named("agent"));
@@ -351,19 +351,8 @@ pub fn stitch_ns_per_call(in_flight: u32, rounds: u32) -> f64 {
             let path = format!("/ng-rollout/{}/v1/responses", rollout(i));
             let call = start(Role::Client, 30_000 + i, 9000, path);
             stitcher.start(&call, facts(&rollout(i)), now);
-            let span = SpanRecord {
-                service: service.clone(),
-                name: "HTTP POST".into(),
-                kind: SpanKind::Client,
-                trace_id: TraceId([0; 16]),
-                span_id: call.span_id,
-                parent_span_id: None,
-                parent_is_remote: false,
-                start_unix_ns: 1,
-                end_unix_ns: 2,
-                attributes: Vec::new(),
-                status: SpanStatus::Unset,
-            };
+            let span =
+                SpanRecord::bare(service.clone(), "HTTP POST", SpanKind::Client, call.span_id);
             stitcher.hold(call.span_id, SpanRole::Own, span, &mut out);
             stitcher.finish(call.span_id);
         }

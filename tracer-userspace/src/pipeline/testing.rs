@@ -8,9 +8,9 @@ use std::sync::Arc;
 use crate::model::exchange::{
     HttpExchange, Outcome, RequestHead, RequestStart, ResponseHead, Role,
 };
-use crate::model::ids::{SpanId, TraceId};
+use crate::model::ids::SpanId;
 use crate::model::service::ServiceIdentity;
-use crate::model::span::{SpanKind, SpanRecord, SpanStatus};
+use crate::model::span::{SpanKind, SpanRecord};
 
 /// `127.0.0.1:port`.
 pub fn loopback(port: u16) -> SocketAddr {
@@ -93,17 +93,5 @@ pub fn start(
 
 /// A span of service `svc` with no attributes, parent or trace id yet.
 pub fn span(name: &str, kind: SpanKind, span_id: SpanId) -> SpanRecord {
-    SpanRecord {
-        service: Arc::new(ServiceIdentity::named("svc")),
-        name: name.to_owned().into(),
-        kind,
-        trace_id: TraceId([0; 16]),
-        span_id,
-        parent_span_id: None,
-        parent_is_remote: false,
-        start_unix_ns: 1,
-        end_unix_ns: 2,
-        attributes: Vec::new(),
-        status: SpanStatus::Unset,
-    }
+    SpanRecord::bare(Arc::new(ServiceIdentity::named("svc")), name, kind, span_id)
 }

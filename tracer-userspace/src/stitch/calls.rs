@@ -497,7 +497,7 @@ mod tests {
     use crate::model::evidence::{Token, TokenKind};
     use crate::model::exchange::{RequestStart, Role};
     use crate::model::ids::SpanId;
-    use crate::model::span::SpanKind;
+    use crate::model::span::{SpanKind, SpanRecord};
     use crate::pipeline::testing;
 
     const AGENT: u32 = 1;
@@ -594,6 +594,20 @@ mod tests {
 
         fn finish(&mut self, request: &RequestStart) {
             self.stitcher.finish(request.span_id);
+        }
+
+        /// `call`'s callee, another traced process over the same connection, answers and
+        /// the call ends: both spans held (or released into `out`).
+        fn answered_by_a_traced_callee(&mut self, call: &RequestStart, out: &mut Vec<SpanRecord>) {
+            let callee = super::super::testing_server_of(call);
+            self.stitcher
+                .start(&callee, super::super::testing_facts(), self.now);
+            for (request, kind) in [(&callee, SpanKind::Server), (call, SpanKind::Client)] {
+                let span = testing::span("own", kind, request.span_id);
+                let role = super::super::SpanRole::Own;
+                self.stitcher.hold(request.span_id, role, span, out);
+                self.finish(request);
+            }
         }
     }
 
@@ -776,16 +790,8 @@ mod tests {
         // The callee, another traced process over the same connection, answers; the call
         // ends. Both spans wait while the requests that could be the call's are in flight,
         // however long that is.
-        let callee = super::super::testing_server_of(&upstream);
-        s.stitcher
-            .start(&callee, super::super::testing_facts(), s.now);
         let mut out = Vec::new();
-        for (request, kind) in [(&callee, SpanKind::Server), (&upstream, SpanKind::Client)] {
-            let span = testing::span("own", kind, request.span_id);
-            let role = super::super::SpanRole::Own;
-            s.stitcher.hold(request.span_id, role, span, &mut out);
-            s.finish(request);
-        }
+        s.answered_by_a_traced_callee(&upstream, &mut out);
         s.stitcher
             .release(s.now + Duration::from_secs(60), &mut out);
         assert!(out.is_empty(), "{out:?}");
@@ -815,16 +821,8 @@ mod tests {
             s.inbound(MODEL, "/v1/responses", &[]),
         );
         let upstream = s.call(MODEL, &[0x1, 0x10], &[]);
-        let callee = super::super::testing_server_of(&upstream);
-        s.stitcher
-            .start(&callee, super::super::testing_facts(), s.now);
         let mut out = Vec::new();
-        for (request, kind) in [(&callee, SpanKind::Server), (&upstream, SpanKind::Client)] {
-            let span = testing::span("own", kind, request.span_id);
-            let role = super::super::SpanRole::Own;
-            s.stitcher.hold(request.span_id, role, span, &mut out);
-            s.finish(request);
-        }
+        s.answered_by_a_traced_callee(&upstream, &mut out);
         let [served] = &out[..] else {
             panic!("{out:?}")
         };
