@@ -8,8 +8,9 @@
 //!                                 │  (decode)   (connections,  (stitch: parents,   (JSON lines,
 //!                                 │              HTTP heads)    trace ids; signals:  tree, OTLP)
 //!                                 │                             meaning, spans,
-//!                                 │  processes: who each PID is  metrics)
-//!                                 │  (discovery, identity, routes)
+//!                                 │  processes: who each PID is  metrics; insight:
+//!                                 │  (discovery, identity,       phases, stragglers,
+//!                                 │   routes)                    live view)
 //! ```
 //!
 //! Stages, each importing [`model`] (the messages between them) and the stages before it:
@@ -22,6 +23,9 @@
 //! - `reassembly`: the connection table and the HTTP/1.x parser: exchanges out.
 //! - `stitch`: parents and trace ids from evidence; holds spans until they are decided.
 //! - `signals`: an exchange's Gym meaning, its spans and its metric recordings.
+//! - `insight`: after stitching: each rollout's time split along its critical path
+//!   (`gym.rollout.phase.*`), stragglers, the servers' queueing and load, the live view
+//!   (`GET /rollouts`, `gym-tracer top`).
 //! - `export`: sinks behind one trait (JSON lines, trees, OTLP with retries).
 //! - [`pipeline`]: the one pure core that drives the stages per record; the agent and the
 //!   fuzz target ([`pipeline::replay`]) both drive it.
@@ -40,6 +44,7 @@ mod processes;
 mod reassembly;
 mod stitch;
 mod signals;
+pub mod insight;
 mod export;
 
 pub mod pipeline;

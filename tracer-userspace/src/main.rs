@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use gym_tracer::config::cli::{self, Command};
-use gym_tracer::ops::{doctor, logging, reference};
+use gym_tracer::ops::{doctor, logging, reference, top};
 use gym_tracer::{agent, config};
 
 fn main() -> ExitCode {
@@ -21,6 +21,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(_) => config::check_config(&loaded).map(|()| true),
         Command::Doctor(args) => doctor::run(args),
         Command::Reference(args) => reference::run(args).map(|()| true),
+        Command::Top(args) => top::run(args),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -42,7 +42,9 @@ too. Without LOSE: reward 1.0.
 
 `--delay-s S` sleeps S seconds before answering every request (streamed or not, any path, but
 not `/_canned/*`), as a model that takes its time, in the connection's thread: requests on other
-connections are not held up. The listen backlog is 4096 (socketserver's default of 5 makes a
+connections are not held up. `--slow-every N --slow-extra-s E` makes every Nth request (by its
+number n, below) wait E seconds more: a straggling model call (its log entry says `slow`). The
+listen backlog is 4096 (socketserver's default of 5 makes a
 burst of connects stall in SYN retries of 1, 3, 7, 15 s); one thread per connection.
 
 Token usage differs per call, as a function of the call's number n (1-based, its place in the
@@ -359,6 +361,7 @@ class Log:
         with self.lock:
             self.count += 1
             n = self.count
+            entry["n"] = n
             self.auth_failed += not entry["auth_ok"] and entry["path"].startswith("/v1/")
             if answers_usage:
                 tokens_in, tokens_out = usage(n)
@@ -402,6 +405,8 @@ class Handler(BaseHTTPRequestHandler):
     api_key = ""
     log = Log()
     delay_s = 0.0
+    slow_every = 0
+    slow_extra_s = 0.0
     judge_labels = JUDGE_LABELS
 
     def log_message(self, *args):
@@ -437,8 +442,11 @@ class Handler(BaseHTTPRequestHandler):
         """Settles `entry`, then waits the configured delay before the answer goes out."""
         self.log.settle(entry, kind, verdict)
         self._answering = entry
-        if self.delay_s > 0:
-            time.sleep(self.delay_s)
+        slow = self.slow_every > 0 and entry.get("n", 0) % self.slow_every == 0
+        entry["slow"] = slow
+        delay = self.delay_s + (self.slow_extra_s if slow else 0.0)
+        if delay > 0:
+            time.sleep(delay)
 
     def handle_one_request(self):
         self._answering = None
@@ -532,6 +540,8 @@ def main():
     parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--delay-s", type=float, default=0.0, help="wait this long before every answer")
+    parser.add_argument("--slow-every", type=int, default=0, help="every Nth request waits --slow-extra-s more")
+    parser.add_argument("--slow-extra-s", type=float, default=0.0)
     parser.add_argument("--judge-labels", nargs=2, metavar=("EQUAL", "NOT_EQUAL"), default=list(JUDGE_LABELS),
                         help="equivalence_llm_judge's judge_equal_label and judge_not_equal_label")
     parser.add_argument("--log-max", type=int, default=20_000, help="keep the last N requests in the log")
@@ -540,6 +550,8 @@ def main():
         parser.error("--tls-cert and --tls-key go together")
     Handler.api_key = args.api_key
     Handler.delay_s = max(0.0, args.delay_s)
+    Handler.slow_every = max(0, args.slow_every)
+    Handler.slow_extra_s = max(0.0, args.slow_extra_s)
     Handler.judge_labels = tuple(args.judge_labels)
     Handler.log = Log(args.log_max)
     # One thread per connection; a small stack keeps thousands of them cheap (the handlers

@@ -248,6 +248,8 @@ class CannedUpstream:
         self.tls, self.api_key = tls, api_key
         self.netns = list(netns or [])
         self.delay_s = delay_s
+        # Every `slow_every`th request waits `slow_extra_s` more (0: none); set before start().
+        self.slow_every, self.slow_extra_s = 0, 0.0
         self.judge_labels = tuple(judge_labels or JUDGE_LABELS)
         self.cert = self.key = None
         self.process = None
@@ -265,6 +267,8 @@ class CannedUpstream:
         options = []
         if self.delay_s:
             options += ["--delay-s", repr(float(self.delay_s))]
+        if self.slow_every:
+            options += ["--slow-every", str(self.slow_every), "--slow-extra-s", repr(float(self.slow_extra_s))]
         if self.judge_labels != tuple(JUDGE_LABELS):
             options += ["--judge-labels", *self.judge_labels]
         log = open(self.workdir / "canned_upstream.log", "wb")
@@ -284,7 +288,7 @@ class CannedUpstream:
 
     def requests(self):
         """What it saw, in order: [{method, path, auth_ok, stream, model, model_offset,
-        body_bytes, usage: {input, output} or None, kind, verdict, t_ns}] (canned_upstream.py;
+        body_bytes, usage: {input, output} or None, kind, verdict, t_ns, n, slow}] (canned_upstream.py;
         the last 20,000)."""
         return self._get("/_canned/requests")
 

@@ -36,6 +36,7 @@ use crate::stitch::StitchConfig;
 use crate::stitch::injection::TraceInjection;
 use tracer_abi::{InjectKey, InjectTrace};
 
+use crate::processes::event_loop::LoopSampler;
 use attach::{Harvest, check_pids, labels_of, labels_of_named, spawn_harvest};
 use context_reads::ContextReads;
 use task_lineage::TaskLineages;
@@ -79,6 +80,10 @@ struct Agent {
     tls_probes: TlsProbes,
     /// Which processes carry the task-creation probe.
     task_lineage: TaskLineages<aya::programs::uprobe::UProbeLinkId>,
+    /// How busy each traced server's event loop is (`gym.server.loop.utilization`).
+    loop_sampler: LoopSampler,
+    /// `--health-listen` is on: the live view is made for `GET /rollouts`.
+    health_listening: bool,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -154,6 +159,8 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             TlsProbes::new(args.tls_probe_scope)
         },
         task_lineage: TaskLineages::new(lineage_mode(&args).unwrap_or(TaskLineageMode::Off)),
+        loop_sampler: LoopSampler::new(PathBuf::from("/proc")),
+        health_listening: args.health_listen.is_some(),
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -310,6 +317,7 @@ impl Agent {
     /// Hands the pipeline's output on: released spans to the exporters, sockets and
     /// processes to stop following to the kernel.
     fn apply_output(&mut self, probes: &mut LoadedProbes) {
+        self.pipeline.observe_released();
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
@@ -531,6 +539,7 @@ impl Agent {
             tls: self.pipeline.tls.counters,
             tls_probes: self.tls_probes.counters,
             stitch: self.pipeline.stitcher.counters,
+            insight: self.pipeline.insight.counters(),
             agent: self.counters,
             events_lost_by_cpu,
         }
@@ -538,6 +547,7 @@ impl Agent {
 
     /// Makes the counters and levels of now readable by /metrics and the self-telemetry.
     fn publish(&mut self, kernel: KernelCounters) {
+        self.publish_insight();
         let snapshot = self.snapshot(kernel);
         self.health.publish(
             &snapshot,
@@ -550,11 +560,35 @@ impl Agent {
         );
     }
 
+    /// The servers' event-loop load, into the gauges and the live view; the live view, for
+    /// `GET /rollouts`.
+    fn publish_insight(&mut self) {
+        let now = Instant::now();
+        let traced: Vec<u32> = self.pipeline.processes.pids().collect();
+        let mut utilization = foldhash::HashMap::default();
+        for &pid in &traced {
+            if let Some(share) = self.loop_sampler.sample(pid, now) {
+                utilization.insert(pid, share);
+                self.pipeline.set_loop_utilization(pid, share);
+            }
+        }
+        self.loop_sampler.retain(|pid| traced.contains(&pid));
+        self.pipeline.publish_levels(&utilization);
+        if self.health_listening {
+            let view = self.pipeline.rollouts_view(now);
+            match serde_json::to_string(&view) {
+                Ok(json) => self.health.publish_rollouts(json),
+                Err(error) => tracing::warn!("the live view could not be written: {error}"),
+            }
+        }
+    }
+
     /// Takes what is still on the ring (the probes are detached) and releases every held
     /// span.
     fn drain_and_release(&mut self, ring: &mut Ring, kernel: KernelCounters) -> CounterSnapshot {
         self.drain(ring.get_mut());
         self.pipeline.release_all();
+        self.pipeline.observe_released();
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;

@@ -94,6 +94,11 @@ pub enum Command {
     /// tracepoints, ring buffer, capabilities, cgroup, /proc access) and which features
     /// will be on or off, and why. Exits non-zero when tracing cannot work.
     Doctor(DoctorArgs),
+    /// Show the rollouts in flight live, slowest first (stragglers marked, the phase each is
+    /// in), and the servers' event-loop load and queueing, from a running agent's
+    /// `--health-listen` (`GET /rollouts`), refreshed every second; `q` quits. Without a
+    /// terminal (or with --once) prints one plain snapshot.
+    Top(TopArgs),
     /// Print the configuration and span/metric reference as Markdown (the README's
     /// reference sections are generated from it).
     #[command(hide = true)]
@@ -106,6 +111,17 @@ pub struct ReferenceArgs {
     /// instead of printing.
     #[arg(long, value_name = "FILE")]
     pub update: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// The agent's health listener (`gym-tracer run --health-listen ADDR`), on this host or
+    /// another: `http://HOST:PORT`, `HOST:PORT`, or a bare port on 127.0.0.1.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9464")]
+    pub agent: String,
+    /// Print one plain snapshot and exit, even on a terminal.
+    #[arg(long)]
+    pub once: bool,
 }
 
 #[derive(Debug, Args)]

@@ -68,6 +68,7 @@ impl serde::Serialize for AttributeValue {
         match self {
             AttributeValue::Str(s) => serializer.serialize_str(s),
             AttributeValue::Int(i) => serializer.serialize_i64(*i),
+            AttributeValue::Bool(b) => serializer.serialize_bool(*b),
         }
     }
 }

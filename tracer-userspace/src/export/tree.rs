@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::{ExportTotals, SpanSink};
 use crate::export::status::ExportStatus;
+use crate::insight::phases::Phase;
 use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
@@ -363,8 +364,8 @@ fn write_header(
     text.push_str("  rollout ");
     match rollout {
         Some(AttributeValue::Str(id)) => push_sanitized(text, id),
-        Some(AttributeValue::Int(id)) => {
-            let _ = write!(text, "{id}");
+        Some(other @ (AttributeValue::Int(_) | AttributeValue::Bool(_))) => {
+            let _ = write!(text, "{other}");
         }
         None => text.push('-'),
     }
@@ -381,6 +382,27 @@ fn write_header(
     text.push('\n');
 }
 
+/// A `gym.rollout`'s phases, the non-zero ones: `  (model 812 · queue 96 · agent 14 ms)`,
+/// and `STRAGGLER` when it is one.
+fn write_phases(text: &mut String, span: &SpanRecord) {
+    let mut first = true;
+    for phase in Phase::ALL {
+        if let Some(AttributeValue::Int(ms)) = attribute(span, phase.attribute())
+            && *ms > 0
+        {
+            let separator = if first { "  (" } else { " · " };
+            let _ = write!(text, "{separator}{} {ms}", phase.as_str());
+            first = false;
+        }
+    }
+    if !first {
+        text.push_str(" ms)");
+    }
+    if let Some(AttributeValue::Bool(true)) = attribute(span, crate::insight::rollouts::STRAGGLER) {
+        text.push_str("  STRAGGLER");
+    }
+}
+
 /// `name  [server]  1.2 ms  200  ERROR`; a CLIENT span names its peer when it is known:
 /// `[caller → peer]`.
 fn write_span(text: &mut String, span: &SpanRecord) {
@@ -392,8 +414,8 @@ fn write_span(text: &mut String, span: &SpanRecord) {
         .or_else(|| service.get(attr::SERVICE_NAME))
     {
         Some(AttributeValue::Str(name)) => push_sanitized(text, name),
-        Some(AttributeValue::Int(number)) => {
-            let _ = write!(text, "{number}");
+        Some(other @ (AttributeValue::Int(_) | AttributeValue::Bool(_))) => {
+            let _ = write!(text, "{other}");
         }
         None => text.push('?'),
     }
@@ -412,11 +434,12 @@ fn write_span(text: &mut String, span: &SpanRecord) {
             text.push_str("  ");
             push_sanitized(text, code);
         }
-        None => {}
+        Some(AttributeValue::Bool(_)) | None => {}
     }
     if span.status == SpanStatus::Error {
         text.push_str("  ERROR");
     }
+    write_phases(text, span);
 }
 
 fn attribute<'a>(span: &'a SpanRecord, key: &str) -> Option<&'a AttributeValue> {

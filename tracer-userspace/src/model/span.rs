@@ -156,6 +156,17 @@ impl From<&Text> for opentelemetry::StringValue {
 pub enum AttributeValue {
     Str(Text),
     Int(i64),
+    Bool(bool),
+}
+
+impl fmt::Display for AttributeValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttributeValue::Str(text) => f.write_str(text),
+            AttributeValue::Int(number) => write!(f, "{number}"),
+            AttributeValue::Bool(value) => write!(f, "{value}"),
+        }
+    }
 }
 
 pub type Attributes = Vec<(&'static str, AttributeValue)>;

@@ -4,6 +4,7 @@
 
 use std::fmt;
 
+use crate::insight::InsightCounters;
 use crate::model::counters::{Counters, counters};
 use crate::pipeline::PipelineCounters;
 use crate::processes::tls_library::TlsProbeCounters;
@@ -129,6 +130,7 @@ pub struct CounterSnapshot {
     pub tls: TlsCounters,
     pub tls_probes: TlsProbeCounters,
     pub stitch: StitchCounters,
+    pub insight: InsightCounters,
     pub agent: AgentCounters,
     /// Records lost per CPU (index = CPU number): a CPU that loses alone points at a hot core.
     pub events_lost_by_cpu: Vec<u64>,
@@ -142,6 +144,7 @@ impl Counters for CounterSnapshot {
         self.tls.for_each(visit);
         self.tls_probes.for_each(visit);
         self.stitch.for_each(visit);
+        self.insight.for_each(visit);
         self.agent.for_each(visit);
     }
 }

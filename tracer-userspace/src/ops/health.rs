@@ -1,5 +1,6 @@
 //! Optional local HTTP endpoint for probes and scrapers: `/healthz` (probes attached, exporter
-//! reachable) and `/metrics` (the agent's own counters in Prometheus text format).
+//! reachable), `/metrics` (the agent's own counters in Prometheus text format) and
+//! `/rollouts` (the live view of rollouts in flight, JSON; what `gym-tracer top` shows).
 //!
 //! Deliberately tiny: a few GETs a minute from a kubelet or Prometheus, answered from a
 //! snapshot the pipeline publishes, so serving them never touches the hot path. Connections
@@ -41,6 +42,8 @@ pub struct Gauges {
 pub struct Health {
     probes_attached: AtomicBool,
     snapshot: Mutex<(CounterSnapshot, Gauges)>,
+    /// The last live view of rollouts, as JSON (`crate::insight::view::RolloutsView`).
+    rollouts: Mutex<Arc<str>>,
     pub export: Arc<ExportStatus>,
 }
 
@@ -56,6 +59,27 @@ impl Health {
             .unwrap_or_else(|poison| poison.into_inner());
         snapshot.0.clone_from(stats);
         snapshot.1 = gauges;
+    }
+
+    /// The live view of rollouts, as the pipeline last made it.
+    pub fn publish_rollouts(&self, json: String) {
+        *self
+            .rollouts
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner()) = json.into();
+    }
+
+    fn rollouts_body(&self) -> Arc<str> {
+        let body = self
+            .rollouts
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clone();
+        if body.is_empty() {
+            // Before the first publish: an empty view, not an empty body.
+            return r#"{"in_flight":0,"rollouts":[],"completed":{"count":0,"p50_s":null,"p90_s":null,"max_s":null},"servers":[]}"#.into();
+        }
+        body
     }
 
     /// The last published counters and levels.
@@ -224,12 +248,16 @@ async fn answer(mut stream: TcpStream, health: &Health) -> std::io::Result<()> {
             let body = health.prometheus_text();
             respond(&mut stream, "200 OK", "text/plain; version=0.0.4", &body).await
         }
+        "/rollouts" => {
+            let body = health.rollouts_body();
+            respond(&mut stream, "200 OK", "application/json", &body).await
+        }
         _ => {
             respond(
                 &mut stream,
                 "404 Not Found",
                 "text/plain",
-                "try /healthz or /metrics\n",
+                "try /healthz, /metrics or /rollouts\n",
             )
             .await
         }

@@ -1,5 +1,5 @@
 //! Operating the agent: its counters, /healthz and /metrics, its own telemetry and log, and
-//! the `doctor` and `reference` commands.
+//! the `doctor`, `reference` and `top` commands.
 
 pub mod counters;
 pub mod doctor;
@@ -7,3 +7,4 @@ pub mod health;
 pub mod logging;
 pub mod reference;
 pub mod telemetry;
+pub mod top;

@@ -63,6 +63,16 @@ pub fn markdown() -> String {
          would infer LLM from its `gen_ai.*` attributes). Other spans have no kind (the UI shows \
          UNKNOWN): HTTP says no more.\n",
     );
+    out.push_str(
+        "\nWhen a rollout ends, its `gym.rollout` span also says where its time went, along its \
+         critical path: `gym.rollout.phase.model_ms`, `.tool_ms`, `.verify_ms`, `.queue_ms`, \
+         `.external_ms` and `.agent_ms` (whole milliseconds that sum to its duration), \
+         `gym.rollout.model_calls`, `gym.rollout.tool_calls`, `gen_ai.usage.input_tokens` / \
+         `.output_tokens` (summed over its calls to a model server, where their answers said), \
+         and `gym.rollout.straggler` = true when it took more than 3x the median of its agent \
+         server's completed rollouts (once 20 had completed). What each phase means: \
+         [Where a rollout's time goes](#where-a-rollouts-time-goes).\n",
+    );
     out.push_str("\n### Metrics\n\n");
     out.push_str("| metric | instrument | unit | description |\n|---|---|---|---|\n");
     for instrument in INSTRUMENTS {

@@ -21,6 +21,9 @@ use std::time::Instant;
 use crate::gym::ServerType;
 use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
+use crate::insight::rollouts::agent_key;
+use crate::insight::view::RolloutsView;
+use crate::insight::{Insight, ProcessView};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
 use crate::model::evidence::Token;
@@ -34,7 +37,7 @@ use crate::reassembly::connections::{ConnectionTable, TableAction};
 use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::{caller_is_gym_server, classify, semantic_at_start, wants_run_body};
-use crate::signals::metrics::RequestMetrics;
+use crate::signals::metrics::{RequestMetrics, ServerLevels};
 use crate::signals::spans::{Peer, RequestView, opaque_tls_span, request_spans};
 use crate::stitch::{StartFacts, StitchConfig, Stitcher};
 
@@ -130,6 +133,8 @@ pub struct Pipeline<M: RequestMetrics> {
     pub self_ports: SelfPorts,
     metrics: M,
     pub stitcher: Stitcher,
+    /// After the stitcher: rollouts' phases and stragglers, the live view.
+    pub insight: Insight,
     /// Requests the agent itself made (route harvests), dropped when they end.
     own_requests: HashSet<SpanId>,
     /// Listening addresses of traced Gym servers → server name (for `peer.service`) and type.
@@ -152,6 +157,7 @@ impl<M: RequestMetrics> Pipeline<M> {
             self_ports: SelfPorts::new(),
             metrics,
             stitcher: Stitcher::new(config.stitch),
+            insight: Insight::default(),
             own_requests: HashSet::new(),
             peer_names: HashMap::new(),
             counters: PipelineCounters::default(),
@@ -337,6 +343,66 @@ impl<M: RequestMetrics> Pipeline<M> {
         self.stitcher.release_all(&mut self.output.released);
     }
 
+    /// Runs the insight stage over the spans released since the driver last took them (the
+    /// driver calls it before it hands them on): rollouts that ended get their phases, and
+    /// the metrics record them.
+    pub fn observe_released(&mut self) {
+        let processes = &self.processes;
+        let server_type = |service: &crate::model::service::ServiceIdentity| {
+            processes
+                .get(service.pid)
+                .and_then(|process| process.server_type)
+                .or_else(|| service.labels.server_kind.as_ref()?.known())
+        };
+        // A rollout is read whole once no span that could be below it is still held.
+        let earliest_held = if self.insight.waiting() || !self.output.released.is_empty() {
+            self.stitcher.earliest_held_start()
+        } else {
+            None
+        };
+        self.insight
+            .observe(&mut self.output.released, &server_type, earliest_held);
+        for summary in self.insight.finished.drain(..) {
+            self.metrics.record_rollout(&summary);
+        }
+    }
+
+    /// The live view of rollouts in flight, completed rollouts and the servers' load.
+    pub fn rollouts_view(&self, now: Instant) -> RolloutsView {
+        let process = |pid: u32| {
+            let process = self.processes.get(pid)?;
+            Some(ProcessView {
+                name: agent_key(&process.identity),
+                server_type: process.server_type,
+            })
+        };
+        let peer = |address: SocketAddr| self.peer_names.get(&address).map(|p| p.name.clone());
+        self.insight.view(now, &self.stitcher, process, peer)
+    }
+
+    /// A traced process's event-loop thread was on a CPU for `share` of the last interval:
+    /// kept for the live view, and with the rollouts it has in flight, for the gauges.
+    pub fn set_loop_utilization(&mut self, pid: u32, share: f64) {
+        self.insight.set_loop_utilization(pid, share);
+    }
+
+    /// Hands the gauges their levels: each traced process's loop utilization, and each agent
+    /// server's rollouts in flight.
+    pub fn publish_levels(&mut self, utilization: &HashMap<u32, f64>) {
+        let runs = self.insight.runs_in_flight();
+        for pid in self.processes.pids().collect::<Vec<_>>() {
+            let is_agent = self
+                .processes
+                .get(pid)
+                .is_some_and(|p| p.server_type == Some(ServerType::Agent));
+            let levels = ServerLevels {
+                loop_utilization: utilization.get(&pid).copied(),
+                rollouts_in_flight: is_agent.then(|| runs.get(&pid).copied().unwrap_or(0)),
+            };
+            self.metrics.set_levels(pid, levels);
+        }
+    }
+
     /// Names `address` as server `name` (of `server_type`, when known) for `peer.service`,
     /// within [`MAX_PEER_NAMES`]; a server that took over an address renames it.
     pub fn name_peer(&mut self, address: SocketAddr, name: &str, server_type: Option<ServerType>) {
@@ -364,6 +430,7 @@ impl<M: RequestMetrics> Pipeline<M> {
     pub fn forget(&mut self, pid: u32) -> bool {
         let known = self.processes.remove(pid).is_some();
         self.tls.process_gone(pid);
+        self.insight.process_gone(pid);
         if known {
             self.metrics.remove_service(pid);
         }
@@ -381,6 +448,9 @@ impl<M: RequestMetrics> Pipeline<M> {
         };
         let stripped = strip_rollout_prefix(&start.path);
         let rollout_id = stripped.rollout_id;
+        let run = start.role == Role::Server
+            && process.server_type == Some(ServerType::Agent)
+            && stripped.route_path == "/run";
         let facts = match start.role {
             Role::Server => {
                 let semantic = semantic_at_start(process, &start.method, stripped.route_path);
@@ -412,10 +482,12 @@ impl<M: RequestMetrics> Pipeline<M> {
             },
         };
         self.stitcher.start(start, facts, now);
+        self.insight.request_started(start, now, run);
     }
 
     fn end_request(&mut self, exchange: &HttpExchange, now: Instant, observer: &mut impl Observer) {
         self.counters.exchanges += 1;
+        self.insight.request_ended(exchange.span_id);
         if self.own_requests.remove(&exchange.span_id) {
             self.counters.self_requests_ignored += 1;
             self.stitcher.finish(exchange.span_id);

@@ -105,6 +105,7 @@ impl ServiceIdentity {
             .with_attributes(attributes.iter().map(|(k, v)| match v {
                 AttributeValue::Str(s) => KeyValue::new(*k, StringValue::from(s)),
                 AttributeValue::Int(i) => KeyValue::new(*k, *i),
+                AttributeValue::Bool(b) => KeyValue::new(*k, *b),
             }))
             .build();
         Self {

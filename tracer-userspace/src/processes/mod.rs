@@ -3,6 +3,7 @@
 //! of traced processes (forks inherit their parent's).
 
 pub mod discovery;
+pub mod event_loop;
 pub mod harvest;
 pub mod identity;
 pub mod python;

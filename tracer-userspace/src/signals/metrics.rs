@@ -18,6 +18,8 @@ use crate::export::status::ExportStatus;
 use crate::export::{ExportTarget, meter_provider, shutdown_providers};
 use crate::gym::routes::RouteName;
 use crate::gym::span_groups::SpanGroup;
+use crate::insight::phases::Phase;
+use crate::insight::rollouts::RolloutSummary;
 use crate::model::attributes as attr;
 use crate::model::exchange::Role;
 use crate::model::exchange::{AbortReason, Outcome};
@@ -240,7 +242,38 @@ const GEN_AI_TOKENS: Instrument = Instrument {
     description: "Tokens a model call used, by gen_ai.token.type (input, output), from its response's usage.",
 };
 
-pub const INSTRUMENTS: [&Instrument; 8] = [
+const PHASE_DURATION: Instrument = Instrument {
+    name: "gym.rollout.phase.duration",
+    kind: "histogram",
+    unit: "s",
+    description: "A completed rollout's time on its critical path in each phase (gym.rollout.phase: model, tool, verify, queue, external, agent), per agent server.",
+};
+const QUEUE_DELAY: Instrument = Instrument {
+    name: "gym.server.queue_delay",
+    kind: "histogram",
+    unit: "s",
+    description: "How long a rollout's request waited between a traced client's first write and this server's first read, by http.route.",
+};
+const LOOP_UTILIZATION: Instrument = Instrument {
+    name: "gym.server.loop.utilization",
+    kind: "gauge",
+    unit: "1",
+    description: "The share of the last second the server's event-loop (main) thread was on a CPU, from /proc.",
+};
+const ROLLOUTS_IN_FLIGHT: Instrument = Instrument {
+    name: "gym.rollouts.in_flight",
+    kind: "gauge",
+    unit: "{rollout}",
+    description: "Rollouts (/run requests) an agent server is handling now.",
+};
+const STRAGGLERS: Instrument = Instrument {
+    name: "gym.rollouts.stragglers",
+    kind: "counter",
+    unit: "{rollout}",
+    description: "Rollouts that took more than 3x the median of their agent server's completed rollouts (once 20 completed).",
+};
+
+pub const INSTRUMENTS: [&Instrument; 13] = [
     &SERVER_DURATION,
     &CLIENT_DURATION,
     &ROLLOUT_DURATION,
@@ -249,7 +282,76 @@ pub const INSTRUMENTS: [&Instrument; 8] = [
     &VERIFY_CALLS,
     &GEN_AI_DURATION,
     &GEN_AI_TOKENS,
+    &PHASE_DURATION,
+    &QUEUE_DELAY,
+    &LOOP_UTILIZATION,
+    &ROLLOUTS_IN_FLIGHT,
+    &STRAGGLERS,
 ];
+
+/// Bucket boundaries of the rollout-level durations (phases, queueing), in seconds: Gym's
+/// rollouts take from milliseconds to minutes.
+const ROLLOUT_BOUNDARIES_S: [f64; 15] = [
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// The levels a traced process's gauges show, set each second by the driver.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ServerLevels {
+    pub loop_utilization: Option<f64>,
+    /// An agent server's rollouts in flight (none for other servers).
+    pub rollouts_in_flight: Option<u64>,
+}
+
+/// [`ServerLevels`] as the observable gauges read them (an absent value: not observed).
+#[derive(Debug)]
+struct LevelCells {
+    loop_utilization_bits: AtomicU64,
+    rollouts_in_flight: AtomicU64,
+}
+
+const ABSENT: u64 = u64::MAX;
+
+impl Default for LevelCells {
+    fn default() -> Self {
+        Self {
+            loop_utilization_bits: AtomicU64::new(ABSENT),
+            rollouts_in_flight: AtomicU64::new(ABSENT),
+        }
+    }
+}
+
+fn register_level_instruments(
+    meter: &Meter,
+    cells: &Arc<LevelCells>,
+    server_name: Option<&KeyValue>,
+) {
+    let attributes: Vec<KeyValue> = server_name.into_iter().cloned().collect();
+    let (utilization, utilization_attributes) = (cells.clone(), attributes.clone());
+    meter
+        .f64_observable_gauge(LOOP_UTILIZATION.name)
+        .with_unit(LOOP_UTILIZATION.unit)
+        .with_description(LOOP_UTILIZATION.description)
+        .with_callback(move |observer| {
+            let bits = utilization.loop_utilization_bits.load(Ordering::Relaxed);
+            if bits != ABSENT {
+                observer.observe(f64::from_bits(bits), &utilization_attributes);
+            }
+        })
+        .build();
+    let in_flight = cells.clone();
+    meter
+        .u64_observable_gauge(ROLLOUTS_IN_FLIGHT.name)
+        .with_unit(ROLLOUTS_IN_FLIGHT.unit)
+        .with_description(ROLLOUTS_IN_FLIGHT.description)
+        .with_callback(move |observer| {
+            let count = in_flight.rollouts_in_flight.load(Ordering::Relaxed);
+            if count != ABSENT {
+                observer.observe(count, &attributes);
+            }
+        })
+        .build();
+}
 
 /// Bucket boundaries the GenAI semantic conventions advise for
 /// `gen_ai.client.operation.duration`, in seconds.
@@ -280,6 +382,11 @@ struct ServiceMetrics {
     gen_ai_tokens: Histogram<u64>,
     /// Read by the observable `gym.verify.calls` and `gym.verify.success_rate`.
     verify_tally: Arc<VerifyTally>,
+    /// Read by the observable `gym.server.loop.utilization` and `gym.rollouts.in_flight`.
+    levels: Arc<LevelCells>,
+    phase_duration: Histogram<f64>,
+    queue_delay: Histogram<f64>,
+    stragglers: opentelemetry::metrics::Counter<u64>,
     /// The `gym.*` durations bound to `server_name`, from the first request of each.
     rollout_bound: Option<BoundHistogram<f64>>,
     verify_bound: Option<BoundHistogram<f64>>,
@@ -450,6 +557,12 @@ pub trait RequestMetrics {
 
     /// The process exited: its instruments can go.
     fn remove_service(&mut self, pid: u32);
+
+    /// A rollout the insight stage completed.
+    fn record_rollout(&mut self, _rollout: &RolloutSummary) {}
+
+    /// A traced process's levels for the gauges, each second.
+    fn set_levels(&mut self, _pid: u32, _levels: ServerLevels) {}
 }
 
 /// Records nothing.
@@ -541,6 +654,25 @@ impl Metrics {
             .map(|name| KeyValue::new(attr::GYM_SERVER_NAME, Arc::<str>::from(name)));
         let verify_tally = Arc::new(VerifyTally::default());
         register_verify_instruments(&meter, &verify_tally, server_name.as_ref());
+        let levels = Arc::new(LevelCells::default());
+        register_level_instruments(&meter, &levels, server_name.as_ref());
+        let phase_duration = meter
+            .f64_histogram(PHASE_DURATION.name)
+            .with_unit(PHASE_DURATION.unit)
+            .with_description(PHASE_DURATION.description)
+            .with_boundaries(ROLLOUT_BOUNDARIES_S.to_vec())
+            .build();
+        let queue_delay = meter
+            .f64_histogram(QUEUE_DELAY.name)
+            .with_unit(QUEUE_DELAY.unit)
+            .with_description(QUEUE_DELAY.description)
+            .with_boundaries(ROLLOUT_BOUNDARIES_S.to_vec())
+            .build();
+        let stragglers = meter
+            .u64_counter(STRAGGLERS.name)
+            .with_unit(STRAGGLERS.unit)
+            .with_description(STRAGGLERS.description)
+            .build();
         self.services.insert(
             service.pid,
             ServiceMetrics {
@@ -553,6 +685,10 @@ impl Metrics {
                 gen_ai_duration,
                 gen_ai_tokens,
                 verify_tally,
+                levels,
+                phase_duration,
+                queue_delay,
+                stragglers,
                 rollout_bound: None,
                 verify_bound: None,
                 server_series: BoundSeries::default(),
@@ -575,14 +711,8 @@ impl Metrics {
         }
     }
 
-    /// `peer_service`: the Gym server name of a call's peer, when known.
-    fn record_now(
-        &mut self,
-        identity: &ServiceIdentity,
-        exchange: &HttpExchange,
-        meaning: &RequestMeaning,
-        peer_service: Option<&str>,
-    ) {
+    /// The metrics of a process, made on first use; `None` (logged) when they cannot be.
+    fn service(&mut self, identity: &ServiceIdentity) -> Option<&mut ServiceMetrics> {
         if !self.services.contains_key(&identity.pid)
             && let Err(error) = self.add_service(identity)
         {
@@ -591,6 +721,63 @@ impl Metrics {
                 "no metrics for pid {}: {error:#}",
                 identity.pid
             );
+            return None;
+        }
+        self.services.get_mut(&identity.pid)
+    }
+
+    /// A completed rollout's phases and straggler flag (on its agent server), and its calls'
+    /// queueing (on each callee).
+    fn record_rollout_now(&mut self, rollout: &RolloutSummary) {
+        if let Some(service) = self.service(&rollout.agent) {
+            for phase in Phase::ALL {
+                let mut attributes: Vec<KeyValue> = service.server_name.iter().cloned().collect();
+                attributes.push(KeyValue::new("gym.rollout.phase", phase.as_str()));
+                service
+                    .phase_duration
+                    .record(rollout.phases.get(phase) as f64 / 1e9, &attributes);
+            }
+            if rollout.straggler {
+                let attributes: Vec<KeyValue> = service.server_name.iter().cloned().collect();
+                service.stragglers.add(1, &attributes);
+            }
+        }
+        for (server, route, delay_ns) in &rollout.queue_delays {
+            if let Some(service) = self.service(server) {
+                let mut attributes: Vec<KeyValue> = service.server_name.iter().cloned().collect();
+                if let Some(route) = route {
+                    attributes.push(KeyValue::new(attr::HTTP_ROUTE, route.to_string()));
+                }
+                service
+                    .queue_delay
+                    .record(*delay_ns as f64 / 1e9, &attributes);
+            }
+        }
+    }
+
+    fn set_levels_now(&mut self, pid: u32, levels: ServerLevels) {
+        if let Some(service) = self.services.get(&pid) {
+            let cells = &service.levels;
+            cells.loop_utilization_bits.store(
+                levels.loop_utilization.map_or(ABSENT, f64::to_bits),
+                Ordering::Relaxed,
+            );
+            cells.rollouts_in_flight.store(
+                levels.rollouts_in_flight.unwrap_or(ABSENT),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// `peer_service`: the Gym server name of a call's peer, when known.
+    fn record_now(
+        &mut self,
+        identity: &ServiceIdentity,
+        exchange: &HttpExchange,
+        meaning: &RequestMeaning,
+        peer_service: Option<&str>,
+    ) {
+        if self.service(identity).is_none() {
             return;
         }
         let Some(service) = self.services.get_mut(&identity.pid) else {
@@ -666,6 +853,14 @@ impl RequestMetrics for Metrics {
 
     fn remove_service(&mut self, pid: u32) {
         self.remove_service_now(pid);
+    }
+
+    fn record_rollout(&mut self, rollout: &RolloutSummary) {
+        self.record_rollout_now(rollout);
+    }
+
+    fn set_levels(&mut self, pid: u32, levels: ServerLevels) {
+        self.set_levels_now(pid, levels);
     }
 }
 

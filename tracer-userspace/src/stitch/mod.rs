@@ -1019,6 +1019,44 @@ impl Stitcher {
         }
     }
 
+    /// The earliest start of a span the stitcher still holds: a span that started later
+    /// cannot be below a request that ended before this (what the insight stage waits for
+    /// before it reads a rollout whole).
+    pub fn earliest_held_start(&self) -> Option<u64> {
+        self.held.values().map(|held| held.span.start_unix_ns).min()
+    }
+
+    /// The rollout `request` belongs to, when known.
+    pub fn rollout_of(&self, request: SpanId) -> Option<RolloutId> {
+        self.effective_rollout(request).cloned()
+    }
+
+    /// The requests in flight under `root`, from it down to the deepest: at each level the
+    /// one that started last (what the live view says a rollout is doing now).
+    pub fn in_flight_chain(&self, root: SpanId) -> Vec<SpanId> {
+        let mut chain = vec![root];
+        let mut id = root;
+        for _ in 0..MAX_DEPTH {
+            let Some(node) = self.nodes.get(&id) else {
+                break;
+            };
+            let next = node
+                .children
+                .iter()
+                .filter_map(|child| Some((*child, self.nodes.get(child)?)))
+                .filter(|(_, child)| child.ended.is_none())
+                .max_by_key(|(_, child)| child.started);
+            match next {
+                Some((child, _)) => {
+                    chain.push(child);
+                    id = child;
+                }
+                None => break,
+            }
+        }
+        chain
+    }
+
     /// The rollout id a request belongs to: its own, else its caller's (carried down).
     fn effective_rollout(&self, mut id: SpanId) -> Option<&RolloutId> {
         for _ in 0..MAX_DEPTH {
@@ -1034,7 +1072,8 @@ impl Stitcher {
         None
     }
 
-    fn trace_of(&self, mut id: SpanId) -> TraceId {
+    /// The trace `id`'s spans have (or will have, as the graph stands now).
+    pub fn trace_of(&self, mut id: SpanId) -> TraceId {
         let start = id;
         for _ in 0..MAX_DEPTH {
             let Some(node) = self.nodes.get(&id) else {

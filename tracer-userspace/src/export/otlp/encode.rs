@@ -105,6 +105,11 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
                     w.key(3, WireType::Varint);
                     w.varint(*i as u64);
                 }
+                AttributeValue::Bool(b) => {
+                    // AnyValue.bool_value = 2
+                    w.key(2, WireType::Varint);
+                    w.varint(u64::from(*b));
+                }
             });
         });
     }

@@ -307,6 +307,7 @@ fn key_value(key: &'static str, value: &AttributeValue) -> KeyValue {
     match value {
         AttributeValue::Str(s) => KeyValue::new(key, StringValue::from(s)),
         AttributeValue::Int(i) => KeyValue::new(key, *i),
+        AttributeValue::Bool(b) => KeyValue::new(key, *b),
     }
 }
 

@@ -1,0 +1,270 @@
+//! A rollout's wall time split along its critical path: the chain of spans that decided when
+//! it ended. Walking back from the root's end, the time goes to the child that finished last
+//! before the cursor (and, inside it, to its own children the same way), and what no child
+//! covers goes to the span itself, as Jaeger's critical-path view attributes it. Where a
+//! rollout's calls run one at a time this is, at each instant, the deepest span active; of
+//! parallel calls, the one that finished later holds the path.
+//!
+//! Pure: spans in, nanoseconds per [`Phase`] out; the sum is the root's duration exactly.
+
+use super::phases::{Context, Phase, PhaseNs};
+
+/// What the walk needs of one span of the rollout.
+#[derive(Clone, Debug)]
+pub struct PathSpan {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub class: SpanClass,
+    /// Indices of its children in the walk's span list.
+    pub children: Vec<usize>,
+}
+
+/// What decides the phase of a span's own time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanClass {
+    /// A span of an agent server (or of a process that is not a Gym server).
+    Agent,
+    /// A span of a model server: its time and its subtree's are the model's.
+    Model,
+    /// A span of a resources server; `verify` when it is `/verify`'s SERVER or `gym.verify`.
+    Resources { verify: bool },
+    /// A call; `callee_traced` when its peer is a traced server (named by `peer.service`, or
+    /// its SERVER span is a child).
+    Call { callee_traced: bool },
+}
+
+/// Deep enough for any rollout Gym makes (about eight levels); a deeper chain is a loop.
+const MAX_DEPTH: usize = 64;
+
+/// The phases of the subtree of `spans[root]`, along its critical path.
+pub fn phases(spans: &[PathSpan], root: usize) -> PhaseNs {
+    let mut phases = PhaseNs::default();
+    let Some(span) = spans.get(root) else {
+        return phases;
+    };
+    let mut order = Vec::new();
+    walk(
+        spans,
+        root,
+        (span.start_ns, span.end_ns),
+        Context::Agent,
+        &mut phases,
+        &mut order,
+        0,
+    );
+    phases
+}
+
+/// Attributes `window` (clipped to the span) of `spans[index]` to its phases.
+fn walk(
+    spans: &[PathSpan],
+    index: usize,
+    window: (u64, u64),
+    inherited: Context,
+    phases: &mut PhaseNs,
+    order: &mut Vec<usize>,
+    depth: usize,
+) {
+    let span = &spans[index];
+    let floor = span.start_ns.max(window.0);
+    let mut cursor = span.end_ns.min(window.1);
+    if cursor <= floor {
+        return;
+    }
+    let context = inherited.within(span.class);
+    let own = own_phase(span, spans, context);
+    if depth < MAX_DEPTH {
+        // The children by end, latest first: at each step the first one that overlaps what
+        // is left of the window is the one that finished last before the cursor.
+        let first = order.len();
+        order.extend(&span.children);
+        order[first..].sort_unstable_by_key(|&child| std::cmp::Reverse(spans[child].end_ns));
+        for position in first..order.len() {
+            let child = &spans[order[position]];
+            if child.start_ns >= cursor || child.end_ns <= floor {
+                continue; // starts after the path left it, or ends before the window
+            }
+            let child_end = child.end_ns.min(cursor);
+            phases.add(own, cursor - child_end);
+            let next = order[position];
+            walk(
+                spans,
+                next,
+                (floor, child_end),
+                context,
+                phases,
+                order,
+                depth + 1,
+            );
+            cursor = child.start_ns.max(floor);
+            if cursor <= floor {
+                break;
+            }
+        }
+        order.truncate(first);
+    }
+    phases.add(own, cursor - floor);
+}
+
+/// The phase of the time a span spends on the path with none of its children.
+fn own_phase(span: &PathSpan, spans: &[PathSpan], context: Context) -> Phase {
+    match (context, span.class) {
+        (Context::Model, _) => Phase::Model,
+        (_, SpanClass::Call { callee_traced }) => {
+            // Before the callee read the request, and after it answered until the caller
+            // read the answer: waiting on a traced server (or on its own event loop).
+            let answered_here = span
+                .children
+                .iter()
+                .any(|&child| !matches!(spans[child].class, SpanClass::Call { .. }));
+            if callee_traced || answered_here {
+                Phase::Queue
+            } else {
+                Phase::External
+            }
+        }
+        (context, _) => context.phase(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A tree from `(parent, start_ms, end_ms, class)` rows; row 0 is the root.
+    fn tree(rows: &[(Option<usize>, u64, u64, SpanClass)]) -> Vec<PathSpan> {
+        let mut spans: Vec<PathSpan> = rows
+            .iter()
+            .map(|&(_, start, end, class)| PathSpan {
+                start_ns: start * MS,
+                end_ns: end * MS,
+                class,
+                children: Vec::new(),
+            })
+            .collect();
+        for (index, &(parent, ..)) in rows.iter().enumerate() {
+            if let Some(parent) = parent {
+                spans[parent].children.push(index);
+            }
+        }
+        spans
+    }
+
+    fn ms(phases: &PhaseNs) -> [(Phase, u64); 6] {
+        Phase::ALL.map(|phase| (phase, phases.get(phase) / MS))
+    }
+
+    const AGENT: SpanClass = SpanClass::Agent;
+    const MODEL: SpanClass = SpanClass::Model;
+    const TOOL: SpanClass = SpanClass::Resources { verify: false };
+    const VERIFY: SpanClass = SpanClass::Resources { verify: true };
+    const TRACED_CALL: SpanClass = SpanClass::Call {
+        callee_traced: true,
+    };
+    const UNTRACED_CALL: SpanClass = SpanClass::Call {
+        callee_traced: false,
+    };
+
+    fn expect(
+        model: u64,
+        tool: u64,
+        verify: u64,
+        queue: u64,
+        external: u64,
+        agent: u64,
+    ) -> [(Phase, u64); 6] {
+        [
+            (Phase::Model, model),
+            (Phase::Tool, tool),
+            (Phase::Verify, verify),
+            (Phase::Queue, queue),
+            (Phase::External, external),
+            (Phase::Agent, agent),
+        ]
+    }
+
+    /// A model call, a tool call and /verify one after another: each call's time before its
+    /// server read it and after it answered is queueing, the model server's upstream call is
+    /// the model's, the rest is the agent's.
+    #[test]
+    fn sequential_calls_split_into_their_phases() {
+        let spans = tree(&[
+            (None, 0, 1000, AGENT),             // 0 gym.rollout
+            (Some(0), 10, 510, TRACED_CALL),    // 1 call to the model server
+            (Some(1), 30, 500, MODEL),          // 2 its SERVER span
+            (Some(2), 40, 490, UNTRACED_CALL),  // 3 the model server's upstream call
+            (Some(0), 520, 620, TRACED_CALL),   // 4 a tool call
+            (Some(4), 525, 615, TOOL),          // 5
+            (Some(0), 700, 990, TRACED_CALL),   // 6 /verify
+            (Some(6), 700, 980, VERIFY),        // 7
+            (Some(7), 710, 720, UNTRACED_CALL), // 8 an external call from /verify
+        ]);
+        let phases = phases(&spans, 0);
+        assert_eq!(phases.total(), 1000 * MS);
+        assert_eq!(ms(&phases), expect(470, 90, 270, 30 + 10 + 10, 10, 110));
+    }
+
+    /// Of two calls in flight at once, the one that finished later holds the path; the other
+    /// counts only where it alone was running.
+    #[test]
+    fn of_parallel_calls_the_later_finishing_is_critical() {
+        let spans = tree(&[
+            (None, 0, 1000, AGENT),           // 0
+            (Some(0), 100, 900, TRACED_CALL), // 1 the slow one
+            (Some(1), 100, 900, MODEL),       // 2
+            (Some(0), 50, 600, TRACED_CALL),  // 3 started first, finished first
+            (Some(3), 50, 600, TOOL),         // 4
+            (Some(0), 150, 200, TRACED_CALL), // 5 inside the slow one's window: off the path
+            (Some(5), 150, 200, VERIFY),      // 6
+        ]);
+        let phases = phases(&spans, 0);
+        assert_eq!(phases.total(), 1000 * MS);
+        // 0-50 agent, 50-100 the first call (tool), 100-900 the slow one (model), 900-1000 agent.
+        assert_eq!(ms(&phases), expect(800, 50, 0, 0, 0, 150));
+    }
+
+    /// A call to a server nobody traces is external time; one whose callee is traced but
+    /// whose SERVER span is not in the rollout is queueing as a whole (nothing says when the
+    /// server read it).
+    #[test]
+    fn a_call_whose_server_is_untraced_is_external() {
+        let spans = tree(&[
+            (None, 0, 100, AGENT),
+            (Some(0), 10, 40, UNTRACED_CALL),
+            (Some(0), 50, 90, TRACED_CALL),
+        ]);
+        let phases = phases(&spans, 0);
+        assert_eq!(ms(&phases), expect(0, 0, 0, 40, 30, 30));
+    }
+
+    /// A failed call ends early, and its server's span (which ran on after the client gave
+    /// up) is clipped to the call's window: the sum is still the rollout's duration.
+    #[test]
+    fn a_failed_call_is_clipped_to_its_window() {
+        let spans = tree(&[
+            (None, 0, 300, AGENT),
+            (Some(0), 100, 200, TRACED_CALL), // the client gave up at 200
+            (Some(1), 110, 400, TOOL),        // the server answered at 400, past the rollout
+        ]);
+        let phases = phases(&spans, 0);
+        assert_eq!(phases.total(), 300 * MS);
+        assert_eq!(ms(&phases), expect(0, 90, 0, 10, 0, 200));
+    }
+
+    /// A judge call from /verify: the model server's time is the model's, the wait before
+    /// it read the call is queueing, /verify's own time is verify.
+    #[test]
+    fn a_judge_call_inside_verify_is_model_time() {
+        let spans = tree(&[
+            (None, 0, 100, AGENT),
+            (Some(0), 0, 100, TRACED_CALL),
+            (Some(1), 0, 100, VERIFY),
+            (Some(2), 20, 80, TRACED_CALL),
+            (Some(3), 30, 70, MODEL),
+        ]);
+        let phases = phases(&spans, 0);
+        assert_eq!(ms(&phases), expect(40, 0, 40, 20, 0, 0));
+    }
+}

@@ -1,0 +1,316 @@
+//! Insight: where a rollout's time went, which rollouts straggle, which servers saturate. The
+//! stage after stitching: it reads whole, stitched rollouts as their spans are released
+//! ([`rollouts`]), and keeps the requests in flight for the live view ([`view`], served as
+//! `GET /rollouts` and shown by `gym-tracer top`). No I/O of its own: the driver hands it
+//! the event-loop threads' CPU shares it reads from /proc.
+
+pub mod critical_path;
+pub mod phases;
+pub mod rollouts;
+pub mod stats;
+pub mod view;
+
+use foldhash::{HashMap, HashMapExt};
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use crate::gym::ServerType;
+use crate::gym::routes::strip_rollout_prefix;
+use crate::model::counters::counters;
+use crate::model::exchange::{RequestStart, Role};
+use crate::model::ids::{SpanId, TraceId};
+use crate::model::service::ServiceIdentity;
+use crate::model::span::SpanRecord;
+use crate::stitch::Stitcher;
+use critical_path::SpanClass;
+use phases::{Context, Phase};
+use rollouts::{RolloutSummary, Rollouts, STRAGGLER_FACTOR, STRAGGLER_MIN_COMPLETED};
+use stats::Window;
+use view::{Completed, LiveRollout, LiveSpan, MAX_LISTED, RolloutsView, ServerLoad};
+
+/// Requests in flight the live view keeps, over every traced process (about 150 bytes
+/// each); past it a request is not shown (`live_requests_untracked`).
+pub const MAX_LIVE_REQUESTS: usize = 131_072;
+
+counters! {
+    /// What the insight stage counts.
+    pub struct InsightCounters {
+        /// Rollouts whose `gym.rollout` span went out with its phases.
+        rollouts_completed,
+        /// Of them, stragglers (`gym.rollout.straggler`).
+        rollout_stragglers,
+        /// `gym.rollout` spans without a rollout id (no phases: nothing gathered them).
+        rollouts_without_id,
+        /// Spans of a rollout released after its `gym.rollout` span: not in its phases.
+        rollout_spans_after_end,
+        /// Rollouts completed before the stitcher let go of every span that could be theirs:
+        /// past `MAX_WAITING_ROLLOUTS` kept back at once.
+        rollouts_completed_early,
+        /// Spans of running rollouts given up for memory (`MAX_GATHERED_SPANS`).
+        rollout_spans_evicted,
+        /// Spans in a rollout's trace that are not under its `gym.rollout` (a call whose
+        /// parent was not decided, its own root in the same trace).
+        rollout_spans_outside_tree,
+        /// Requests in flight not kept for the live view (`MAX_LIVE_REQUESTS`).
+        live_requests_untracked,
+    }
+}
+
+/// A request in flight, as the live view names it.
+#[derive(Debug)]
+struct LiveRequest {
+    pid: u32,
+    role: Role,
+    /// Server: `POST /verify` (the rollout prefix stripped); call: `HTTP POST`.
+    name: Box<str>,
+    verify: bool,
+    peer: Option<SocketAddr>,
+    started: Instant,
+    /// An agent's `/run`: a rollout.
+    run: bool,
+}
+
+/// What the live view needs to know of a traced process.
+pub struct ProcessView {
+    pub name: String,
+    pub server_type: Option<ServerType>,
+}
+
+#[derive(Default)]
+struct ServerStats {
+    queue_delays: Window,
+    loop_utilization: Option<f64>,
+}
+
+#[derive(Default)]
+pub struct Insight {
+    pub rollouts: Rollouts,
+    requests: HashMap<SpanId, LiveRequest>,
+    servers: HashMap<u32, ServerStats>,
+    /// Rollouts completed since the driver last took them (for the metrics).
+    pub finished: Vec<RolloutSummary>,
+}
+
+impl Insight {
+    pub fn counters(&self) -> InsightCounters {
+        self.rollouts.counters
+    }
+
+    /// A request started; `run` when it is an agent server's `/run`.
+    pub fn request_started(&mut self, start: &RequestStart, now: Instant, run: bool) {
+        if self.requests.len() >= MAX_LIVE_REQUESTS {
+            self.rollouts.counters.live_requests_untracked += 1;
+            return;
+        }
+        let route = strip_rollout_prefix(&start.path).route_path;
+        let name = match start.role {
+            Role::Server => format!("{} {route}", start.method),
+            Role::Client => format!("HTTP {}", start.method),
+        };
+        self.requests.insert(
+            start.span_id,
+            LiveRequest {
+                pid: start.pid,
+                role: start.role,
+                name: name.into(),
+                verify: start.role == Role::Server && route == "/verify",
+                peer: start.peer,
+                started: now,
+                run,
+            },
+        );
+    }
+
+    pub fn request_ended(&mut self, request: SpanId) {
+        self.requests.remove(&request);
+    }
+
+    pub fn process_gone(&mut self, pid: u32) {
+        self.requests.retain(|_, request| request.pid != pid);
+        self.servers.remove(&pid);
+    }
+
+    /// Whether rollouts wait for the stitcher ([`Rollouts::observe`]).
+    pub fn waiting(&self) -> bool {
+        self.rollouts.waiting()
+    }
+
+    /// A batch of released spans: rollouts that ended get their phases ([`Rollouts::observe`]).
+    pub fn observe(
+        &mut self,
+        batch: &mut Vec<SpanRecord>,
+        server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
+        earliest_held: Option<u64>,
+    ) {
+        let first = self.finished.len();
+        self.rollouts
+            .observe(batch, server_type, earliest_held, &mut self.finished);
+        for summary in &self.finished[first..] {
+            for (server, _, delay) in &summary.queue_delays {
+                let stats = self.servers.entry(server.pid).or_default();
+                stats.queue_delays.push(*delay);
+            }
+        }
+    }
+
+    /// The share of the last interval a traced process's event-loop thread was on a CPU.
+    pub fn set_loop_utilization(&mut self, pid: u32, share: f64) {
+        self.servers.entry(pid).or_default().loop_utilization = Some(share);
+    }
+
+    /// Rollouts in flight per agent process.
+    pub fn runs_in_flight(&self) -> HashMap<u32, u64> {
+        let mut runs = HashMap::new();
+        for request in self.requests.values().filter(|r| r.run) {
+            *runs.entry(request.pid).or_insert(0) += 1;
+        }
+        runs
+    }
+
+    /// The live view as of `now`. `process` names a traced process, `peer` a call's peer.
+    pub fn view(
+        &self,
+        now: Instant,
+        stitcher: &Stitcher,
+        process: impl Fn(u32) -> Option<ProcessView>,
+        peer: impl Fn(SocketAddr) -> Option<String>,
+    ) -> RolloutsView {
+        let mut live: Vec<LiveRollout> = self
+            .requests
+            .iter()
+            .filter(|(_, request)| request.run)
+            .map(|(&id, run)| self.live_rollout(id, run, now, stitcher, &process, &peer))
+            .collect();
+        let in_flight = live.len();
+        live.sort_by(|a, b| b.elapsed_s.total_cmp(&a.elapsed_s));
+        live.truncate(MAX_LISTED);
+        let seconds = |ns: u64| ns as f64 / 1e9;
+        let completed = &self.rollouts.completed;
+        let mut in_flight_by_pid: HashMap<u32, usize> = HashMap::new();
+        for request in self.requests.values().filter(|r| r.role == Role::Server) {
+            *in_flight_by_pid.entry(request.pid).or_insert(0) += 1;
+        }
+        let mut servers: Vec<ServerLoad> = self
+            .servers
+            .keys()
+            .chain(in_flight_by_pid.keys())
+            .copied()
+            .collect::<std::collections::BTreeSet<u32>>()
+            .into_iter()
+            .filter_map(|pid| {
+                let view = process(pid)?;
+                let stats = self.servers.get(&pid);
+                Some(ServerLoad {
+                    name: view.name,
+                    pid,
+                    server_type: view.server_type.map(|t| t.short_name().to_owned()),
+                    loop_utilization: stats.and_then(|s| s.loop_utilization),
+                    queue_delay_p90_s: stats
+                        .and_then(|s| s.queue_delays.quantile(0.9))
+                        .map(seconds),
+                    requests_in_flight: in_flight_by_pid.get(&pid).copied().unwrap_or(0),
+                })
+            })
+            .collect();
+        servers.sort_by(|a, b| a.name.cmp(&b.name).then(a.pid.cmp(&b.pid)));
+        RolloutsView {
+            in_flight,
+            rollouts: live,
+            completed: Completed {
+                count: completed.count(),
+                p50_s: completed.median().map(seconds),
+                p90_s: completed.quantile(0.9).map(seconds),
+                max_s: completed.max().map(seconds),
+            },
+            servers,
+        }
+    }
+
+    fn live_rollout(
+        &self,
+        id: SpanId,
+        run: &LiveRequest,
+        now: Instant,
+        stitcher: &Stitcher,
+        process: &impl Fn(u32) -> Option<ProcessView>,
+        peer: &impl Fn(SocketAddr) -> Option<String>,
+    ) -> LiveRollout {
+        let elapsed = now.saturating_duration_since(run.started);
+        let server_of = |pid: u32| process(pid).map_or_else(|| format!("pid {pid}"), |p| p.name);
+        let agent = server_of(run.pid);
+        let chain: Vec<&LiveRequest> = stitcher
+            .in_flight_chain(id)
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .collect();
+        let deepest = chain.last().copied().unwrap_or(run);
+        let phase = phase_now(&chain, |pid| process(pid).and_then(|p| p.server_type), peer);
+        let trace = stitcher.trace_of(id);
+        let (model_calls, tool_calls) = self.rollouts.calls_so_far(trace);
+        let straggler = self.rollouts.by_agent.get(&agent).is_some_and(|window| {
+            window.count() >= STRAGGLER_MIN_COMPLETED
+                && window.median().is_some_and(|median| {
+                    elapsed.as_nanos() > u128::from(STRAGGLER_FACTOR * median)
+                })
+        });
+        LiveRollout {
+            rollout_id: stitcher.rollout_of(id).map(|id| id.as_str().to_owned()),
+            trace_id: hex_trace(trace),
+            agent,
+            elapsed_s: elapsed.as_secs_f64(),
+            phase: phase.as_str().to_owned(),
+            span: LiveSpan {
+                name: deepest.name.to_string(),
+                server: server_of(deepest.pid),
+                peer: (deepest.role == Role::Client)
+                    .then(|| {
+                        deepest
+                            .peer
+                            .map(|p| peer(p).unwrap_or_else(|| p.to_string()))
+                    })
+                    .flatten(),
+            },
+            model_calls,
+            tool_calls,
+            straggler,
+        }
+    }
+}
+
+/// The phase a rollout is in now, from its chain of requests in flight (`/run` first): the
+/// rules of the critical path applied to the deepest one.
+fn phase_now(
+    chain: &[&LiveRequest],
+    server_type: impl Fn(u32) -> Option<ServerType>,
+    peer: &impl Fn(SocketAddr) -> Option<String>,
+) -> Phase {
+    let mut context = Context::Agent;
+    let mut deepest_call = None;
+    for request in chain {
+        let class = match (request.role, server_type(request.pid)) {
+            (_, Some(ServerType::Model)) => SpanClass::Model,
+            (Role::Client, _) => SpanClass::Call {
+                callee_traced: request.peer.and_then(peer).is_some(),
+            },
+            (Role::Server, Some(ServerType::Resources)) => SpanClass::Resources {
+                verify: request.verify,
+            },
+            (Role::Server, _) => SpanClass::Agent,
+        };
+        context = context.within(class);
+        deepest_call = match class {
+            SpanClass::Call { callee_traced } => Some(callee_traced),
+            _ => None,
+        };
+    }
+    match (context, deepest_call) {
+        (Context::Model, _) => Phase::Model,
+        (_, Some(true)) => Phase::Queue,
+        (_, Some(false)) => Phase::External,
+        (context, None) => context.phase(),
+    }
+}
+
+fn hex_trace(trace: TraceId) -> String {
+    trace.0.iter().map(|byte| format!("{byte:02x}")).collect()
+}

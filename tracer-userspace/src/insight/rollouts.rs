@@ -1,0 +1,496 @@
+//! Whole rollouts as they leave the stitcher: the spans of each rollout gathered by trace;
+//! its `gym.rollout` span kept back until no span the stitcher still holds could be below it
+//! (none started before the rollout ended: decided by the stitcher's events, not a clock),
+//! then its phases, counts, tokens and straggler flag put on that span, which goes out, and
+//! what the metrics record of it.
+
+use foldhash::{HashMap, HashMapExt, HashSet};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::critical_path::{PathSpan, SpanClass, phases};
+use super::phases::{Phase, PhaseNs};
+use super::stats::Window;
+use crate::gym::ServerType;
+use crate::gym::rollout_id::RolloutId;
+use crate::model::attributes as attr;
+use crate::model::ids::{SpanId, TraceId};
+use crate::model::service::ServiceIdentity;
+use crate::model::span::{AttributeValue, SpanKind, SpanRecord, Text};
+use crate::stitch::rollout_trace_id;
+
+/// Spans of rollouts still running, over all of them: past it the oldest rollout's spans
+/// are given up (`rollout_spans_evicted`). About 150 bytes each: 40 MB at most.
+pub const MAX_GATHERED_SPANS: usize = 262_144;
+/// `gym.rollout` spans kept back at once; past it the oldest is completed with what it has
+/// (`rollouts_completed_early`).
+pub const MAX_WAITING_ROLLOUTS: usize = 65_536;
+/// Span ids of ended rollouts remembered, so that a span of one that comes after its end is
+/// counted (`rollout_spans_after_end`), not gathered for a rollout that will never end.
+const ENDED_KEEP: usize = 65_536;
+/// A straggler takes more than this many times its agent's median rollout…
+pub const STRAGGLER_FACTOR: u64 = 3;
+/// …once the agent has completed at least this many.
+pub const STRAGGLER_MIN_COMPLETED: u64 = 20;
+
+pub const GYM_ROLLOUT: &str = "gym.rollout";
+pub const MODEL_CALLS: &str = "gym.rollout.model_calls";
+pub const TOOL_CALLS: &str = "gym.rollout.tool_calls";
+pub const STRAGGLER: &str = "gym.rollout.straggler";
+
+/// What is kept of a span of a running rollout.
+#[derive(Clone, Debug)]
+struct Gathered {
+    span_id: SpanId,
+    parent: Option<SpanId>,
+    start_ns: u64,
+    end_ns: u64,
+    kind: SpanKind,
+    server_type: Option<ServerType>,
+    service: Arc<ServiceIdentity>,
+    /// SERVER: `http.route`.
+    route: Option<Text>,
+    /// `/verify`'s SERVER span or `gym.verify`.
+    verify: bool,
+    /// CLIENT: `peer.service` names a traced server.
+    peer_traced: bool,
+    input_tokens: Option<i64>,
+    output_tokens: Option<i64>,
+}
+
+/// One finished rollout, for the metrics and the live view.
+#[derive(Clone, Debug)]
+pub struct RolloutSummary {
+    pub agent: Arc<ServiceIdentity>,
+    pub duration_ns: u64,
+    pub phases: PhaseNs,
+    pub straggler: bool,
+    /// Per call to a traced server in the rollout: the server, its route, and how long the
+    /// request waited between the client's first write and the server's first read.
+    pub queue_delays: Vec<(Arc<ServiceIdentity>, Option<Text>, u64)>,
+}
+
+/// The rollouts' side of the insight stage.
+#[derive(Default)]
+pub struct Rollouts {
+    gathering: HashMap<TraceId, Vec<Gathered>>,
+    /// Traces in the order their first span came (eviction order).
+    order: VecDeque<TraceId>,
+    gathered: usize,
+    ended: HashSet<SpanId>,
+    ended_order: VecDeque<SpanId>,
+    /// `gym.rollout` spans kept back, in the order they came (their rollouts ended), each
+    /// with its `/run` SERVER span when that came with it (kept back too, so that a trace's
+    /// top goes out whole).
+    waiting: VecDeque<(SpanRecord, Option<SpanRecord>)>,
+    /// Completed rollouts' durations per agent server (by name, else pid).
+    pub by_agent: HashMap<String, Window>,
+    /// Every agent's completed rollouts.
+    pub completed: Window,
+    pub counters: super::InsightCounters,
+}
+
+impl Rollouts {
+    /// Whether `gym.rollout` spans are kept back (the driver then asks the stitcher for
+    /// [`earliest_held`](Self::observe)).
+    pub fn waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Looks at one batch of released spans: gathers those of rollouts and keeps their
+    /// `gym.rollout` spans back (taken out of `batch`); then completes every kept rollout
+    /// that ended before `earliest_held` (the earliest start of a span the stitcher still
+    /// holds; `None`: it holds none) and puts its span, with its attributes, into `batch`.
+    pub fn observe(
+        &mut self,
+        batch: &mut Vec<SpanRecord>,
+        server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
+        earliest_held: Option<u64>,
+        done: &mut Vec<RolloutSummary>,
+    ) {
+        let mut ends = Vec::new();
+        for (index, span) in batch.iter().enumerate() {
+            self.gather(span, server_type);
+            if span.kind == SpanKind::Internal
+                && span.name == GYM_ROLLOUT
+                && server_type(&span.service) == Some(ServerType::Agent)
+            {
+                let run = batch.iter().position(|other| {
+                    Some(other.span_id) == span.parent_span_id && other.trace_id == span.trace_id
+                });
+                ends.push((index, run));
+            }
+        }
+        // Taken out from the back, so that the indices still to take stay valid.
+        let mut taken: Vec<usize> = ends
+            .iter()
+            .flat_map(|&(rollout, run)| std::iter::once(rollout).chain(run))
+            .collect();
+        taken.sort_unstable();
+        let mut out: HashMap<usize, SpanRecord> = HashMap::with_capacity(taken.len());
+        for &index in taken.iter().rev() {
+            out.insert(index, batch.swap_remove(index));
+        }
+        for (rollout, run) in ends {
+            let (Some(span), run) = (out.remove(&rollout), run.and_then(|i| out.remove(&i))) else {
+                continue;
+            };
+            if self.waiting.len() >= MAX_WAITING_ROLLOUTS
+                && let Some(oldest) = self.waiting.pop_front()
+            {
+                self.counters.rollouts_completed_early += 1;
+                self.let_go(oldest, batch, done);
+            }
+            self.waiting.push_back((span, run));
+        }
+        let mut still = VecDeque::with_capacity(self.waiting.len());
+        while let Some(entry) = self.waiting.pop_front() {
+            if earliest_held.is_some_and(|start| start < entry.0.end_unix_ns) {
+                still.push_back(entry);
+            } else {
+                self.let_go(entry, batch, done);
+            }
+        }
+        self.waiting = still;
+    }
+
+    /// Completes a kept rollout and puts its spans back out.
+    fn let_go(
+        &mut self,
+        (mut span, run): (SpanRecord, Option<SpanRecord>),
+        batch: &mut Vec<SpanRecord>,
+        done: &mut Vec<RolloutSummary>,
+    ) {
+        done.extend(self.complete(&mut span));
+        batch.push(span);
+        batch.extend(run);
+    }
+
+    fn gather(
+        &mut self,
+        span: &SpanRecord,
+        server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
+    ) {
+        if let Some(parent) = span.parent_span_id
+            && self.ended.contains(&parent)
+        {
+            self.counters.rollout_spans_after_end += 1;
+            self.remember_ended(span.span_id);
+            return;
+        }
+        let mut rollout = false;
+        let mut gathered = Gathered {
+            span_id: span.span_id,
+            parent: span.parent_span_id,
+            start_ns: span.start_unix_ns,
+            end_ns: span.end_unix_ns.max(span.start_unix_ns),
+            kind: span.kind,
+            server_type: server_type(&span.service),
+            service: span.service.clone(),
+            route: None,
+            verify: span.name == "gym.verify",
+            peer_traced: false,
+            input_tokens: None,
+            output_tokens: None,
+        };
+        for (key, value) in &span.attributes {
+            match (*key, value) {
+                (attr::GYM_ROLLOUT_ID, _) => rollout = true,
+                (attr::HTTP_ROUTE, AttributeValue::Str(route)) if span.kind == SpanKind::Server => {
+                    gathered.verify |= route.as_str() == "/verify";
+                    gathered.route = Some(route.clone());
+                }
+                (attr::PEER_SERVICE, _) => gathered.peer_traced = true,
+                (attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(n)) => {
+                    gathered.input_tokens = Some(*n);
+                }
+                (attr::GEN_AI_USAGE_OUTPUT_TOKENS, AttributeValue::Int(n)) => {
+                    gathered.output_tokens = Some(*n);
+                }
+                _ => {}
+            }
+        }
+        if !rollout {
+            return; // not part of a rollout: nothing here is asked of it
+        }
+        while self.gathered >= MAX_GATHERED_SPANS {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(spans) = self.gathering.remove(&oldest) {
+                self.gathered -= spans.len();
+                self.counters.rollout_spans_evicted += spans.len() as u64;
+            }
+        }
+        let spans = self.gathering.entry(span.trace_id).or_insert_with(|| {
+            self.order.push_back(span.trace_id);
+            Vec::new()
+        });
+        spans.push(gathered);
+        self.gathered += 1;
+    }
+
+    /// The rollout whose `gym.rollout` span this is has ended: its gathered subtree becomes
+    /// its phases and counts.
+    fn complete(&mut self, rollout_span: &mut SpanRecord) -> Option<RolloutSummary> {
+        let trace = rollout_span.trace_id;
+        let mut spans = self.gathering.remove(&trace).unwrap_or_default();
+        self.gathered -= spans.len();
+        let Some(root) = spans.iter().position(|s| s.span_id == rollout_span.span_id) else {
+            // Not gathered: it carried no rollout id (a /run whose body named none).
+            self.counters.rollouts_without_id += 1;
+            self.put_back(trace, spans);
+            return None;
+        };
+        let (tree, members) = subtree(&spans, root);
+        let mut path_spans = tree;
+        for (position, &member) in members.iter().enumerate() {
+            // A call answered by a traced server here is the traced end's to explain.
+            let callee_here = path_spans[position]
+                .children
+                .iter()
+                .any(|&child| spans[members[child]].kind == SpanKind::Server);
+            path_spans[position].class = class_of(&spans[member], callee_here);
+        }
+        let phases = phases(&path_spans, 0);
+        let counts = counts(&spans, &members, &path_spans);
+        let duration_ns = rollout_span
+            .end_unix_ns
+            .saturating_sub(rollout_span.start_unix_ns);
+        let agent_key = agent_key(&rollout_span.service);
+        let window = self.by_agent.entry(agent_key).or_default();
+        let straggler = window.count() >= STRAGGLER_MIN_COMPLETED
+            && window
+                .median()
+                .is_some_and(|median| duration_ns > STRAGGLER_FACTOR * median);
+        window.push(duration_ns);
+        self.completed.push(duration_ns);
+        self.counters.rollouts_completed += 1;
+        // Its own /run SERVER span (its parent) is in its trace, not under it.
+        let run = usize::from(
+            rollout_span
+                .parent_span_id
+                .is_some_and(|parent| spans.iter().any(|s| s.span_id == parent)),
+        );
+        self.counters.rollout_spans_outside_tree += (spans.len() - members.len() - run) as u64;
+        let attributes = &mut rollout_span.attributes;
+        for (phase, ms) in phases.whole_ms() {
+            attributes.push((phase.attribute(), AttributeValue::Int(ms as i64)));
+        }
+        attributes.push((MODEL_CALLS, AttributeValue::Int(counts.model_calls)));
+        attributes.push((TOOL_CALLS, AttributeValue::Int(counts.tool_calls)));
+        if let Some(tokens) = counts.input_tokens {
+            attributes.push((attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(tokens)));
+        }
+        if let Some(tokens) = counts.output_tokens {
+            attributes.push((
+                attr::GEN_AI_USAGE_OUTPUT_TOKENS,
+                AttributeValue::Int(tokens),
+            ));
+        }
+        if straggler {
+            self.counters.rollout_stragglers += 1;
+            attributes.push((STRAGGLER, AttributeValue::Bool(true)));
+        }
+        for &member in &members {
+            self.remember_ended(spans[member].span_id);
+        }
+        // A trace of its own rollout holds nothing else that will end; a shared trace (a
+        // traced driver's) keeps the other rollouts' spans.
+        let own_trace =
+            rollout_id_of(rollout_span).is_some_and(|id| rollout_trace_id(&id) == trace);
+        if !own_trace {
+            let mut index = 0;
+            let members: HashSet<usize> = members.iter().copied().collect();
+            spans.retain(|_| {
+                let keep = !members.contains(&index);
+                index += 1;
+                keep
+            });
+            self.counters.rollout_spans_outside_tree -= (spans.len() - run) as u64;
+            self.put_back(trace, spans);
+        }
+        Some(RolloutSummary {
+            agent: rollout_span.service.clone(),
+            duration_ns,
+            phases,
+            straggler,
+            queue_delays: counts.queue_delays,
+        })
+    }
+
+    fn put_back(&mut self, trace: TraceId, spans: Vec<Gathered>) {
+        if !spans.is_empty() {
+            self.gathered += spans.len();
+            self.gathering.insert(trace, spans);
+        }
+    }
+
+    fn remember_ended(&mut self, span: SpanId) {
+        if self.ended_order.len() >= ENDED_KEEP
+            && let Some(oldest) = self.ended_order.pop_front()
+        {
+            self.ended.remove(&oldest);
+        }
+        if self.ended.insert(span) {
+            self.ended_order.push_back(span);
+        }
+    }
+
+    /// A trace's gathered spans so far (the live view's counts of a running rollout).
+    pub fn calls_so_far(&self, trace: TraceId) -> (i64, i64) {
+        let Some(spans) = self.gathering.get(&trace) else {
+            return (0, 0);
+        };
+        let by_id: HashMap<SpanId, usize> = spans
+            .iter()
+            .enumerate()
+            .map(|(index, span)| (span.span_id, index))
+            .collect();
+        let mut model = 0;
+        let mut tools = 0;
+        for span in spans.iter().filter(|s| s.kind == SpanKind::Server) {
+            let caller = span.parent.and_then(|p| by_id.get(&p)).map(|&i| &spans[i]);
+            match span.server_type {
+                Some(ServerType::Model) => model += 1,
+                Some(ServerType::Resources) if is_tool_call(span, caller) => tools += 1,
+                _ => {}
+            }
+        }
+        (model, tools)
+    }
+
+    pub fn gathered(&self) -> usize {
+        self.gathered
+    }
+}
+
+/// The rollout's subtree under `spans[root]` as the walk takes it (index 0 the root), and
+/// the index in `spans` of each of its members.
+fn subtree(spans: &[Gathered], root: usize) -> (Vec<PathSpan>, Vec<usize>) {
+    let mut children: HashMap<SpanId, Vec<usize>> = HashMap::with_capacity(spans.len());
+    for (index, span) in spans.iter().enumerate() {
+        if let Some(parent) = span.parent {
+            children.entry(parent).or_default().push(index);
+        }
+    }
+    let mut members = vec![root];
+    let mut tree = vec![PathSpan {
+        start_ns: spans[root].start_ns,
+        end_ns: spans[root].end_ns,
+        class: SpanClass::Agent,
+        children: Vec::new(),
+    }];
+    let mut next = 0;
+    while next < members.len() && members.len() <= spans.len() {
+        let id = spans[members[next]].span_id;
+        for &child in children.get(&id).map_or(&[][..], Vec::as_slice) {
+            tree[next].children.push(members.len());
+            members.push(child);
+            tree.push(PathSpan {
+                start_ns: spans[child].start_ns,
+                end_ns: spans[child].end_ns,
+                class: SpanClass::Agent,
+                children: Vec::new(),
+            });
+        }
+        next += 1;
+    }
+    (tree, members)
+}
+
+fn class_of(span: &Gathered, callee_here: bool) -> SpanClass {
+    match (span.kind, span.server_type) {
+        (_, Some(ServerType::Model)) => SpanClass::Model,
+        (SpanKind::Client, _) => SpanClass::Call {
+            callee_traced: span.peer_traced || callee_here,
+        },
+        (_, Some(ServerType::Resources)) => SpanClass::Resources {
+            verify: span.verify,
+        },
+        _ => SpanClass::Agent,
+    }
+}
+
+/// A call from an agent server to a resources server, other than `/seed_session` and
+/// `/verify`: `span` is the resources server's SERVER span, `caller` its parent.
+fn is_tool_call(span: &Gathered, caller: Option<&Gathered>) -> bool {
+    let route = span.route.as_deref().unwrap_or_default();
+    caller.is_some_and(|c| c.server_type == Some(ServerType::Agent))
+        && route != "/seed_session"
+        && route != "/verify"
+}
+
+struct Counts {
+    model_calls: i64,
+    tool_calls: i64,
+    input_tokens: Option<i64>,
+    output_tokens: Option<i64>,
+    queue_delays: Vec<(Arc<ServiceIdentity>, Option<Text>, u64)>,
+}
+
+/// Calls to model servers (with the tokens their answers used) and tool calls, and how long
+/// each call to a traced server waited for it, over the subtree's SERVER spans.
+fn counts(spans: &[Gathered], members: &[usize], tree: &[PathSpan]) -> Counts {
+    let mut counts = Counts {
+        model_calls: 0,
+        tool_calls: 0,
+        input_tokens: None,
+        output_tokens: None,
+        queue_delays: Vec::new(),
+    };
+    for (position, &member) in members.iter().enumerate() {
+        let caller = &spans[member];
+        if caller.kind != SpanKind::Client {
+            continue;
+        }
+        for &child in &tree[position].children {
+            let server = &spans[members[child]];
+            if server.kind != SpanKind::Server {
+                continue;
+            }
+            counts.queue_delays.push((
+                server.service.clone(),
+                server.route.clone(),
+                server.start_ns.saturating_sub(caller.start_ns),
+            ));
+            match server.server_type {
+                Some(ServerType::Model) => {
+                    counts.model_calls += 1;
+                    add(&mut counts.input_tokens, caller.input_tokens);
+                    add(&mut counts.output_tokens, caller.output_tokens);
+                }
+                Some(ServerType::Resources) if is_tool_call(server, Some(caller)) => {
+                    counts.tool_calls += 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    counts
+}
+
+fn add(total: &mut Option<i64>, tokens: Option<i64>) {
+    if let Some(tokens) = tokens {
+        *total = Some(total.unwrap_or(0).saturating_add(tokens));
+    }
+}
+
+fn rollout_id_of(span: &SpanRecord) -> Option<RolloutId> {
+    span.attributes.iter().find_map(|(key, value)| match value {
+        AttributeValue::Str(id) if *key == attr::GYM_ROLLOUT_ID => RolloutId::parse(id),
+        _ => None,
+    })
+}
+
+/// An agent server by name (its worker processes share it), else by pid.
+pub fn agent_key(service: &ServiceIdentity) -> String {
+    service
+        .server_name()
+        .map_or_else(|| format!("pid {}", service.pid), str::to_owned)
+}
+
+/// `gym.rollout.phase.*` as the phases' attributes; for the reference.
+pub fn phase_attributes() -> [&'static str; 6] {
+    Phase::ALL.map(Phase::attribute)
+}
