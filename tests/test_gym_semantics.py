@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
-from gym_expect import assert_attached, assert_resource, gym_rollout_id, semantic_attributes
+from gym_expect import assert_attached, assert_resource, gym_attributes, gym_rollout_id, semantic_attributes
 from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, drive_rollouts,
                         rollout_mix, run_body, split_prefix)
 from harness import wait_until
@@ -270,7 +270,7 @@ def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
             assert (child["start_time_unix_nano"], child["end_time_unix_nano"]) == \
                    (parent["start_time_unix_nano"], parent["end_time_unix_nano"])
             rollout_id = attributes.get("nemo.gym.rollout.id")
-            assert child["attributes"] == semantic_attributes(child["name"], server.name, rollout_id)
+            assert gym_attributes(child) == semantic_attributes(child["name"], server.name, rollout_id)
             assert child["resource"] == parent["resource"]
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_expect import rollout_trace_id, semantic_attributes
+from gym_expect import gym_attributes, rollout_trace_id, semantic_attributes
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
@@ -226,7 +226,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
             assert (child["start_time_unix_nano"], child["end_time_unix_nano"]) == \
                    (parent["start_time_unix_nano"], parent["end_time_unix_nano"])
             rollout_id = parent["attributes"].get("nemo.gym.rollout.id")
-            assert child["attributes"] == semantic_attributes(child["name"], name, rollout_id)
+            assert gym_attributes(child) == semantic_attributes(child["name"], name, rollout_id)
     assert not children, f"INTERNAL spans without a SERVER parent: {dict(children)}"
 
     def only(server, span_name):
@@ -237,7 +237,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
     [run_span] = only(AGENT, "POST /run")
     [rollout] = [s for s in spans if s["kind"] == "INTERNAL" and s["parent_span_id"] == run_span["span_id"]]
     assert rollout["name"] == "gym.rollout"
-    assert rollout["attributes"] == semantic_attributes("gym.rollout", AGENT, RUN_ID)
+    assert gym_attributes(rollout) == semantic_attributes("gym.rollout", AGENT, RUN_ID)
     model_calls = only(MODEL, "POST /v1/responses")
     assert len(model_calls) == 2
     [verify_span] = only(RESOURCES, "POST /verify")

@@ -31,23 +31,25 @@ Needs target/gym-venv (`cargo xtask setup`) and tmux.
 
 import collections
 import json
+import os
 import shutil
 import subprocess
 import threading
 import time
 
-import pytest
-
 from harness import agent_binary, free_ports, http_get, wait_until
 from real_gym.launch import RealGymRun
-from test_real_gym import gym_venv
-from test_task_lineage import attached_tracer, stop_when_exported
-from test_real_gym import SPANS_PER_ROLLOUT
+from test_real_gym import SPANS_PER_ROLLOUT, gym_venv, tree_size
+from test_task_lineage import attached_tracer, expected_tree, stop_when_exported
 
-ROLLOUTS = 256
-UPSTREAM_DELAY_S = 0.3
+# CI's sizes; INSIGHT_ROLLOUTS, INSIGHT_UPSTREAM_DELAY_S and INSIGHT_SLOW_EXTRA_S run the same
+# checks at another scale by hand (a straggler must still take 3x the median).
+ROLLOUTS = int(os.environ.get("INSIGHT_ROLLOUTS", "256"))
+UPSTREAM_DELAY_S = float(os.environ.get("INSIGHT_UPSTREAM_DELAY_S", "0.3"))
 SLOW_EVERY = 50
-SLOW_EXTRA_S = 6.0
+SLOW_EXTRA_S = float(os.environ.get("INSIGHT_SLOW_EXTRA_S", "6"))
+JUDGE_ENVIRONMENT = "equivalence_llm_judge"
+JUDGE_ROLLOUTS = 64
 PHASES = ["model", "tool", "verify", "queue", "external", "agent"]
 STRAGGLER_FACTOR = 3
 STRAGGLER_MIN_COMPLETED = 20
@@ -57,7 +59,7 @@ SHORT_TYPES = {"responses_api_agents": "agent", "responses_api_models": "model",
 # end together may be taken in either order, which moves the median by one rollout. A flag
 # that differs is accepted only this close to the threshold.
 BORDERLINE = 0.02
-INSIGHT_COUNTERS = ["rollouts_completed", "rollout_stragglers", "rollouts_without_id", "rollout_spans_after_end",
+INSIGHT_COUNTERS = ["rollouts_completed", "rollout_stragglers", "rollouts_not_gathered", "rollout_spans_after_end",
                     "rollout_spans_evicted", "rollout_spans_outside_tree", "live_requests_untracked"]
 
 
@@ -129,6 +131,55 @@ def subtree(root, children):
     return out
 
 
+def phase_problems(rollout_spans, children, type_of, want_counts=None):
+    """Checks (1) and (2) for every rollout; `want_counts`: the (model_calls, tool_calls) the
+    environment makes, when fixed."""
+    problems = []
+    for span in rollout_spans:
+        a = attributes(span)
+        rid = a["nemo.gym.rollout.id"]
+        got = {phase: a.get(f"gym.rollout.phase.{phase}_ms") for phase in PHASES}
+        if None in got.values():
+            problems.append(f"{rid}: phases missing: {got}")
+            continue
+        duration_ms = (span["end_time_unix_nano"] - span["start_time_unix_nano"]) / MS
+        if abs(sum(got.values()) - duration_ms) > 1:
+            problems.append(f"{rid}: phases sum to {sum(got.values())} ms, the span lasts {duration_ms:.3f} ms")
+        want = walk_phases(span, children, type_of)
+        off = {p: (got[p], round(want[p] / MS, 3)) for p in PHASES if abs(got[p] - want[p] / MS) > 1}
+        if off:
+            problems.append(f"{rid}: phases (agent's, this test's) differ: {off}")
+        below = subtree(span, children)
+        model_servers = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "model"]
+        tools = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "resources"
+                 and attributes(s).get("http.route") not in ("/seed_session", "/verify")
+                 and type_of(by_id_of(below)[s["parent_span_id"]]) == "agent"]
+        counts = (a.get("gym.rollout.model_calls"), a.get("gym.rollout.tool_calls"))
+        if counts != (len(model_servers), len(tools)) or (want_counts and counts != want_counts):
+            problems.append(f"{rid}: model_calls, tool_calls = {counts}, spans say "
+                            f"({len(model_servers)}, {len(tools)}); the environment makes {want_counts}")
+        calls = [by_id_of(below)[s["parent_span_id"]] for s in model_servers]
+        for key in ("gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"):
+            want_tokens = sum(attributes(c).get(key, 0) for c in calls)
+            if a.get(key) != want_tokens:
+                problems.append(f"{rid}: {key} = {a.get(key)}, its model calls say {want_tokens}")
+    return problems
+
+
+def by_id_of(spans):
+    return {s["span_id"]: s for s in spans}
+
+
+def print_phase_split(rollout_spans):
+    """The phases of the median and of the slowest rollout (for the record)."""
+    ordered = sorted(rollout_spans, key=lambda s: s["end_time_unix_nano"] - s["start_time_unix_nano"])
+    for label, span in (("median", ordered[len(ordered) // 2]), ("slowest", ordered[-1])):
+        a = attributes(span)
+        split = ", ".join(f"{p} {a[f'gym.rollout.phase.{p}_ms']}" for p in PHASES)
+        print(f"{label} rollout {a['nemo.gym.rollout.id']}: "
+              f"{(span['end_time_unix_nano'] - span['start_time_unix_nano']) / 1e9:.2f} s = {split} ms")
+
+
 class Poller:
     """GET /rollouts every POLL_S in a thread of its own, keeping every answer."""
 
@@ -187,8 +238,8 @@ class TopInTmux:
         return not alive
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (cargo xtask setup installs it)")
 def test_rollouts_carry_their_phases_stragglers_are_named_and_the_live_view_shows_them(agents):
+    assert shutil.which("tmux"), "tmux is not installed: `cargo xtask setup` installs it (as root)"
     run = RealGymRun(gym_venv(), upstream_delay_s=UPSTREAM_DELAY_S)
     run.canned.slow_every, run.canned.slow_extra_s = SLOW_EVERY, SLOW_EXTRA_S
     health_port = free_ports(1)[0]
@@ -235,36 +286,9 @@ def test_rollouts_carry_their_phases_stragglers_are_named_and_the_live_view_show
     assert sorted(attributes(s)["nemo.gym.rollout.id"] for s in rollout_spans) == sorted(ids)
 
     # (1) and (2): the phases.
-    problems = []
-    for span in rollout_spans:
-        a = attributes(span)
-        rid = a["nemo.gym.rollout.id"]
-        got = {phase: a.get(f"gym.rollout.phase.{phase}_ms") for phase in PHASES}
-        if None in got.values():
-            problems.append(f"{rid}: phases missing: {got}")
-            continue
-        duration_ms = (span["end_time_unix_nano"] - span["start_time_unix_nano"]) / MS
-        if abs(sum(got.values()) - duration_ms) > 1:
-            problems.append(f"{rid}: phases sum to {sum(got.values())} ms, the span lasts {duration_ms:.3f} ms")
-        want = walk_phases(span, children, type_of)
-        off = {p: (got[p], round(want[p] / MS, 3)) for p in PHASES if abs(got[p] - want[p] / MS) > 1}
-        if off:
-            problems.append(f"{rid}: phases (agent's, this test's) differ: {off}")
-        below = subtree(span, children)
-        model_servers = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "model"]
-        tools = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "resources"
-                 and attributes(s).get("http.route") not in ("/seed_session", "/verify")]
-        counts = (a.get("gym.rollout.model_calls"), a.get("gym.rollout.tool_calls"))
-        if counts != (len(model_servers), len(tools)) or counts != (2, 1):
-            problems.append(f"{rid}: model_calls, tool_calls = {counts}, spans say "
-                            f"({len(model_servers)}, {len(tools)}); the environment makes (2, 1)")
-        by_id = {s["span_id"]: s for s in below}
-        calls = [by_id[s["parent_span_id"]] for s in model_servers]
-        for key in ("gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"):
-            want_tokens = sum(attributes(c).get(key, 0) for c in calls)
-            if a.get(key) != want_tokens:
-                problems.append(f"{rid}: {key} = {a.get(key)}, its model calls say {want_tokens}")
+    problems = phase_problems(rollout_spans, children, type_of, want_counts=(2, 1))
     assert not problems, f"{len(problems)} rollouts wrong:\n" + "\n".join(problems[:20])
+    print_phase_split(rollout_spans)
 
     # (3): stragglers.
     slow_calls = [r for r in upstream if r.get("slow")]
@@ -370,3 +394,46 @@ def test_rollouts_carry_their_phases_stragglers_are_named_and_the_live_view_show
         assert row.split()[0] in ids and any(f" {phase} " in row for phase in PHASES), row
     for name in run.pids:
         assert any(name in line for line in lines[header + 2:]), f"{name} not on the screen"
+
+
+def test_a_judge_inside_verify_is_model_time_under_verify(agents):
+    """Another shape: equivalence_llm_judge (its /verify calls the judge model server),
+    JUDGE_ROLLOUTS at once, Gym's default configuration, the default --task-lineage auto (the
+    judge calls are placed under their /verify). (1) and (2) as above for every rollout; every
+    rollout spends time in verify; the judge calls count as model calls: over all rollouts,
+    model_calls adds up to the upstream's own count of the calls it answered (every model
+    call of a rollout is one upstream call), policy and judge."""
+    run = RealGymRun(gym_venv(), environment=JUDGE_ENVIRONMENT, upstream_delay_s=UPSTREAM_DELAY_S)
+    try:
+        run.start()
+        types_by_pid = {pid: SHORT_TYPES[run.server_type(name)] for name, pid in run.pids.items()}
+        tracer = lambda *extra: agents(discover=True, extra_args=extra)  # noqa: E731
+        agent = attached_tracer(tracer, run)
+        batch = run.drive_rollouts(JUDGE_ROLLOUTS)
+        upstream = run.upstream_summary()
+        spans, summary = stop_when_exported(agent, run, tree_size(expected_tree(run)) * JUDGE_ROLLOUTS)
+    finally:
+        run.stop()
+    assert [(r["status"], r["reward"]) for r in batch] == [(200, r["expected_reward"]) for r in batch]
+    ids = sorted(f"{r['task_index']}-{r['rollout_index']}" for r in batch)
+    children = collections.defaultdict(list)
+    for span in spans:
+        children[span["parent_span_id"]].append(span)
+    rollout_spans = [s for s in spans if s["name"] == "gym.rollout"]
+    assert sorted(attributes(s)["nemo.gym.rollout.id"] for s in rollout_spans) == ids
+
+    def type_of(span):
+        return server_type_of(span, types_by_pid)
+
+    problems = phase_problems(rollout_spans, children, type_of)
+    assert not problems, f"{len(problems)} rollouts wrong:\n" + "\n".join(problems[:20])
+    print_phase_split(rollout_spans)
+    no_verify = [attributes(s)["nemo.gym.rollout.id"] for s in rollout_spans
+                 if attributes(s)["gym.rollout.phase.verify_ms"] <= 0]
+    assert not no_verify, f"rollouts with no verify time: {no_verify}"
+    judge_calls = sum(n for key, n in upstream["counts"].items() if key.endswith(" judge"))
+    model_calls = sum(attributes(s)["gym.rollout.model_calls"] for s in rollout_spans)
+    assert judge_calls > 0 and model_calls == upstream["requests"], (model_calls, upstream)
+    assert summary["rollouts_completed"] == JUDGE_ROLLOUTS
+    for counter in INSIGHT_COUNTERS[2:]:
+        assert summary[counter] == 0, (counter, summary[counter])

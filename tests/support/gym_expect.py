@@ -22,6 +22,26 @@ def semantic_attributes(name, server_name, rollout_id):
             **({"nemo.gym.rollout.id": rollout_id} if rollout_id else {})}
 
 
+# What the agent adds to a gym.rollout span when the rollout ends (README, "Where a rollout's
+# time goes"): its phases and calls, always; its token totals where its model calls said.
+ROLLOUT_INSIGHT = {f"gym.rollout.phase.{phase}_ms" for phase in ("model", "tool", "verify", "queue", "external",
+                                                                   "agent")} | {"gym.rollout.model_calls",
+                                                                               "gym.rollout.tool_calls"}
+ROLLOUT_INSIGHT_OPTIONAL = {"gym.rollout.straggler", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"}
+
+
+def gym_attributes(span):
+    """A gym.* span's attributes as Gym's own telemetry has them: a gym.rollout's insight
+    attributes taken out, after checking that it has all of them (and no other)."""
+    attributes = dict(span["attributes"])
+    if span["name"] == "gym.rollout":
+        added = {key for key in attributes if key in ROLLOUT_INSIGHT | ROLLOUT_INSIGHT_OPTIONAL}
+        assert ROLLOUT_INSIGHT <= added, f"gym.rollout without its phases: {attributes}"
+        for key in added:
+            del attributes[key]
+    return attributes
+
+
 def rollout_trace_id(rollout_id):
     """The trace id the tracer derives from a rollout id (README, "Across hosts")."""
     return hashlib.sha256(f"nemo.gym.rollout/{rollout_id}".encode()).hexdigest()[:32]

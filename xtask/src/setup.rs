@@ -39,14 +39,19 @@ pub(crate) fn run(ctx: &Ctx, args: &SetupArgs) -> Result<()> {
 }
 
 /// Arize Phoenix (`cargo xtask demo --ui`, tests/test_backend.py) and, with `browser`, the
-/// headless Chromium the test looks at its pages with (apt, as root).
+/// headless Chromium the test looks at its pages with and the tmux `top`'s test captures
+/// its screen in (apt, as root).
 pub(crate) fn trace_ui(ctx: &Ctx, browser: bool) -> Result<()> {
     venv::ensure_phoenix_venv(ctx)?;
     if browser {
         if is_root() {
             ensure_system_tool(ctx, "chromium", "chromium")?;
+            // Terminal UIs are checked as a person sees them: `gym-tracer top` under tmux.
+            ensure_system_tool(ctx, "tmux", "tmux")?;
         } else {
-            println!("xtask: not root: chromium is not installed (the trace-UI test needs it)");
+            println!(
+                "xtask: not root: chromium and tmux are not installed (the trace-UI and top tests need them)"
+            );
         }
     }
     Ok(())

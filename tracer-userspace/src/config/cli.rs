@@ -492,9 +492,9 @@ pub struct RunArgs {
     )]
     pub max_connections: usize,
 
-    /// Serve /healthz (probes attached, exporter reachable) and /metrics (the agent's own
-    /// counters, Prometheus text) on this address; a bare port means 127.0.0.1:PORT. Off
-    /// by default.
+    /// Serve /healthz (probes attached, exporter reachable), /metrics (the agent's own
+    /// counters, Prometheus text) and /rollouts (the live view `gym-tracer top` shows) on
+    /// this address; a bare port means 127.0.0.1:PORT. Off by default.
     #[arg(long, env = "GYM_TRACER_HEALTH_LISTEN", value_name = "ADDR")]
     pub health_listen: Option<HealthListen>,
 

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use super::{ExportTotals, SpanSink};
 use crate::export::status::ExportStatus;
-use crate::insight::phases::Phase;
 use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
+use crate::model::rollout::Phase;
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

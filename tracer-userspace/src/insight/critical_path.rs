@@ -7,7 +7,8 @@
 //!
 //! Pure: spans in, nanoseconds per [`Phase`] out; the sum is the root's duration exactly.
 
-use super::phases::{Context, Phase, PhaseNs};
+use super::phases::Context;
+use crate::model::rollout::{Phase, PhaseNs};
 
 /// What the walk needs of one span of the rollout.
 #[derive(Clone, Debug)]

@@ -19,12 +19,13 @@ use crate::gym::routes::strip_rollout_prefix;
 use crate::model::counters::counters;
 use crate::model::exchange::{RequestStart, Role};
 use crate::model::ids::{SpanId, TraceId};
+use crate::model::rollout::{Phase, RolloutSummary};
 use crate::model::service::ServiceIdentity;
 use crate::model::span::SpanRecord;
 use crate::stitch::Stitcher;
 use critical_path::SpanClass;
-use phases::{Context, Phase};
-use rollouts::{RolloutSummary, Rollouts, STRAGGLER_FACTOR, STRAGGLER_MIN_COMPLETED};
+use phases::Context;
+use rollouts::{Rollouts, STRAGGLER_FACTOR, STRAGGLER_MIN_COMPLETED};
 use stats::Window;
 use view::{Completed, LiveRollout, LiveSpan, MAX_LISTED, RolloutsView, ServerLoad};
 
@@ -39,8 +40,9 @@ counters! {
         rollouts_completed,
         /// Of them, stragglers (`gym.rollout.straggler`).
         rollout_stragglers,
-        /// `gym.rollout` spans without a rollout id (no phases: nothing gathered them).
-        rollouts_without_id,
+        /// `gym.rollout` spans whose rollout was not gathered (no phases): it carried no
+        /// rollout id and its `/run` was not seen starting (the agent attached mid-rollout).
+        rollouts_not_gathered,
         /// Spans of a rollout released after its `gym.rollout` span: not in its phases.
         rollout_spans_after_end,
         /// Rollouts completed before the stitcher let go of every span that could be theirs:
@@ -66,8 +68,8 @@ struct LiveRequest {
     verify: bool,
     peer: Option<SocketAddr>,
     started: Instant,
-    /// An agent's `/run`: a rollout.
-    run: bool,
+    /// An agent's `/run`: a rollout, and the trace its spans were to be in at its start.
+    run: Option<TraceId>,
 }
 
 /// What the live view needs to know of a traced process.
@@ -96,8 +98,12 @@ impl Insight {
         self.rollouts.counters
     }
 
-    /// A request started; `run` when it is an agent server's `/run`.
-    pub fn request_started(&mut self, start: &RequestStart, now: Instant, run: bool) {
+    /// A request started; `run`: the trace of an agent server's `/run` as the stitcher sees it
+    /// at its start (its spans are gathered by it until they carry the rollout's id).
+    pub fn request_started(&mut self, start: &RequestStart, now: Instant, run: Option<TraceId>) {
+        if let Some(trace) = run {
+            self.rollouts.run_started(trace);
+        }
         if self.requests.len() >= MAX_LIVE_REQUESTS {
             self.rollouts.counters.live_requests_untracked += 1;
             return;
@@ -121,8 +127,15 @@ impl Insight {
         );
     }
 
-    pub fn request_ended(&mut self, request: SpanId) {
-        self.requests.remove(&request);
+    /// A request ended; `trace`: its trace as the stitcher sees it now (a `/run`'s may have
+    /// changed since it started: its body named the rollout).
+    pub fn request_ended(&mut self, request: SpanId, trace: impl FnOnce() -> TraceId) {
+        if let Some(LiveRequest {
+            run: Some(started), ..
+        }) = self.requests.remove(&request)
+        {
+            self.rollouts.run_trace_now(started, trace());
+        }
     }
 
     pub fn process_gone(&mut self, pid: u32) {
@@ -161,7 +174,7 @@ impl Insight {
     /// Rollouts in flight per agent process.
     pub fn runs_in_flight(&self) -> HashMap<u32, u64> {
         let mut runs = HashMap::new();
-        for request in self.requests.values().filter(|r| r.run) {
+        for request in self.requests.values().filter(|r| r.run.is_some()) {
             *runs.entry(request.pid).or_insert(0) += 1;
         }
         runs
@@ -178,7 +191,7 @@ impl Insight {
         let mut live: Vec<LiveRollout> = self
             .requests
             .iter()
-            .filter(|(_, request)| request.run)
+            .filter(|(_, request)| request.run.is_some())
             .map(|(&id, run)| self.live_rollout(id, run, now, stitcher, &process, &peer))
             .collect();
         let in_flight = live.len();
@@ -313,4 +326,56 @@ fn phase_now(
 
 fn hex_trace(trace: TraceId) -> String {
     trace.0.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::testing::loopback;
+
+    fn request(pid: u32, role: Role, name: &str, peer: u16) -> LiveRequest {
+        LiveRequest {
+            pid,
+            role,
+            name: name.into(),
+            verify: name == "POST /verify",
+            peer: Some(loopback(peer)),
+            started: Instant::now(),
+            run: None,
+        }
+    }
+
+    /// The phase now is the critical path's rule applied to the deepest request in flight.
+    #[test]
+    fn the_phase_now_is_the_deepest_requests() {
+        let types = |pid: u32| match pid {
+            1 => Some(ServerType::Agent),
+            2 => Some(ServerType::Model),
+            3 => Some(ServerType::Resources),
+            _ => None,
+        };
+        // Port 8002 is a traced model server; 9000 nobody's.
+        let peer =
+            |address: SocketAddr| (address.port() == 8002).then(|| "policy_model".to_owned());
+        let run = request(1, Role::Server, "POST /run", 50000);
+        let to_model = request(1, Role::Client, "HTTP POST", 8002);
+        let in_model = request(2, Role::Server, "POST /v1/responses", 50001);
+        let upstream = request(2, Role::Client, "HTTP POST", 9000);
+        let external = request(1, Role::Client, "HTTP POST", 9000);
+        let verify = request(3, Role::Server, "POST /verify", 50002);
+        let judge = request(3, Role::Client, "HTTP POST", 8002);
+        let cases: [(&[&LiveRequest], Phase); 7] = [
+            (&[&run], Phase::Agent),
+            (&[&run, &to_model], Phase::Queue),
+            (&[&run, &to_model, &in_model], Phase::Model),
+            (&[&run, &to_model, &in_model, &upstream], Phase::Model),
+            (&[&run, &external], Phase::External),
+            (&[&run, &to_model, &verify], Phase::Verify),
+            (&[&run, &to_model, &verify, &judge], Phase::Queue),
+        ];
+        for (chain, want) in cases {
+            let names: Vec<&str> = chain.iter().map(|r| &*r.name).collect();
+            assert_eq!(phase_now(chain, types, &peer), want, "{names:?}");
+        }
+    }
 }

@@ -9,12 +9,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::critical_path::{PathSpan, SpanClass, phases};
-use super::phases::{Phase, PhaseNs};
 use super::stats::Window;
 use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
+use crate::model::rollout::{Phase, RolloutSummary};
 use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, Text};
 use crate::stitch::rollout_trace_id;
@@ -25,6 +25,9 @@ pub const MAX_GATHERED_SPANS: usize = 262_144;
 /// `gym.rollout` spans kept back at once; past it the oldest is completed with what it has
 /// (`rollouts_completed_early`).
 pub const MAX_WAITING_ROLLOUTS: usize = 65_536;
+/// Traces of `/run`s seen starting, kept until their rollout completes; past this many the
+/// oldest is forgotten (a `/run` that never became a `gym.rollout`: its span group is off).
+const RUN_TRACES_KEEP: usize = 65_536;
 /// Span ids of ended rollouts remembered, so that a span of one that comes after its end is
 /// counted (`rollout_spans_after_end`), not gathered for a rollout that will never end.
 const ENDED_KEEP: usize = 65_536;
@@ -58,18 +61,6 @@ struct Gathered {
     output_tokens: Option<i64>,
 }
 
-/// One finished rollout, for the metrics and the live view.
-#[derive(Clone, Debug)]
-pub struct RolloutSummary {
-    pub agent: Arc<ServiceIdentity>,
-    pub duration_ns: u64,
-    pub phases: PhaseNs,
-    pub straggler: bool,
-    /// Per call to a traced server in the rollout: the server, its route, and how long the
-    /// request waited between the client's first write and the server's first read.
-    pub queue_delays: Vec<(Arc<ServiceIdentity>, Option<Text>, u64)>,
-}
-
 /// The rollouts' side of the insight stage.
 #[derive(Default)]
 pub struct Rollouts {
@@ -79,6 +70,10 @@ pub struct Rollouts {
     gathered: usize,
     ended: HashSet<SpanId>,
     ended_order: VecDeque<SpanId>,
+    /// The traces of `/run`s seen starting: a span in one is a rollout's even without the
+    /// rollout id (a `/run` whose body named none).
+    run_traces: HashSet<TraceId>,
+    run_traces_order: VecDeque<TraceId>,
     /// `gym.rollout` spans kept back, in the order they came (their rollouts ended), each
     /// with its `/run` SERVER span when that came with it (kept back too, so that a trace's
     /// top goes out whole).
@@ -210,7 +205,7 @@ impl Rollouts {
                 _ => {}
             }
         }
-        if !rollout {
+        if !rollout && !self.run_traces.contains(&span.trace_id) {
             return; // not part of a rollout: nothing here is asked of it
         }
         while self.gathered >= MAX_GATHERED_SPANS {
@@ -234,11 +229,14 @@ impl Rollouts {
     /// its phases and counts.
     fn complete(&mut self, rollout_span: &mut SpanRecord) -> Option<RolloutSummary> {
         let trace = rollout_span.trace_id;
+        if self.run_traces.remove(&trace) {
+            self.run_traces_order.retain(|t| *t != trace);
+        }
         let mut spans = self.gathering.remove(&trace).unwrap_or_default();
         self.gathered -= spans.len();
         let Some(root) = spans.iter().position(|s| s.span_id == rollout_span.span_id) else {
-            // Not gathered: it carried no rollout id (a /run whose body named none).
-            self.counters.rollouts_without_id += 1;
+            // Not gathered: no rollout id, and its /run was not seen starting.
+            self.counters.rollouts_not_gathered += 1;
             self.put_back(trace, spans);
             return None;
         };
@@ -317,6 +315,26 @@ impl Rollouts {
             straggler,
             queue_delays: counts.queue_delays,
         })
+    }
+
+    /// A `/run` started, its spans to be in `trace`.
+    pub fn run_started(&mut self, trace: TraceId) {
+        if self.run_traces.insert(trace) {
+            self.run_traces_order.push_back(trace);
+        }
+        while self.run_traces_order.len() > RUN_TRACES_KEEP {
+            if let Some(oldest) = self.run_traces_order.pop_front() {
+                self.run_traces.remove(&oldest);
+            }
+        }
+    }
+
+    /// A `/run` that started with trace `started` ended with trace `now`.
+    pub fn run_trace_now(&mut self, started: TraceId, now: TraceId) {
+        if started != now && self.run_traces.remove(&started) {
+            self.run_traces_order.retain(|t| *t != started);
+            self.run_started(now);
+        }
     }
 
     fn put_back(&mut self, trace: TraceId, spans: Vec<Gathered>) {
@@ -493,4 +511,138 @@ pub fn agent_key(service: &ServiceIdentity) -> String {
 /// `gym.rollout.phase.*` as the phases' attributes; for the reference.
 pub fn phase_attributes() -> [&'static str; 6] {
     Phase::ALL.map(Phase::attribute)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::gym::ServerKind;
+    use crate::model::service::GymLabels;
+
+    const MS: u64 = 1_000_000;
+
+    fn server(pid: u32, name: &str, kind: ServerType) -> Arc<ServiceIdentity> {
+        let labels = GymLabels {
+            server_name: Some(name.into()),
+            server_kind: Some(ServerKind::Known(kind)),
+            service_group: None,
+        };
+        Arc::new(ServiceIdentity::from_attributes(
+            pid,
+            labels,
+            BTreeMap::new(),
+        ))
+    }
+
+    fn span(
+        service: &Arc<ServiceIdentity>,
+        name: &str,
+        kind: SpanKind,
+        (id, parent): (u8, Option<u8>),
+        (start_ms, end_ms): (u64, u64),
+    ) -> SpanRecord {
+        let mut span = SpanRecord::bare(service.clone(), name, kind, SpanId([id; 8]));
+        let rollout = RolloutId::parse("r-1").unwrap();
+        span.trace_id = rollout_trace_id(&rollout);
+        span.parent_span_id = parent.map(|p| SpanId([p; 8]));
+        span.start_unix_ns = start_ms * MS;
+        span.end_unix_ns = end_ms * MS;
+        span.attributes.push((
+            attr::GYM_ROLLOUT_ID,
+            AttributeValue::Str(rollout.as_str().to_owned().into()),
+        ));
+        span
+    }
+
+    fn int(span: &SpanRecord, key: &str) -> Option<i64> {
+        span.attributes.iter().find_map(|(k, v)| match v {
+            AttributeValue::Int(n) if *k == key => Some(*n),
+            _ => None,
+        })
+    }
+
+    /// The rollout's `/run` and `gym.rollout` go out before its model call's spans (their
+    /// parent was decided by the call's answer): they are kept back while the stitcher
+    /// holds a span that started before the rollout ended, and read whole once it does not.
+    #[test]
+    fn a_rollout_waits_for_the_spans_still_held_that_could_be_below_it() {
+        let agent = server(10, "simple_agent", ServerType::Agent);
+        let model = server(20, "policy_model", ServerType::Model);
+        let types = |service: &ServiceIdentity| service.labels.server_kind.as_ref()?.known();
+        let mut rollouts = Rollouts::default();
+        let mut done = Vec::new();
+
+        let mut batch = vec![
+            span(&agent, "POST /run", SpanKind::Server, (1, None), (0, 1000)),
+            span(
+                &agent,
+                GYM_ROLLOUT,
+                SpanKind::Internal,
+                (2, Some(1)),
+                (0, 1000),
+            ),
+        ];
+        rollouts.observe(&mut batch, &types, Some(100 * MS), &mut done);
+        assert!(batch.is_empty() && done.is_empty(), "kept back: {batch:?}");
+
+        let mut call = span(
+            &agent,
+            "HTTP POST",
+            SpanKind::Client,
+            (3, Some(2)),
+            (100, 900),
+        );
+        call.attributes
+            .push((attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(42)));
+        let mut batch = vec![
+            call,
+            span(
+                &model,
+                "POST /v1/responses",
+                SpanKind::Server,
+                (4, Some(3)),
+                (150, 850),
+            ),
+        ];
+        rollouts.observe(&mut batch, &types, None, &mut done);
+        let names: Vec<&str> = batch.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["HTTP POST", "POST /v1/responses", GYM_ROLLOUT, "POST /run"]
+        );
+        let rollout = &batch[2];
+        let phase = |phase: Phase| int(rollout, phase.attribute());
+        assert_eq!(phase(Phase::Model), Some(700));
+        assert_eq!(phase(Phase::Queue), Some(100));
+        assert_eq!(phase(Phase::Agent), Some(200));
+        assert_eq!(int(rollout, MODEL_CALLS), Some(1));
+        assert_eq!(int(rollout, TOOL_CALLS), Some(0));
+        assert_eq!(int(rollout, attr::GEN_AI_USAGE_INPUT_TOKENS), Some(42));
+        assert_eq!(int(rollout, attr::GEN_AI_USAGE_OUTPUT_TOKENS), None);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].queue_delays.len(), 1);
+        assert_eq!(done[0].queue_delays[0].2, 50 * MS);
+
+        // A span of it released after all that is counted, not gathered for good.
+        let mut late = vec![span(
+            &model,
+            "HTTP POST",
+            SpanKind::Client,
+            (5, Some(4)),
+            (200, 800),
+        )];
+        rollouts.observe(&mut late, &types, None, &mut done);
+        let counters = rollouts.counters;
+        assert_eq!(
+            (
+                counters.rollouts_completed,
+                counters.rollout_spans_after_end,
+                counters.rollout_spans_outside_tree
+            ),
+            (1, 1, 0)
+        );
+        assert_eq!(rollouts.gathered(), 0);
+    }
 }

@@ -10,5 +10,6 @@ pub mod counters;
 pub mod exchange;
 pub mod genai;
 pub mod ids;
+pub mod rollout;
 pub mod service;
 pub mod span;

@@ -482,12 +482,15 @@ impl<M: RequestMetrics> Pipeline<M> {
             },
         };
         self.stitcher.start(start, facts, now);
-        self.insight.request_started(start, now, run);
+        let run_trace = run.then(|| self.stitcher.trace_of(start.span_id));
+        self.insight.request_started(start, now, run_trace);
     }
 
     fn end_request(&mut self, exchange: &HttpExchange, now: Instant, observer: &mut impl Observer) {
         self.counters.exchanges += 1;
-        self.insight.request_ended(exchange.span_id);
+        let stitcher = &self.stitcher;
+        self.insight
+            .request_ended(exchange.span_id, || stitcher.trace_of(exchange.span_id));
         if self.own_requests.remove(&exchange.span_id) {
             self.counters.self_requests_ignored += 1;
             self.stitcher.finish(exchange.span_id);

@@ -632,6 +632,7 @@ impl Replay {
     /// What the agent does with the pipeline's output, minus the kernel: exits are
     /// forgotten, released spans counted.
     fn apply_output(&mut self) {
+        self.pipeline.observe_released();
         let output = &mut self.pipeline.output;
         self.checks.summary.spans_released += output.released.len() as u64;
         output.released.clear();
@@ -689,6 +690,10 @@ impl Replay {
         }
         self.pipeline.release_all();
         self.apply_output();
+        assert!(
+            !self.pipeline.insight.waiting(),
+            "a rollout kept back after every span was released"
+        );
         let mut summary = std::mem::take(&mut self.checks.summary);
         summary.pipeline = self.pipeline.counters;
         summary.reassembly = self.pipeline.table.counters;

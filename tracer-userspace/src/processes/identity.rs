@@ -96,7 +96,7 @@ impl ServiceIdentity {
         Self::from_attributes(pid, labels, attributes)
     }
 
-    fn from_attributes(
+    pub(crate) fn from_attributes(
         pid: u32,
         labels: GymLabels,
         attributes: BTreeMap<&'static str, AttributeValue>,
