@@ -105,7 +105,7 @@ impl Agent {
     fn fetch(&self) -> Result<RolloutsView> {
         let hint = || {
             format!(
-                "no live view from the agent at {}: is `gym-tracer run --health-listen {}` running there?",
+                "no live view from the agent at {} (is `gym-tracer run --health-listen {}` running there?)",
                 self.url, self.host_port
             )
         };
@@ -151,6 +151,10 @@ fn seconds(value: Option<f64>) -> String {
 }
 
 fn summary_line(url: &str, view: &RolloutsView) -> String {
+    printable(&summary_text(url, view))
+}
+
+fn summary_text(url: &str, view: &RolloutsView) -> String {
     let completed = &view.completed;
     let stragglers = view.rollouts.iter().filter(|r| r.straggler).count();
     format!(
@@ -176,7 +180,19 @@ const SERVER_HEADER: [&str; 7] = [
     "",
 ];
 
+/// Text from the wire and from other hosts' configs, made safe for a terminal: a control
+/// character could move the cursor or recolour the screen.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
 fn rollout_cells(rollout: &LiveRollout) -> [String; 8] {
+    rollout_cells_raw(rollout).map(|cell| printable(&cell))
+}
+
+fn rollout_cells_raw(rollout: &LiveRollout) -> [String; 8] {
     let span = &rollout.span;
     let now_in = match &span.peer {
         Some(peer) => format!("{} {} → {}", span.name, span.server, peer),
@@ -204,6 +220,10 @@ fn saturated(server: &ServerLoad) -> bool {
 }
 
 fn server_cells(server: &ServerLoad) -> [String; 7] {
+    server_cells_raw(server).map(|cell| printable(&cell))
+}
+
+fn server_cells_raw(server: &ServerLoad) -> [String; 7] {
     [
         server.name.clone(),
         server.server_type.clone().unwrap_or_else(|| "?".to_owned()),
@@ -380,7 +400,7 @@ mod tests {
                 span: LiveSpan {
                     name: "HTTP POST".into(),
                     server: "policy_model".into(),
-                    peer: Some("127.0.0.1:8000".into()),
+                    peer: Some("127.0.0.1:8000\u{1b}[2J".into()),
                 },
                 model_calls: 2,
                 tool_calls: 1,
@@ -410,7 +430,7 @@ mod tests {
         assert!(lines[2].starts_with("ROLLOUT  AGENT"), "{}", lines[2]);
         assert_eq!(
             lines[3],
-            "0-7      simple_agent  12.3 s   model  HTTP POST policy_model → 127.0.0.1:8000  2      1      STRAGGLER"
+            "0-7      simple_agent  12.3 s   model  HTTP POST policy_model → 127.0.0.1:8000?[2J  2      1      STRAGGLER"
         );
         assert_eq!(
             lines[6],
