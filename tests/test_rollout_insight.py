@@ -362,9 +362,13 @@ def test_rollouts_carry_their_phases_stragglers_are_named_and_the_live_view_show
     assert {r["rollout_id"] for r in listed if r["rollout_id"]} <= ids
     assert all(r["elapsed_s"] >= 0 for r in listed)
     assert any(r["straggler"] for r in listed), "no straggler was ever listed"
+    # The agent makes the view once a second: an answer polled at t shows the rollout as it
+    # was up to a second before. So a poll counts as inside a slow call from 1.5 s after the
+    # call started (its view is from within the call) until 0.5 s before it ended.
     slow_windows = collections.defaultdict(list)
     for s in slow_client_spans:
-        slow_windows[s["trace_id"]].append((s["start_time_unix_nano"] + MS * 500, s["end_time_unix_nano"] - MS * 500))
+        slow_windows[s["trace_id"]].append((s["start_time_unix_nano"] + MS * 1500,
+                                            s["end_time_unix_nano"] - MS * 500))
     in_slow_call = [(r["phase"], r["span"]["server"], r["span"]["name"]) for t, v in poller.views
                     for r in v["rollouts"]
                     if any(low <= t <= high for low, high in slow_windows.get(r["trace_id"], []))]
