@@ -13,6 +13,7 @@ use serde_json::{Map, Value, json};
 
 use super::{ExportTotals, SpanSink};
 use crate::export::status::{ExportStatus, SpanDrop};
+use crate::model::ids::hex;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanRecord;
 
@@ -51,16 +52,6 @@ impl SpanSink for JsonLinesSink {
             tree: None,
         }
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut text = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        text.push(DIGITS[(byte >> 4) as usize] as char);
-        text.push(DIGITS[(byte & 0xf) as usize] as char);
-    }
-    text
 }
 
 impl serde::Serialize for AttributeValue {

@@ -398,7 +398,7 @@ fn write_phases(text: &mut String, span: &SpanRecord) {
     if !first {
         text.push_str(" ms)");
     }
-    if let Some(AttributeValue::Bool(true)) = attribute(span, crate::insight::rollouts::STRAGGLER) {
+    if let Some(AttributeValue::Bool(true)) = attribute(span, attr::GYM_ROLLOUT_STRAGGLER) {
         text.push_str("  STRAGGLER");
     }
 }

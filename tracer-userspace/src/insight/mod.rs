@@ -18,10 +18,11 @@ use crate::gym::ServerType;
 use crate::gym::routes::strip_rollout_prefix;
 use crate::model::counters::counters;
 use crate::model::exchange::{RequestStart, Role};
-use crate::model::ids::{SpanId, TraceId};
+use crate::model::ids::{SpanId, TraceId, hex};
 use crate::model::rollout::{Phase, RolloutSummary};
 use crate::model::service::ServiceIdentity;
-use crate::model::span::SpanRecord;
+use crate::model::span::{SpanRecord, Text};
+use crate::signals::spans::client_span_name;
 use crate::stitch::Stitcher;
 use critical_path::SpanClass;
 use phases::Context;
@@ -64,7 +65,7 @@ struct LiveRequest {
     pid: u32,
     role: Role,
     /// Server: `POST /verify` (the rollout prefix stripped); call: `HTTP POST`.
-    name: Box<str>,
+    name: Text,
     verify: bool,
     peer: Option<SocketAddr>,
     started: Instant,
@@ -109,16 +110,17 @@ impl Insight {
             return;
         }
         let route = strip_rollout_prefix(&start.path).route_path;
+        // A call's name is shared (`HTTP POST`); a served request's is its own.
         let name = match start.role {
-            Role::Server => format!("{} {route}", start.method),
-            Role::Client => format!("HTTP {}", start.method),
+            Role::Server => Text::Owned(format!("{} {route}", start.method)),
+            Role::Client => client_span_name(&start.method),
         };
         self.requests.insert(
             start.span_id,
             LiveRequest {
                 pid: start.pid,
                 role: start.role,
-                name: name.into(),
+                name,
                 verify: start.role == Role::Server && route == "/verify",
                 peer: start.peer,
                 started: now,
@@ -153,7 +155,7 @@ impl Insight {
         &mut self,
         batch: &mut Vec<SpanRecord>,
         server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
-        earliest_held: Option<u64>,
+        earliest_held: impl FnOnce() -> Option<u64>,
     ) {
         let first = self.finished.len();
         self.rollouts
@@ -268,7 +270,7 @@ impl Insight {
         });
         LiveRollout {
             rollout_id: stitcher.rollout_of(id).map(|id| id.as_str().to_owned()),
-            trace_id: hex_trace(trace),
+            trace_id: hex(&trace.0),
             agent,
             elapsed_s: elapsed.as_secs_f64(),
             phase: phase.as_str().to_owned(),
@@ -324,10 +326,6 @@ fn phase_now(
     }
 }
 
-fn hex_trace(trace: TraceId) -> String {
-    trace.0.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,7 +335,7 @@ mod tests {
         LiveRequest {
             pid,
             role,
-            name: name.into(),
+            name: name.to_owned().into(),
             verify: name == "POST /verify",
             peer: Some(loopback(peer)),
             started: Instant::now(),

@@ -14,7 +14,7 @@ use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
-use crate::model::rollout::{Phase, RolloutSummary};
+use crate::model::rollout::RolloutSummary;
 use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, Text};
 use crate::stitch::rollout_trace_id;
@@ -37,9 +37,6 @@ pub const STRAGGLER_FACTOR: u64 = 3;
 pub const STRAGGLER_MIN_COMPLETED: u64 = 20;
 
 pub const GYM_ROLLOUT: &str = "gym.rollout";
-pub const MODEL_CALLS: &str = "gym.rollout.model_calls";
-pub const TOOL_CALLS: &str = "gym.rollout.tool_calls";
-pub const STRAGGLER: &str = "gym.rollout.straggler";
 
 /// What is kept of a span of a running rollout.
 #[derive(Clone, Debug)]
@@ -86,8 +83,7 @@ pub struct Rollouts {
 }
 
 impl Rollouts {
-    /// Whether `gym.rollout` spans are kept back (the driver then asks the stitcher for
-    /// [`earliest_held`](Self::observe)).
+    /// Whether `gym.rollout` spans are kept back.
     pub fn waiting(&self) -> bool {
         !self.waiting.is_empty()
     }
@@ -95,12 +91,13 @@ impl Rollouts {
     /// Looks at one batch of released spans: gathers those of rollouts and keeps their
     /// `gym.rollout` spans back (taken out of `batch`); then completes every kept rollout
     /// that ended before `earliest_held` (the earliest start of a span the stitcher still
-    /// holds; `None`: it holds none) and puts its span, with its attributes, into `batch`.
+    /// holds; `None`: it holds none; asked only while a rollout waits) and puts its span,
+    /// with its attributes, into `batch`.
     pub fn observe(
         &mut self,
         batch: &mut Vec<SpanRecord>,
         server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
-        earliest_held: Option<u64>,
+        earliest_held: impl FnOnce() -> Option<u64>,
         done: &mut Vec<RolloutSummary>,
     ) {
         let mut ends = Vec::new();
@@ -138,6 +135,10 @@ impl Rollouts {
             }
             self.waiting.push_back((span, run));
         }
+        if self.waiting.is_empty() {
+            return;
+        }
+        let earliest_held = earliest_held();
         let mut still = VecDeque::with_capacity(self.waiting.len());
         while let Some(entry) = self.waiting.pop_front() {
             if earliest_held.is_some_and(|start| start < entry.0.end_unix_ns) {
@@ -173,7 +174,13 @@ impl Rollouts {
             self.remember_ended(span.span_id);
             return;
         }
-        let mut rollout = false;
+        let carries_rollout = span
+            .attributes
+            .iter()
+            .any(|(key, _)| *key == attr::GYM_ROLLOUT_ID);
+        if !carries_rollout && !self.run_traces.contains(&span.trace_id) {
+            return; // not part of a rollout: nothing here is asked of it
+        }
         let mut gathered = Gathered {
             span_id: span.span_id,
             parent: span.parent_span_id,
@@ -190,7 +197,6 @@ impl Rollouts {
         };
         for (key, value) in &span.attributes {
             match (*key, value) {
-                (attr::GYM_ROLLOUT_ID, _) => rollout = true,
                 (attr::HTTP_ROUTE, AttributeValue::Str(route)) if span.kind == SpanKind::Server => {
                     gathered.verify |= route.as_str() == "/verify";
                     gathered.route = Some(route.clone());
@@ -204,9 +210,6 @@ impl Rollouts {
                 }
                 _ => {}
             }
-        }
-        if !rollout && !self.run_traces.contains(&span.trace_id) {
-            return; // not part of a rollout: nothing here is asked of it
         }
         while self.gathered >= MAX_GATHERED_SPANS {
             let Some(oldest) = self.order.pop_front() else {
@@ -240,16 +243,7 @@ impl Rollouts {
             self.put_back(trace, spans);
             return None;
         };
-        let (tree, members) = subtree(&spans, root);
-        let mut path_spans = tree;
-        for (position, &member) in members.iter().enumerate() {
-            // A call answered by a traced server here is the traced end's to explain.
-            let callee_here = path_spans[position]
-                .children
-                .iter()
-                .any(|&child| spans[members[child]].kind == SpanKind::Server);
-            path_spans[position].class = class_of(&spans[member], callee_here);
-        }
+        let (path_spans, members) = subtree(&spans, root);
         let phases = phases(&path_spans, 0);
         let counts = counts(&spans, &members, &path_spans);
         let duration_ns = rollout_span
@@ -275,8 +269,14 @@ impl Rollouts {
         for (phase, ms) in phases.whole_ms() {
             attributes.push((phase.attribute(), AttributeValue::Int(ms as i64)));
         }
-        attributes.push((MODEL_CALLS, AttributeValue::Int(counts.model_calls)));
-        attributes.push((TOOL_CALLS, AttributeValue::Int(counts.tool_calls)));
+        attributes.push((
+            attr::GYM_ROLLOUT_MODEL_CALLS,
+            AttributeValue::Int(counts.model_calls),
+        ));
+        attributes.push((
+            attr::GYM_ROLLOUT_TOOL_CALLS,
+            AttributeValue::Int(counts.tool_calls),
+        ));
         if let Some(tokens) = counts.input_tokens {
             attributes.push((attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(tokens)));
         }
@@ -288,7 +288,7 @@ impl Rollouts {
         }
         if straggler {
             self.counters.rollout_stragglers += 1;
-            attributes.push((STRAGGLER, AttributeValue::Bool(true)));
+            attributes.push((attr::GYM_ROLLOUT_STRAGGLER, AttributeValue::Bool(true)));
         }
         for &member in &members {
             self.remember_ended(spans[member].span_id);
@@ -378,6 +378,7 @@ impl Rollouts {
         (model, tools)
     }
 
+    #[cfg(test)]
     pub fn gathered(&self) -> usize {
         self.gathered
     }
@@ -392,36 +393,34 @@ fn subtree(spans: &[Gathered], root: usize) -> (Vec<PathSpan>, Vec<usize>) {
             children.entry(parent).or_default().push(index);
         }
     }
-    let mut members = vec![root];
-    let mut tree = vec![PathSpan {
-        start_ns: spans[root].start_ns,
-        end_ns: spans[root].end_ns,
-        class: SpanClass::Agent,
+    let path_span = |span: &Gathered| PathSpan {
+        start_ns: span.start_ns,
+        end_ns: span.end_ns,
+        class: class_of(span),
         children: Vec::new(),
-    }];
+    };
+    let mut members = vec![root];
+    let mut tree = vec![path_span(&spans[root])];
     let mut next = 0;
     while next < members.len() && members.len() <= spans.len() {
         let id = spans[members[next]].span_id;
         for &child in children.get(&id).map_or(&[][..], Vec::as_slice) {
             tree[next].children.push(members.len());
             members.push(child);
-            tree.push(PathSpan {
-                start_ns: spans[child].start_ns,
-                end_ns: spans[child].end_ns,
-                class: SpanClass::Agent,
-                children: Vec::new(),
-            });
+            tree.push(path_span(&spans[child]));
         }
         next += 1;
     }
     (tree, members)
 }
 
-fn class_of(span: &Gathered, callee_here: bool) -> SpanClass {
+/// A call whose SERVER span is below it is known traced by the walk itself
+/// ([`critical_path`](super::critical_path)): `peer.service` says so for the others.
+fn class_of(span: &Gathered) -> SpanClass {
     match (span.kind, span.server_type) {
         (_, Some(ServerType::Model)) => SpanClass::Model,
         (SpanKind::Client, _) => SpanClass::Call {
-            callee_traced: span.peer_traced || callee_here,
+            callee_traced: span.peer_traced,
         },
         (_, Some(ServerType::Resources)) => SpanClass::Resources {
             verify: span.verify,
@@ -508,17 +507,13 @@ pub fn agent_key(service: &ServiceIdentity) -> String {
         .map_or_else(|| format!("pid {}", service.pid), str::to_owned)
 }
 
-/// `gym.rollout.phase.*` as the phases' attributes; for the reference.
-pub fn phase_attributes() -> [&'static str; 6] {
-    Phase::ALL.map(Phase::attribute)
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
     use crate::gym::ServerKind;
+    use crate::model::rollout::Phase;
     use crate::model::service::GymLabels;
 
     const MS: u64 = 1_000_000;
@@ -584,7 +579,7 @@ mod tests {
                 (0, 1000),
             ),
         ];
-        rollouts.observe(&mut batch, &types, Some(100 * MS), &mut done);
+        rollouts.observe(&mut batch, &types, || Some(100 * MS), &mut done);
         assert!(batch.is_empty() && done.is_empty(), "kept back: {batch:?}");
 
         let mut call = span(
@@ -606,7 +601,7 @@ mod tests {
                 (150, 850),
             ),
         ];
-        rollouts.observe(&mut batch, &types, None, &mut done);
+        rollouts.observe(&mut batch, &types, || None, &mut done);
         let names: Vec<&str> = batch.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(
             names,
@@ -617,8 +612,8 @@ mod tests {
         assert_eq!(phase(Phase::Model), Some(700));
         assert_eq!(phase(Phase::Queue), Some(100));
         assert_eq!(phase(Phase::Agent), Some(200));
-        assert_eq!(int(rollout, MODEL_CALLS), Some(1));
-        assert_eq!(int(rollout, TOOL_CALLS), Some(0));
+        assert_eq!(int(rollout, attr::GYM_ROLLOUT_MODEL_CALLS), Some(1));
+        assert_eq!(int(rollout, attr::GYM_ROLLOUT_TOOL_CALLS), Some(0));
         assert_eq!(int(rollout, attr::GEN_AI_USAGE_INPUT_TOKENS), Some(42));
         assert_eq!(int(rollout, attr::GEN_AI_USAGE_OUTPUT_TOKENS), None);
         assert_eq!(done.len(), 1);
@@ -633,7 +628,7 @@ mod tests {
             (5, Some(4)),
             (200, 800),
         )];
-        rollouts.observe(&mut late, &types, None, &mut done);
+        rollouts.observe(&mut late, &types, || None, &mut done);
         let counters = rollouts.counters;
         assert_eq!(
             (

@@ -67,6 +67,10 @@ pub const TOOL_NAME: &str = "tool.name";
 
 // Gym (`nemo_gym` / nemo-lens).
 pub const GYM_ROLLOUT_ID: &str = "nemo.gym.rollout.id";
+/// What the insight stage adds to a `gym.rollout` span (besides its phases).
+pub const GYM_ROLLOUT_MODEL_CALLS: &str = "gym.rollout.model_calls";
+pub const GYM_ROLLOUT_TOOL_CALLS: &str = "gym.rollout.tool_calls";
+pub const GYM_ROLLOUT_STRAGGLER: &str = "gym.rollout.straggler";
 pub const GYM_SERVER_NAME: &str = "nemo.gym.server.name";
 pub const GYM_SERVER_TYPE: &str = "nemo.gym.server.type";
 pub const GYM_SERVICE_GROUP: &str = "nemo.gym.service_group";

@@ -23,6 +23,17 @@ fn random_id<const N: usize>() -> [u8; N] {
     })
 }
 
+/// Lower-case hex, as OTLP/JSON and W3C `traceparent` write ids.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        text.push(DIGITS[(byte >> 4) as usize] as char);
+        text.push(DIGITS[(byte & 0xf) as usize] as char);
+    }
+    text
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TraceId(pub [u8; 16]);
 

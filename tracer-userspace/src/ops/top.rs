@@ -279,6 +279,12 @@ fn columns<const N: usize>(header: &[&str; N], rows: Vec<[String; N]>) -> String
     text
 }
 
+/// The width of a column: its widest cell, or its header.
+fn column_width<'a>(header: &str, cells: impl Iterator<Item = &'a str>) -> u16 {
+    let widest = cells.map(|cell| cell.chars().count()).max().unwrap_or(0);
+    u16::try_from(widest.max(header.len())).unwrap_or(u16::MAX)
+}
+
 fn draw(frame: &mut ratatui::Frame<'_>, url: &str, view: &RolloutsView, error: Option<&str>) {
     let server_rows = view.servers.len() as u16 + 3;
     let [top, rollouts, servers, bottom] = Layout::vertical([
@@ -302,18 +308,15 @@ fn draw(frame: &mut ratatui::Frame<'_>, url: &str, view: &RolloutsView, error: O
             Row::new(rollout_cells(rollout).map(Cell::from)).style(style)
         })
         .collect();
-    let agent_width = view
-        .rollouts
-        .iter()
-        .map(|rollout| rollout.agent.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max(ROLLOUT_HEADER[1].len()) as u16;
+    let agent_width = column_width(
+        ROLLOUT_HEADER[1],
+        view.rollouts.iter().map(|r| r.agent.as_str()),
+    );
     let rollout_table = Table::new(
         rollout_rows,
         [
             Constraint::Length(14),
-            Constraint::Length(agent_width + 1),
+            Constraint::Length(agent_width.saturating_add(1)),
             Constraint::Length(9),
             Constraint::Length(9),
             Constraint::Min(30),
@@ -339,17 +342,14 @@ fn draw(frame: &mut ratatui::Frame<'_>, url: &str, view: &RolloutsView, error: O
             Row::new(server_cells(server).map(Cell::from)).style(style)
         })
         .collect();
-    let name_width = view
-        .servers
-        .iter()
-        .map(|server| server.name.chars().count())
-        .max()
-        .unwrap_or(0)
-        .max(SERVER_HEADER[0].len()) as u16;
+    let name_width = column_width(
+        SERVER_HEADER[0],
+        view.servers.iter().map(|s| s.name.as_str()),
+    );
     let server_table = Table::new(
         server_table_rows,
         [
-            Constraint::Length(name_width + 1),
+            Constraint::Length(name_width.saturating_add(1)),
             Constraint::Length(10),
             Constraint::Length(8),
             Constraint::Length(10),

@@ -355,13 +355,11 @@ impl<M: RequestMetrics> Pipeline<M> {
                 .or_else(|| service.labels.server_kind.as_ref()?.known())
         };
         // A rollout is read whole once no span that could be below it is still held.
-        let earliest_held = if self.insight.waiting() || !self.output.released.is_empty() {
-            self.stitcher.earliest_held_start()
-        } else {
-            None
-        };
+        let stitcher = &self.stitcher;
         self.insight
-            .observe(&mut self.output.released, &server_type, earliest_held);
+            .observe(&mut self.output.released, &server_type, || {
+                stitcher.earliest_held_start()
+            });
         for summary in self.insight.finished.drain(..) {
             self.metrics.record_rollout(&summary);
         }

@@ -167,7 +167,7 @@ fn client_span(
 }
 
 /// `HTTP {method}`, as Gym names a CLIENT span; shared for the registered methods.
-fn client_span_name(method: &str) -> Text {
+pub(crate) fn client_span_name(method: &str) -> Text {
     const NAMES: [&str; 9] = [
         "HTTP GET",
         "HTTP POST",
