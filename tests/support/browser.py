@@ -20,15 +20,19 @@ import websockets
 @dataclass
 class Rendered:
     """What the page showed: the texts still missing at the deadline (none: all shown), the
-    page's text then, and how long it took."""
+    page's text then, and how long it took; the value of `evaluate` then (if given), and the
+    console's errors and the page's uncaught exceptions."""
     missing: list
     text: str
     seconds: float
+    value: object = None
+    errors: list = None
 
 
 class _DevTools:
     def __init__(self, socket):
         self.socket, self.next_id, self.pending = socket, 0, {}
+        self.errors = []
 
     async def read(self):
         async for message in self.socket:
@@ -36,6 +40,19 @@ class _DevTools:
             future = self.pending.pop(message.get("id"), None)
             if future is not None:
                 future.set_result(message)
+            self._note_error(message)
+
+    def _note_error(self, message):
+        """Console errors, failed loads and uncaught exceptions, as a person opening the
+        console would see them."""
+        method, params = message.get("method"), message.get("params", {})
+        if method == "Runtime.exceptionThrown":
+            self.errors.append(f"exception: {params.get('exceptionDetails', {}).get('text')}")
+        elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+            self.errors.append(f"console.{params['type']}: {[a.get('value') for a in params.get('args', [])]}")
+        elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
+            entry = params["entry"]
+            self.errors.append(f"log: {entry.get('text')} {entry.get('url', '')}")
 
     async def call(self, method, params=None, session=None):
         self.next_id += 1
@@ -51,7 +68,7 @@ class _DevTools:
         return reply["result"]
 
 
-async def _render(url, texts, screenshot, timeout, width, height):
+async def _render(url, texts, screenshot, timeout, width, height, evaluate=None):
     profile = tempfile.mkdtemp(prefix="gym-tracer-chromium-")
     browser = subprocess.Popen(
         ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
@@ -74,6 +91,8 @@ async def _render(url, texts, screenshot, timeout, width, height):
             await devtools.call("Emulation.setDeviceMetricsOverride",
                                 {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session)
             await devtools.call("Page.enable", {}, session)
+            await devtools.call("Runtime.enable", {}, session)
+            await devtools.call("Log.enable", {}, session)
             opened = time.monotonic()
             await devtools.call("Page.navigate", {"url": url}, session)
             missing, text = list(texts), ""
@@ -84,6 +103,11 @@ async def _render(url, texts, screenshot, timeout, width, height):
                 text = result["result"].get("value") or ""
                 missing = [t for t in texts if t not in text]
             seconds = time.monotonic() - opened
+            value = None
+            if evaluate:
+                result = await devtools.call("Runtime.evaluate", {"expression": evaluate, "returnByValue": True},
+                                             session)
+                value = result["result"].get("value")
             await asyncio.sleep(0.5)  # let the layout settle before the picture
             shot = await devtools.call("Page.captureScreenshot", {"format": "png"}, session)
             with open(screenshot, "wb") as out:
@@ -93,7 +117,7 @@ async def _render(url, texts, screenshot, timeout, width, height):
             except (RuntimeError, asyncio.TimeoutError, websockets.ConnectionClosed):
                 pass
             reader.cancel()
-            return Rendered(missing, text, seconds)
+            return Rendered(missing, text, seconds, value, list(devtools.errors))
     finally:
         try:
             browser.wait(10)
@@ -103,7 +127,8 @@ async def _render(url, texts, screenshot, timeout, width, height):
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def render(url, texts, screenshot, timeout=60, width=1600, height=1000):
+def render(url, texts, screenshot, timeout=60, width=1600, height=1000, evaluate=None):
     """Opens `url`, waits up to `timeout` s until every one of `texts` is shown, saves a PNG
-    screenshot to `screenshot` (whatever was shown then) and says what was missing."""
-    return asyncio.run(_render(url, list(texts), str(screenshot), timeout, width, height))
+    screenshot to `screenshot` (whatever was shown then) and says what was missing; evaluates
+    the JavaScript expression `evaluate` in the page then, if given."""
+    return asyncio.run(_render(url, list(texts), str(screenshot), timeout, width, height, evaluate))

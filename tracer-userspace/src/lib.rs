@@ -27,6 +27,8 @@
 //!   (`gym.rollout.phase.*`), stragglers, the servers' queueing and load, the live view
 //!   (`GET /rollouts`, `gym-tracer top`).
 //! - `export`: sinks behind one trait (JSON lines, trees, OTLP with retries).
+//! - [`report`]: after the run (or from its JSON output): one HTML page about a batch of
+//!   rollouts, its charts drawn as SVG.
 //! - [`pipeline`]: the one pure core that drives the stages per record; the agent and the
 //!   fuzz target ([`pipeline::replay`]) both drive it.
 //! - [`agent`]: the running agent — kernel and exporters around the core, process lifecycle.
@@ -46,6 +48,7 @@ mod stitch;
 mod signals;
 pub mod insight;
 mod export;
+pub mod report;
 
 pub mod pipeline;
 pub mod agent;

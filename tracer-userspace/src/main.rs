@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use gym_tracer::config::cli::{self, Command};
 use gym_tracer::ops::{doctor, logging, reference, top};
-use gym_tracer::{agent, config};
+use gym_tracer::{agent, config, report};
 
 fn main() -> ExitCode {
     let loaded = match config::load() {
@@ -22,6 +22,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => doctor::run(args),
         Command::Reference(args) => reference::run(args).map(|()| true),
         Command::Top(args) => top::run(args),
+        Command::Report(args) => report::run(args),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -40,6 +40,14 @@ message and the policy's answer, arena_judge sends the policy's answer, which re
 row's `expected_answer` (equivalence) or `question` / `baseline_answer` (arena) reach the judge
 too. Without LOSE: reward 1.0.
 
+Failures, with no usage, for a test to put in one rollout's prompt (`RealGymRun.rollout_body(
+fail="judge" | "policy")`): a judge call whose judged text holds FAIL_JUDGE
+(`[canned-judge:fail]`; the policy repeats it, as LOSE) is answered 500 (log kind
+`judge_failed`): the judge model server fails, and Gym's `judge_failsafe` makes the rollout's
+`/verify` answer 200 with reward 0.0 and failure_kind `judge_failed`. A policy call (no judge
+labels) whose input holds FAIL_POLICY (`[canned-policy:fail]`) is answered 500 (kind
+`policy_failed`): the agent's `/run` fails.
+
 `--delay-s S` sleeps S seconds before answering every request (streamed or not, any path, but
 not `/_canned/*`), as a model that takes its time, in the connection's thread: requests on other
 connections are not held up. `--slow-every N --slow-extra-s E` makes every Nth request (by its
@@ -98,6 +106,10 @@ STREAM_EVENT_GAP_S = 0.005
 
 # The verdict marker: a judged text holding it is judged against the policy's answer.
 LOSE = "[canned-judge:lose]"
+# The failure markers: a judge call about a text holding the first, a policy call whose input
+# holds the second, are answered 500.
+FAIL_JUDGE = "[canned-judge:fail]"
+FAIL_POLICY = "[canned-policy:fail]"
 # The policy's answer where no tool is offered: a plausible final answer (boxed, as
 # equivalence_llm_judge's prompts ask).
 POLICY_ANSWER = "Here is my answer, reasoned step by step: the final answer is \\boxed{42}."
@@ -220,10 +232,14 @@ def responses_reply(body, n, labels=JUDGE_LABELS):
     items = body.get("input")
     text = _texts(items)
     if all(label in text for label in labels):
+        if FAIL_JUDGE in text:
+            return None, "judge_failed", None
         label, verdict = equivalence_verdict(text, labels)
         return _response([_message(n, verdict)], f"resp_canned_{n}", n), "judge", label
+    if FAIL_POLICY in text:
+        return None, "policy_failed", None
     if not body.get("tools"):
-        answer = POLICY_ANSWER + (" " + LOSE if LOSE in text else "")
+        answer = POLICY_ANSWER + "".join(" " + marker for marker in (LOSE, FAIL_JUDGE) if marker in text)
         return _response([_message(n, answer)], f"resp_canned_{n}", n), "policy", None
     answered = isinstance(items, list) and any(
         isinstance(item, dict) and item.get("type") == "function_call_output" for item in items
@@ -510,6 +526,10 @@ class Handler(BaseHTTPRequestHandler):
                 self._answer(entry, "policy")
                 return self._stream([(name, json.dumps(data)) for name, data in responses_events(n)])
             reply, kind, verdict = responses_reply(body, n, self.judge_labels)
+            if reply is None:
+                entry["usage"] = None
+                self._answer(entry, kind, verdict)
+                return self._send(500, {"error": {"message": f"the canned upstream fails this call ({kind})", "n": n}})
             self._answer(entry, kind, verdict)
             return self._send(200, reply)
         if self.path == "/v1/chat/completions":

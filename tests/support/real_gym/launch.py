@@ -105,7 +105,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import free_ports  # noqa: E402
 from real_gym import drive  # noqa: E402
-from real_gym.canned_upstream import JUDGE_LABELS, LOSE  # noqa: E402
+from real_gym.canned_upstream import FAIL_JUDGE, FAIL_POLICY, JUDGE_LABELS, LOSE  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -648,7 +648,7 @@ class RealGymRun:
         return json.loads(lines[index])
 
     def rollout_body(self, task_index=0, rollout_index=0, attempt_index=None, *, row_index=None, pad_to=None,
-                     prompt_suffix=None, lose=False):
+                     prompt_suffix=None, lose=False, fail=None):
         """A flat row as rollout collection posts it to /run.
 
         row_index: the example row (default: task_index; example_single_tool_call's file has 5
@@ -657,6 +657,9 @@ class RealGymRun:
         model server sends on to its upstream (e.g. a canary the tracer must never export).
         lose: append " " + LOSE to that message too, so the canned upstream's judge decides
         against this rollout (reward 0.0 in equivalence_llm_judge and arena_judge).
+        fail: "judge" or "policy": append FAIL_JUDGE or FAIL_POLICY to that message, so the
+        canned upstream answers its judge call (Gym's judge_failsafe: /verify answers 200,
+        reward 0.0, failure_kind judge_failed) or its policy call (the /run fails) 500.
         pad_to: lengthen the row's first input message (its developer prompt, as the long
         system prompts of example_multi_step's ~11 KB rows) until the JSON body is `pad_to`
         bytes; the `_ng_*` fields stay last, so they are only in the body's tail."""
@@ -672,6 +675,9 @@ class RealGymRun:
         if lose:
             last = body["responses_create_params"]["input"][-1]
             last["content"] = last["content"] + " " + LOSE
+        if fail:
+            last = body["responses_create_params"]["input"][-1]
+            last["content"] = last["content"] + " " + {"judge": FAIL_JUDGE, "policy": FAIL_POLICY}[fail]
         if pad_to:
             first = body["responses_create_params"]["input"][0]
             missing = pad_to - len(json.dumps(body).encode())
@@ -691,13 +697,16 @@ class RealGymRun:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"/run answered {e.code}: {e.read()[:2000]!r}\n{self.logs()}") from e
 
-    def drive_rollouts(self, n, concurrency=None, *, lose=None, timeout=600, rollout_offset=0, **body_options):
+    def drive_rollouts(self, n, concurrency=None, *, lose=None, fail=None, timeout=600, rollout_offset=0,
+                       **body_options):
         """`n` rollouts at the agent's /run, `concurrency` in flight at once (default: all n),
         from aiohttp (drive.py). Rollout i is row i % rows of the example data, task index
         i % rows, rollout index rollout_offset + i // rows.
         lose: which rollouts the upstream's judge decides against (`rollout_body(lose=True)`):
         None (none), an int k (every k-th: i % k == k - 1) or a function (task index, rollout
-        index) -> bool. `body_options` go to `rollout_body` (pad_to, prompt_suffix).
+        index) -> bool. fail: a function (task index, rollout index) -> None, "judge" or
+        "policy": the call of the rollout the upstream fails (`rollout_body(fail=...)`).
+        `body_options` go to `rollout_body` (pad_to, prompt_suffix).
         Returns one dict per rollout, in order (drive.py `result`), plus `lose` (bool),
         `decided` ("win"/"lose" for a judge environment, else None) and `expected_reward`
         (what the canned upstream's rule makes of it, where this module knows: 1.0/0.0 for
@@ -711,11 +720,13 @@ class RealGymRun:
                 lost = bool(lose(task, rollout))
             else:
                 lost = bool(lose) and i % int(lose) == int(lose) - 1
-            body = self.rollout_body(task, rollout, row_index=task, lose=lost, **body_options)
+            failing = fail(task, rollout) if fail else None
+            body = self.rollout_body(task, rollout, row_index=task, lose=lost, fail=failing, **body_options)
             decided = ("lose" if lost else "win") if judged else None
             expected = (0.0 if lost else 1.0) if judged else (1.0 if not self.from_package else None)
             meta = {"task_index": task, "rollout_index": rollout, "lose": lost, "decided": decided,
-                    "expected_reward": expected}
+                    "expected_reward": 0.0 if failing == "judge" else None if failing else expected,
+                    "fail": failing}
             return meta, json.dumps(body).encode()
 
         return drive.drive_rollouts(self.urls[self.agent] + "/run", item, n, concurrency or n, timeout=timeout,

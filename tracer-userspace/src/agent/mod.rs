@@ -30,6 +30,7 @@ use crate::ops::health::{Gauges, Health};
 use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
 use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
+use crate::report::RunReport;
 use crate::signals::metrics::Metrics;
 use crate::stitch::GroupKey;
 use crate::stitch::StitchConfig;
@@ -84,6 +85,8 @@ struct Agent {
     loop_sampler: LoopSampler,
     /// `--health-listen` is on: the live view is made for `GET /rollouts`.
     health_listening: bool,
+    /// `--report`: what is exported, kept for the batch report written at exit.
+    report: Option<RunReport>,
 }
 
 /// Runs on the caller's current-thread runtime; `exporters` is the runtime everything that
@@ -161,6 +164,10 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         task_lineage: TaskLineages::new(lineage_mode(&args).unwrap_or(TaskLineageMode::Off)),
         loop_sampler: LoopSampler::new(PathBuf::from("/proc")),
         health_listening: args.health_listen.is_some(),
+        report: args
+            .report
+            .clone()
+            .map(|path| RunReport::new(path, args.report_trace_url.clone())),
     };
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -318,9 +325,7 @@ impl Agent {
     /// processes to stop following to the kernel.
     fn apply_output(&mut self, probes: &mut LoadedProbes) {
         self.pipeline.observe_released();
-        let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
-        self.counters.spans_queued += queued as u64;
-        self.counters.spans_dropped_queue_full += dropped as u64;
+        self.offer_released();
         for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
             probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
@@ -570,6 +575,11 @@ impl Agent {
             if let Some(share) = self.loop_sampler.sample(pid, now) {
                 utilization.insert(pid, share);
                 self.pipeline.set_loop_utilization(pid, share);
+                if let (Some(report), Some(process)) =
+                    (&mut self.report, self.pipeline.processes.get(pid))
+                {
+                    report.add_loop_load(&process.identity, share);
+                }
             }
         }
         self.loop_sampler.retain(|pid| traced.contains(&pid));
@@ -589,10 +599,18 @@ impl Agent {
         self.drain(ring.get_mut());
         self.pipeline.release_all();
         self.pipeline.observe_released();
+        self.offer_released();
+        self.snapshot(kernel)
+    }
+
+    /// Released spans to the exporters (and to the report's copy).
+    fn offer_released(&mut self) {
+        if let Some(report) = &mut self.report {
+            report.add_spans(&self.pipeline.output.released);
+        }
         let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
-        self.snapshot(kernel)
     }
 
     /// Flushes spans and metrics (side by side, each within --shutdown-timeout; the agent's
@@ -610,6 +628,7 @@ impl Agent {
             pipeline,
             spans,
             health,
+            report,
             ..
         } = self;
         let metrics = pipeline.into_metrics();
@@ -657,6 +676,10 @@ impl Agent {
         tracing::info!("stopped. {}", line.join(" "));
         if let Some(path) = &args.summary_file {
             write_summary(path, &counters, &snapshot.events_lost_by_cpu)?;
+        }
+        if let Some(report) = report {
+            // Last: a page that cannot be written fails the run after everything else.
+            tracing::info!("{}", report.finish()?);
         }
         Ok(())
     }

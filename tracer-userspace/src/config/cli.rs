@@ -99,6 +99,12 @@ pub enum Command {
     /// `--health-listen` (`GET /rollouts`), refreshed every second; `q` quits. Without a
     /// terminal (or with --once) prints one plain snapshot.
     Top(TopArgs),
+    /// Write one self-contained HTML page about a batch of rollouts (figures, duration
+    /// histogram, where the time went, rollouts in flight, queueing and event-loop load per
+    /// server, the slowest rollouts' critical paths, failures) from the agent's JSON-lines
+    /// output (`--output json`; several files, e.g. one per host, are merged). Lines that
+    /// are not the agent's are counted and skipped.
+    Report(ReportArgs),
     /// Print the configuration and span/metric reference as Markdown (the README's
     /// reference sections are generated from it).
     #[command(hide = true)]
@@ -111,6 +117,34 @@ pub struct ReferenceArgs {
     /// instead of printing.
     #[arg(long, value_name = "FILE")]
     pub update: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The agent's JSON-lines output (`gym-tracer run --output json > spans.jsonl`): spans
+    /// and metric points; several files merge (a span in two of them counts once).
+    #[arg(value_name = "INPUT", required = true)]
+    pub inputs: Vec<PathBuf>,
+    /// The page to write.
+    #[arg(short, long, value_name = "FILE", default_value = "report.html")]
+    pub output: PathBuf,
+    /// How many of the slowest rollouts get a timeline of their critical path.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    pub slowest: usize,
+    /// Link each slow rollout's trace id to this trace UI address, `{trace_id}` replaced
+    /// (e.g. `http://jaeger:16686/trace/{trace_id}`).
+    #[arg(long, value_name = "URL", value_parser = parse_trace_url)]
+    pub trace_url: Option<String>,
+}
+
+fn parse_trace_url(url: &str) -> Result<String, String> {
+    if url.contains("{trace_id}") {
+        Ok(url.to_owned())
+    } else {
+        Err(format!(
+            "{url:?} has no {{trace_id}} for the trace id to go in (e.g. http://jaeger:16686/trace/{{trace_id}})"
+        ))
+    }
 }
 
 #[derive(Debug, Args)]
@@ -347,6 +381,19 @@ pub struct RunArgs {
     /// The same names as the `stopped.` log line and `/metrics`; for scripts and tests.
     #[arg(long, value_name = "PATH", env = "GYM_TRACER_SUMMARY_FILE")]
     pub summary_file: Option<PathBuf>,
+
+    /// At exit, write the batch report of what this run traced to this HTML file (what
+    /// `gym-tracer report` makes from the JSON output, with the event-loop load sampled every
+    /// second). Keeps a copy of each exported span's key fields (about 300 bytes; at most
+    /// 1,048,576 spans, ~300 MB, the rest counted on the page).
+    #[arg(long, value_name = "FILE", env = "GYM_TRACER_REPORT")]
+    pub report: Option<PathBuf>,
+
+    /// With --report: link each slow rollout's trace id to this trace UI address,
+    /// `{trace_id}` replaced (e.g. `http://jaeger:16686/trace/{trace_id}`).
+    #[arg(long, value_name = "URL", env = "GYM_TRACER_REPORT_TRACE_URL",
+          value_parser = parse_trace_url)]
+    pub report_trace_url: Option<String>,
 
     /// Bytes captured from the start of each HTTP message (head and first body bytes).
     /// Larger bodies are followed by length only. At most 8192.

@@ -346,6 +346,8 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("tls_probe_scope", Some(value_name(&args.tls_probe_scope))),
         ("ready_file", path(&args.ready_file)),
         ("summary_file", path(&args.summary_file)),
+        ("report", path(&args.report)),
+        ("report_trace_url", shown(&args.report_trace_url)),
         ("capture_bytes", Some(args.capture_bytes.to_string())),
         (
             "ring_buffer_bytes",

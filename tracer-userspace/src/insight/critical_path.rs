@@ -5,10 +5,13 @@
 //! rollout's calls run one at a time this is, at each instant, the deepest span active; of
 //! parallel calls, the one that finished later holds the path.
 //!
-//! Pure: spans in, nanoseconds per [`Phase`] out; the sum is the root's duration exactly.
+//! Pure: spans in, nanoseconds per [`Phase`] out (or the path itself, for the batch report's
+//! timelines); the sum is the root's duration exactly.
 
 use super::phases::Context;
+use crate::gym::ServerType;
 use crate::model::rollout::{Phase, PhaseNs};
+use crate::model::span::SpanKind;
 
 /// What the walk needs of one span of the rollout.
 #[derive(Clone, Debug)]
@@ -34,14 +37,62 @@ pub enum SpanClass {
     Call { callee_traced: bool },
 }
 
+impl SpanClass {
+    /// The class of a span of `kind` exported for a server of `server_type`; `verify` when it
+    /// is `/verify`'s SERVER span or `gym.verify`, `peer_traced` when a call's `peer.service`
+    /// names a traced server. (A call whose SERVER span is below it is known traced by the
+    /// walk itself.)
+    pub fn of(
+        kind: SpanKind,
+        server_type: Option<ServerType>,
+        verify: bool,
+        peer_traced: bool,
+    ) -> SpanClass {
+        match (kind, server_type) {
+            (_, Some(ServerType::Model)) => SpanClass::Model,
+            (SpanKind::Client, _) => SpanClass::Call {
+                callee_traced: peer_traced,
+            },
+            (_, Some(ServerType::Resources)) => SpanClass::Resources { verify },
+            _ => SpanClass::Agent,
+        }
+    }
+}
+
+/// One stretch of the critical path: `spans[span]`'s own time from `start_ns` to `end_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub span: usize,
+    pub phase: Phase,
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
 /// Deep enough for any rollout Gym makes (about eight levels); a deeper chain is a loop.
 const MAX_DEPTH: usize = 64;
 
 /// The phases of the subtree of `spans[root]`, along its critical path.
 pub fn phases(spans: &[PathSpan], root: usize) -> PhaseNs {
     let mut phases = PhaseNs::default();
+    path(spans, root, &mut |segment| {
+        phases.add(segment.phase, segment.end_ns - segment.start_ns);
+    });
+    phases
+}
+
+/// The critical path of the subtree of `spans[root]`, in time order; the segments tile the
+/// root's window.
+pub fn segments(spans: &[PathSpan], root: usize) -> Vec<Segment> {
+    let mut segments = Vec::new();
+    path(spans, root, &mut |segment| segments.push(segment));
+    segments.reverse(); // the walk goes back from the end
+    segments
+}
+
+/// Hands each non-empty segment of the path to `segment`, latest first.
+fn path(spans: &[PathSpan], root: usize, segment: &mut dyn FnMut(Segment)) {
     let Some(span) = spans.get(root) else {
-        return phases;
+        return;
     };
     let mut order = Vec::new();
     walk(
@@ -49,11 +100,10 @@ pub fn phases(spans: &[PathSpan], root: usize) -> PhaseNs {
         root,
         (span.start_ns, span.end_ns),
         Context::Agent,
-        &mut phases,
+        segment,
         &mut order,
         0,
     );
-    phases
 }
 
 /// Attributes `window` (clipped to the span) of `spans[index]` to its phases.
@@ -62,10 +112,20 @@ fn walk(
     index: usize,
     window: (u64, u64),
     inherited: Context,
-    phases: &mut PhaseNs,
+    segment: &mut dyn FnMut(Segment),
     order: &mut Vec<usize>,
     depth: usize,
 ) {
+    let own_time = |segment: &mut dyn FnMut(Segment), phase, start_ns, end_ns| {
+        if end_ns > start_ns {
+            segment(Segment {
+                span: index,
+                phase,
+                start_ns,
+                end_ns,
+            });
+        }
+    };
     let span = &spans[index];
     let floor = span.start_ns.max(window.0);
     let mut cursor = span.end_ns.min(window.1);
@@ -86,14 +146,14 @@ fn walk(
                 continue; // starts after the path left it, or ends before the window
             }
             let child_end = child.end_ns.min(cursor);
-            phases.add(own, cursor - child_end);
+            own_time(segment, own, child_end, cursor);
             let next = order[position];
             walk(
                 spans,
                 next,
                 (floor, child_end),
                 context,
-                phases,
+                segment,
                 order,
                 depth + 1,
             );
@@ -104,7 +164,7 @@ fn walk(
         }
         order.truncate(first);
     }
-    phases.add(own, cursor - floor);
+    own_time(segment, own, floor, cursor);
 }
 
 /// The phase of the time a span spends on the path with none of its children.
@@ -205,6 +265,34 @@ mod tests {
         let phases = phases(&spans, 0);
         assert_eq!(phases.total(), 1000 * MS);
         assert_eq!(ms(&phases), expect(470, 90, 270, 30 + 10 + 10, 10, 110));
+    }
+
+    /// The path itself: in time order, tiling the root's window, each stretch on the span
+    /// that held it.
+    #[test]
+    fn the_path_tiles_the_rollout_in_time_order() {
+        let spans = tree(&[
+            (None, 0, 100, AGENT),          // 0
+            (Some(0), 10, 60, TRACED_CALL), // 1
+            (Some(1), 20, 50, MODEL),       // 2
+            (Some(0), 5, 30, TRACED_CALL),  // 3 overlaps 1, ends first
+            (Some(3), 5, 30, TOOL),         // 4
+        ]);
+        let path: Vec<(usize, Phase, u64, u64)> = segments(&spans, 0)
+            .iter()
+            .map(|s| (s.span, s.phase, s.start_ns / MS, s.end_ns / MS))
+            .collect();
+        assert_eq!(
+            path,
+            [
+                (0, Phase::Agent, 0, 5),
+                (4, Phase::Tool, 5, 10),
+                (1, Phase::Queue, 10, 20),
+                (2, Phase::Model, 20, 50),
+                (1, Phase::Queue, 50, 60),
+                (0, Phase::Agent, 60, 100),
+            ]
+        );
     }
 
     /// Of two calls in flight at once, the one that finished later holds the path; the other

@@ -414,19 +414,8 @@ fn subtree(spans: &[Gathered], root: usize) -> (Vec<PathSpan>, Vec<usize>) {
     (tree, members)
 }
 
-/// A call whose SERVER span is below it is known traced by the walk itself
-/// ([`critical_path`](super::critical_path)): `peer.service` says so for the others.
 fn class_of(span: &Gathered) -> SpanClass {
-    match (span.kind, span.server_type) {
-        (_, Some(ServerType::Model)) => SpanClass::Model,
-        (SpanKind::Client, _) => SpanClass::Call {
-            callee_traced: span.peer_traced,
-        },
-        (_, Some(ServerType::Resources)) => SpanClass::Resources {
-            verify: span.verify,
-        },
-        _ => SpanClass::Agent,
-    }
+    SpanClass::of(span.kind, span.server_type, span.verify, span.peer_traced)
 }
 
 /// A call from an agent server to a resources server, other than `/seed_session` and
