@@ -4,8 +4,9 @@ the leaf server it calls (support/servers/causality_app.py), 300 requests 100 at
 
 The test knows the truth: request n arrives as `/<kind>/n` and calls `/leaf/n/0` and
 `/leaf/n/1`, so each CLIENT span's url.full names the SERVER span that made it. A parent is
-never wrong: a CLIENT span with a parent hangs under exactly its own request's SERVER span
-(and a leaf's SERVER span, with a parent, under exactly the CLIENT span that called it).
+never wrong: a CLIENT span with a parent hangs under exactly its own request's SERVER span,
+and every leaf's SERVER span under exactly the CLIENT span that called it (the agent sees
+both ends of that connection, in every case).
 
 With task lineage (`--task-lineage on`: a uprobe on `Task.__init__` records which request
 root each task descends from) every call has its parent whatever task made it: the handler's
@@ -16,8 +17,10 @@ Without it (`--task-lineage off`), the task contexts alone decide the plain hand
 (its task makes them and writes the response); behind BaseHTTPMiddleware and under
 asyncio.gather the calls run in other tasks than the one writing the response, and with a
 hundred requests in flight nothing else tells them apart: every one of them is left without a
-parent, and counted as such (parents_no_evidence and the other undecided counters sum to
-exactly the calls left without a parent)."""
+parent but those made while their request was the only one in flight (and, rarely, one whose
+own task's context decides it), and counted as such (parents_no_evidence and the other
+undecided counters sum to exactly the calls left without a parent, the parents_by_* counters
+to exactly the calls with one)."""
 
 import collections
 import re
@@ -33,6 +36,8 @@ REQUESTS = 300
 AT_A_TIME = 100
 CALLS_PER_REQUEST = 2
 UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_none", "parents_contradicted"]
+DECIDED = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",
+           "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting"]
 EVIDENCE = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",
             "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting",
             *UNDECIDED, "task_context_conflicts", "task_context_regroups", "cross_process_links",
@@ -128,21 +133,24 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
         match = LEAF_PATH.match(path)
         assert match, span
         caller = clients[(int(match.group(1)), int(match.group(2)))]
-        if span["parent_span_id"] and span["parent_span_id"] != caller["span_id"]:
+        # The agent sees both ends of the connection: every leaf request has its caller.
+        if not span["parent_span_id"]:
+            wrong_leaves.append(f"leaf SERVER {path} without a parent")
+        elif span["parent_span_id"] != caller["span_id"]:
             other = by_id.get(span["parent_span_id"])
             wrong_leaves.append(f"leaf SERVER {path} under " + (
                 f"{other['kind']} {other['attributes'].get('url.full')}" if other else "an unknown span"))
 
     undecided = sum(summary[name] for name in UNDECIDED)
     print(f"\n[{kind}] CLIENT spans {len(clients)}: parented {len(clients) - len(orphans)}, without a parent "
-          f"{len(orphans)}, wrong {len(wrong)}; leaf SERVER spans under a wrong CLIENT {len(wrong_leaves)}; "
+          f"{len(orphans)}, wrong {len(wrong)}; leaf SERVER spans without their caller {len(wrong_leaves)}; "
           f"undecided counted {undecided}")
     for name, value in evidence.items():
         print(f"  {name} = {value}")
 
     context = f"\nevidence counters: {evidence}"
     assert not wrong, f"{len(wrong)} calls under a wrong parent:\n" + "\n".join(wrong[:30]) + context
-    assert not wrong_leaves, f"{len(wrong_leaves)} leaf requests under a wrong caller:\n" + \
+    assert not wrong_leaves, f"{len(wrong_leaves)} leaf requests not under their caller:\n" + \
         "\n".join(wrong_leaves[:30]) + context
     # Every CLIENT span left without a parent is counted once, by why; none more.
     assert undecided == len(orphans), \
@@ -159,7 +167,12 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
                  if sum(s["start_time_unix_nano"] <= span["start_time_unix_nano"] <= s["end_time_unix_nano"]
                         for s in servers) == 1}
         parented = set(clients) - set(orphans)
-        assert parented == alone, f"parented {sorted(parented)[:20]}, alone in flight {sorted(alone)[:20]}" + context
+        assert alone <= parented, f"parented {sorted(parented)[:20]}, alone in flight {sorted(alone)[:20]}" + context
+        # A call may still be decided by its own task's context when that task happened to
+        # write (seen once in a middleware run: 1 of 600); each parented call is counted by
+        # the evidence that decided it, and none is wrong (above).
+        decided = sum(summary[name] for name in DECIDED)
+        assert decided == len(parented), f"{len(parented)} calls parented, {decided} counted decided" + context
         assert len(alone) < REQUESTS, f"{len(alone)} calls made alone: the requests did not overlap" + context
     calls = REQUESTS * CALLS_PER_REQUEST
     if lineage == "on":

@@ -6,10 +6,20 @@ agent really exports, under the name the OpenTelemetry Collector's prometheus ex
 servers traced through two rollouts (model calls over the canned upstream included), the
 metrics the agent printed as JSON lines, renamed by the exporter's rules. A metric renamed in
 the agent, a panel on a label the metric does not carry, or a gym.* / gen_ai.* / http.*
-metric no panel shows fails here."""
+metric no panel shows fails here.
+
+The renaming rules are this test's model of the Collector's exporter (its Go translator is not
+available on this machine: no Go toolchain, no collector binary in the registries), so the
+model is checked against another implementation of the same OpenTelemetry specification, the
+Python SDK's Prometheus exporter, fed instruments of the agent's names, units and kinds: every
+name must agree, but for the one rule the two implement differently (a gauge of unit "1" gets
+`_ratio` from the Collector, github.com/prometheus/otlptranslator, and nothing from Python)."""
 
 import json
 import re
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
 
 import pytest
 
@@ -38,6 +48,26 @@ def prometheus_name(metric, unit, kind):
     if kind == "sum":
         name += "_total"
     return name
+
+
+def python_exporter_name(metric, unit, kind):
+    """The name the OpenTelemetry Python SDK's Prometheus exporter gives an instrument of this
+    name, unit and kind (the agent's sums are counters)."""
+    reader = PrometheusMetricReader(disable_target_info=True)
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter("naming-check")
+    if kind == "sum":
+        meter.create_counter(metric, unit=unit).add(1)
+    elif kind == "gauge":
+        meter.create_gauge(metric, unit=unit).set(1)
+    else:
+        meter.create_histogram(metric, unit=unit).record(1)
+    try:
+        [family] = reader._collector.collect()  # noqa: SLF001 - its families, not the global registry's
+    finally:
+        provider.shutdown()
+    # prometheus_client names a counter's family without the _total its samples carry.
+    return family.name + ("_total" if family.type == "counter" else "")
 
 
 def series_of(points):
@@ -115,6 +145,15 @@ def test_dashboard_queries_what_the_agent_exports(tracer):
     assert agent.returncode == 0, agent.stderr()
     points = [line for line in agent.lines() if "metric" in line]
     exported = series_of(points)
+
+    # This test's renaming agrees with another implementation of the specification's rules.
+    disagree = []
+    for metric, unit, kind in sorted({(p["metric"], p["unit"], p["type"]) for p in points}):
+        ours, theirs = prometheus_name(metric, unit, kind), python_exporter_name(metric, unit, kind)
+        allowed = {theirs, f"{theirs}_ratio"} if kind == "gauge" and unit == "1" else {theirs}
+        if ours not in allowed:
+            disagree.append(f"{metric} ({kind}, unit {unit!r}): this test says {ours}, the Python exporter {theirs}")
+    assert not disagree, "\n".join(disagree)
     dashboard = json.loads(DASHBOARD.read_text())
 
     problems, shown = [], set()

@@ -63,7 +63,8 @@ g. every SERVER span of B is either joined -- its parent is exactly one CLIENT s
 h. every rollout is one trace holding EXPECTED_TREE less the subtrees of its unjoined model
    calls, nothing besides; tracer B counts the unjoined (cross_host_unjoined);
 i. tracer A injected at least one header, at least one per joined edge (B could join none
-   without one), and failed none.
+   without one), and failed none; at least half of the rollouts after the first joined their
+   second model call (every CI run so far: all of them).
 resources-on-b gym-default inject must pass (a)-(c) unchanged, with no injection failed.
 
 Needs root (the namespace), iproute2 and nsenter, and target/gym-venv (see test_real_gym.py).
@@ -455,6 +456,14 @@ def test_cross_host_edges_are_exact(topology, label, inject):
             if not joinable and not (injected.get("traceparents_injected", 0) >= max(1, len(joined))):
                 edge_issues.insert(0, f"tracer A's traceparents_injected = {injected.get('traceparents_injected')}, "
                                       f"want >= 1 and >= {len(joined)} (the joined edges)")
+            if not joinable:
+                # The second model call of every rollout after the first can join (the first runs
+                # alone while tracer A learns the agent); every CI run so far joined all 16 of 16.
+                # Half of them at least, or B ignored the headers.
+                want_joined = (len(rollouts) - 1) // 2
+                if len(joined) < want_joined:
+                    edge_issues.insert(0, f"{len(joined)} model calls joined by traceparent, want >= {want_joined} "
+                                          f"(half of the {len(rollouts) - 1} rollouts after the first)")
             edges_line += "; A: " + ", ".join(f"{name.removeprefix('traceparents_')}={injected.get(name)}"
                                               for name in INJECT_COUNTERS)
 

@@ -224,7 +224,7 @@ def finish(agent, run, expected, groups=PER_ROLLOUT):
     return our_spans(agent, run)
 
 
-def assert_server_spans(spans, run, expected, harvest=True, groups=PER_ROLLOUT):
+def assert_server_spans(spans, run, expected, harvest=True, groups=PER_ROLLOUT, *, summary):
     """SERVER spans: exactly one per request seen, with the contract's name and attributes."""
     by_pid = run.by_pid()
     server_spans = [span for span in spans if span["kind"] == "SERVER"]
@@ -249,7 +249,42 @@ def assert_server_spans(spans, run, expected, harvest=True, groups=PER_ROLLOUT):
         assert_resource(span["resource"], server, server.env.get("OTEL_SERVICE_NAME", "nemo"))
     wanted = collections.Counter(expected) if "server" in groups else collections.Counter()
     assert (wanted - actual, actual - wanted) == ({}, {}), "(SERVER spans missing, SERVER spans unexpected)"
+    if "http_client" in groups:
+        assert_client_spans(spans, run, expected, summary, with_servers="server" in groups)
     return server_spans
+
+
+def assert_client_spans(spans, run, expected, summary, with_servers=True):
+    """CLIENT spans (the http_client group): exactly one per call a traced server made (the
+    agent's, through aiohttp), to the server, method, path and status the callee saw, from the
+    agent's process; a root only where the agent's summary counts its parent undecided
+    (exactly as many roots as undecided parents); with SERVER spans on, each the parent of
+    exactly that call's SERVER span."""
+    by_pid, by_port = run.by_pid(), {server.port: server for server in run.servers.values()}
+    want = collections.Counter((e.server, e.method, e.path, e.status)
+                               for e in expected if e.user_agent == AIOHTTP_USER_AGENT)
+    served = collections.defaultdict(list)
+    for span in spans:
+        if span["kind"] == "SERVER":
+            served[span["parent_span_id"]].append(span)
+    got, problems, roots = collections.Counter(), [], 0
+    for span in (s for s in spans if s["kind"] == "CLIENT"):
+        attributes = span["attributes"]
+        callee = by_port.get(attributes.get("server.port"))
+        path = "/" + attributes["url.full"].split("://", 1)[1].split("/", 1)[1]
+        got[(callee.name if callee else None, attributes.get("http.request.method"), path,
+             attributes.get("http.response.status_code"))] += 1
+        if by_pid[span["resource"]["process.pid"]].type != AGENT:
+            problems.append(f"CLIENT {path} of {by_pid[span['resource']['process.pid']].name}")
+        roots += not span["parent_span_id"]
+        below = [s["attributes"]["url.path"] for s in served.get(span["span_id"], [])]
+        if with_servers and below != [path]:
+            problems.append(f"CLIENT {path} (span {span['span_id']}): SERVER spans below it {below}")
+    assert (want - got, got - want) == ({}, {}), "(CLIENT spans missing, CLIENT spans unexpected)"
+    undecided = sum(summary[name] for name in ("parents_no_evidence", "parents_ambiguous", "parents_none",
+                                               "parents_contradicted"))
+    assert roots == undecided, f"{roots} CLIENT spans without a parent, {undecided} parents counted undecided"
+    assert not problems, f"{len(problems)} CLIENT spans wrong:\n" + "\n".join(problems[:20])
 
 
 def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
@@ -295,7 +330,7 @@ def test_every_gym_route_gets_its_server_and_semantic_spans(gym, tracer):
     assert_agent_answers(sent)
     expected = seen_by_servers(run, sent)
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected)
+    assert_server_spans(spans, run, expected, summary=agent.summary())
     assert_semantic_spans(spans, run)
     assert not [span for span in agent.spans() if span["attributes"].get("url.path") == "/openapi.json"]
     assert_nothing_secret(agent)
@@ -323,7 +358,7 @@ def test_rollout_id_from_a_run_body_larger_than_the_capture(gym, tracer, capture
     expected = seen_by_servers(run, sent, capture=size)
     assert [e.rollout_id for e in expected if e.name == "POST /run"] == [None, "big-first", "8-2-a1", "big-after-a3"]
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected)
+    assert_server_spans(spans, run, expected, summary=agent.summary())
     assert_semantic_spans(spans, run)
 
 
@@ -336,7 +371,7 @@ def test_resource_names_each_server_after_its_gym_name(gym, tracer):
     sent = drive_rollouts(run, rollout_mix(3))
     expected = seen_by_servers(run, sent)
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected)  # checks each span's resource
+    assert_server_spans(spans, run, expected, summary=agent.summary())  # checks each span's resource
     assert {span["resource"]["service.name"] for span in spans} == {
         "nemo/simple_agent", "nemo/policy_model", "my-gym/example_verifier"}
 
@@ -356,7 +391,7 @@ def test_span_groups_gate_each_kind_of_span(gym, tracer, how, spec, groups):
     sent = drive_rollouts(run, rollout_mix(11)) + direct_calls(run)
     expected = seen_by_servers(run, sent)
     spans = finish(agent, run, expected, groups)
-    assert_server_spans(spans, run, expected, groups=groups)
+    assert_server_spans(spans, run, expected, summary=agent.summary(), groups=groups)
     assert_semantic_spans(spans, run, groups)
     if "http_client" not in groups:
         assert {span["kind"] for span in spans} <= {"SERVER", "INTERNAL"}
@@ -387,7 +422,7 @@ def test_discovers_servers_that_start_later_and_outlives_those_that_exit(gym, tr
     time.sleep(2)
     assert agent.process.poll() is None, "with --discover the agent runs on when every server has exited"
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected)
+    assert_server_spans(spans, run, expected, summary=agent.summary())
     assert_semantic_spans(spans, run)
 
 
@@ -454,7 +489,7 @@ def test_without_route_harvest_only_gym_routes_are_templates(gym, tracer, user_r
     items = "GET /items/{item_id}" if user_routes else "GET /items/{id}"
     assert {e.name for e in expected} >= {"POST /get_weather", items, "GET /health"}
     spans = finish(agent, run, expected)
-    assert_server_spans(spans, run, expected, harvest=set(user_routes))
+    assert_server_spans(spans, run, expected, summary=agent.summary(), harvest=set(user_routes))
     assert_semantic_spans(spans, run)
 
 
@@ -486,7 +521,7 @@ def test_secret_headers_and_cookies_are_never_exported(gym, tracer, receiver, ou
         assert receiver.received.histogram_points, "the final metric export was checked too"
     else:
         spans = finish(agent, run, expected)
-        assert_server_spans(spans, run, expected)
+        assert_server_spans(spans, run, expected, summary=agent.summary())
     assert CANARY not in agent.stdout_text(), "a credential was exported"
     assert CANARY not in agent.stderr(), "a credential was logged"
     assert_nothing_secret(agent)

@@ -7,7 +7,10 @@ The oracle for the SERVER spans is what the servers themselves logged: uvicorn's
 have exactly one SERVER span named after its route, the Gym routes their gym.* child.
 
 Needs target/gym-venv (`cargo xtask setup`); skipped only when setup was told to leave it out
-(`cargo xtask test --no-gym-venv` sets GYM_REAL_VENV_SKIPPED), a failure otherwise.
+(`cargo xtask test --no-gym-venv` sets GYM_REAL_VENV_SKIPPED), a failure otherwise. nemo-gym
+0.7.0 declares Requires-Python >=3.13.14; the venv is pyenv's CPython 3.13.0, the newest this
+machine kind has (no newer 3.13 is reachable from its registries), so nemo-gym and ray are
+installed with `--no-deps --ignore-requires-python` (README, "The two commands").
 """
 
 import collections
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_expect import gym_attributes, rollout_trace_id, semantic_attributes
+from gym_expect import containment_problems, gym_attributes, rollout_trace_id, semantic_attributes
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
@@ -334,8 +337,8 @@ def rollout_problems(spans, rollout_ids, by_pid, expected_tree=EXPECTED_TREE):
     """What is wrong with the rollouts' traces in `spans` (by_pid: pid -> server name), [] if
     nothing: for every rollout id, every span that carries it or is in its derived trace is in
     that one trace, that trace is exactly `expected_tree` (default EXPECTED_TREE) and holds no
-    span of another rollout; no span is in no rollout's trace, and there are
-    tree_size(expected_tree) spans per rollout."""
+    span of another rollout; every span lies within its parent's time (1 ms of slack); no span
+    is in no rollout's trace, and there are tree_size(expected_tree) spans per rollout."""
     by_trace = collections.defaultdict(list)
     for span in spans:
         by_trace[span["trace_id"]].append(span)
@@ -370,6 +373,11 @@ def rollout_problems(spans, rollout_ids, by_pid, expected_tree=EXPECTED_TREE):
         problems.append(f"{len(strays)} spans in no rollout's trace:\n" + "\n".join(
             f"    trace {t}:\n" + "\n".join("      " + line for line in render_shapes(tree_shape(members, by_pid)))
             for t, members in by_trace.items() if t not in trace_owner))
+    # The shape cannot tell a rollout's two model calls apart: time does.
+    outside = containment_problems(spans)
+    if outside:
+        problems.append(f"{len(outside)} spans outside their parent's time:\n" + "\n".join(
+            f"    {line}" for line in outside[:20]))
     per_rollout = tree_size(expected_tree)
     if len(spans) != per_rollout * len(rollout_ids):
         problems.append(f"{len(spans)} spans, want {len(rollout_ids)} x {per_rollout}: "

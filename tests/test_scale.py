@@ -151,7 +151,8 @@ def test_every_request_on_sixteen_thousand_idle_keep_alive_connections_is_one_sp
     assert not twice, f"{len(twice)} requests with more than one span, e.g. {twice[:5]}"
     assert sum(spans.values()) == len(sent)
     assert {name: summary[name] for name in LOSS_COUNTERS} == dict.fromkeys(LOSS_COUNTERS, 0)
-    assert seen["connections_tracked"] >= IDLE_CONNECTIONS
+    # The agent's own high-water mark: the whole pool at once.
+    assert summary["connections_tracked_peak"] >= IDLE_CONNECTIONS, summary
     # What the pool costs the agent: at most the per-connection cost --help states, times
     # the pool, on top of what the agent held before it.
     grown_kib = seen["rss_kib"] - seen["rss_kib_before"]
@@ -165,13 +166,30 @@ def test_past_max_connections_the_loss_is_counted_by_reason():
     seen = run_idle_pool(idle, fresh=20, agent_args=["--max-connections", str(max_connections)])
     sent, spans, summary = seen["sent"], seen["spans"], seen["summary"]
     untraced = sum(1 for tag in sent if spans[tag] == 0)
-    assert untraced > 0, "the table was full: some requests cannot have been traced"
-    # Each connection past the limit evicted the stalest idle one, counted ...
-    assert summary["connections_evicted"] >= idle - max_connections, summary
-    # ... and each later request on an evicted one, as a transfer on a socket the kernel no
-    # longer knows (the kernel forgets what the table evicts).
+    by_kind = collections.Counter((tag.rsplit("-", 1)[-1] if tag.startswith("idle") else "fresh", spans[tag] > 0)
+                                  for tag in sent)
+    print(f"\ntraced by kind: {dict(by_kind)}; untraced {untraced}; "
+          + ", ".join(f"{k}={summary[k]}" for k in ("connections_evicted", "transfers_on_unknown_sockets",
+                                                    "connections_tracked_peak", "connections_dropped")))
+    # Exact where the table decides alone: in the second round no connection opens, so exactly
+    # the max_connections most recently active ones are tracked and their requests traced, the
+    # others' not; every fresh connection is tracked. How many first requests are traced
+    # depends on how accepts and first requests interleave (the first max_connections
+    # accepted may be evicted before or after their request): all of the last
+    # max_connections, some of the others (here: 267 of 512).
+    assert by_kind[("second", True)] == max_connections, by_kind
+    assert by_kind[("second", False)] == idle - max_connections, by_kind
+    assert by_kind[("fresh", True)] == 20 and ("fresh", False) not in by_kind, by_kind
+    assert max_connections <= by_kind[("first", True)] < idle, by_kind
+    # Each connection past the limit evicted the stalest idle one: one per connection opened
+    # beyond the limit, at most one more per fresh connection (each closes before the next
+    # opens, freeing its slot, unless its close is seen late).
+    assert idle - max_connections <= summary["connections_evicted"] <= idle - max_connections + 20, summary
+    # Each untraced request is counted where the kernel no longer knows its socket, at least
+    # once: the counter counts transfers (reads and writes, some merged), not requests (two
+    # runs: 915 and 1,308 for 501 untraced), so no exact figure holds.
     assert summary["transfers_on_unknown_sockets"] >= untraced, summary
-    assert seen["connections_tracked"] <= max_connections
+    assert summary["connections_tracked_peak"] == max_connections, summary
 
 
 def main():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gym_expect import assert_attached, assert_resource, gym_rollout_id
+from gym_expect import assert_attached, assert_resource, containment_problems, gym_rollout_id
 from gym_launch import PROMPT, drive_rollouts, run_body, split_prefix
 from harness import wait_until
 from servers.gym_common import INPROCESS_OTEL_CLIENT_ENV, INPROCESS_OTEL_ENV
@@ -250,6 +250,10 @@ def test_each_rollout_is_one_trace(gym, tracer):
     for rollout_id in rollout_ids:
         trace_ids = {s["trace_id"] for s in spans if s["attributes"].get("nemo.gym.rollout.id") == rollout_id}
         assert trace_ids == {rollout_trace_id(rollout_id)}, f"rollout {rollout_id}: traces {trace_ids}{context}"
+
+    # Every span within its parent's time: the shape alone would not catch a look-alike parent.
+    outside = containment_problems(spans)
+    assert not outside, f"{len(outside)} spans outside their parent's time:\n" + "\n".join(outside[:20]) + context
 
     # Exactly one tree per rollout, of exactly the contract's shape, every span carrying the id.
     run_shape = expected_run_tree(run)
@@ -540,8 +544,10 @@ def report(result, ref_trees, our_trees, mode):
 def test_side_by_side_with_in_process_telemetry(gym, tracer, receiver, tmp_path, client_mode):
     """The same rollouts through the same servers, traced in process (the reference, over OTLP)
     and, in a second run, by the tracer: the per-request span trees must have the same shape,
-    kinds and processes (names may differ only by REFERENCE_QUIRKS); attribute, status and
-    timing differences are reported."""
+    kinds and processes (names may differ only by REFERENCE_QUIRKS); an attribute the tracer
+    misses, or an attribute or status difference no quirk explains, fails; the tracer's spans
+    lie within their parents' time (the reference's need not: its CLIENT spans end before the
+    callee's SERVER span, see the report); other differences and timing are reported."""
     bodies = stitch_bodies(16, start=1000)
 
     reference_env = {INPROCESS_OTEL_ENV: receiver.http_endpoint, INPROCESS_OTEL_CLIENT_ENV: client_mode}
@@ -577,3 +583,11 @@ def test_side_by_side_with_in_process_telemetry(gym, tracer, receiver, tmp_path,
               in result.attributes if explanation == "TRACER MISSES IT"]
     assert not misses, f"{len(misses)} attributes the reference has and the tracer misses (report: {path}):\n" + \
         "\n".join(misses[:20])
+    unexplained = [f"{where}: {attribute}: reference {ref_value!r}, tracer {our_value!r}"
+                   for _, where, attribute, ref_value, our_value, explanation in result.attributes
+                   if explanation == "unexplained"]
+    assert not unexplained, f"{len(unexplained)} unexplained differences (a status, rollout id or status code the " \
+                            f"reference does not share; report: {path}):\n" + "\n".join(unexplained[:20])
+    outside = containment_problems(our_spans)
+    assert not outside, f"{len(outside)} of the tracer's spans outside their parent's time (report: {path}):\n" + \
+        "\n".join(outside[:20])

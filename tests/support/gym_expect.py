@@ -83,3 +83,29 @@ def assert_attached(agent, run, *names, routes=True):
         agent.wait_for_stderr(f"attached pid {server.pid} as {server.name} ({server.type})")
         if routes:
             agent.wait_for_routes(server.pid)
+
+
+# How far a child may start before or end after its parent (ns): the agent stamps both from
+# one clock (the kernel's), so a child outside by more than this hangs under a look-alike
+# span (a rollout's other model call, which the shape alone cannot tell apart).
+CONTAINMENT_SLACK_NS = 1_000_000
+
+
+def containment_problems(spans, slack_ns=CONTAINMENT_SLACK_NS):
+    """The spans of `spans` that start before or end after their parent (when it is among
+    `spans`) by more than `slack_ns`, as lines; [] if none."""
+    by_id = {(s["trace_id"], s["span_id"]): s for s in spans}
+    problems = []
+    for span in spans:
+        parent = by_id.get((span["trace_id"], span["parent_span_id"]))
+        if parent is None:
+            continue
+        early = parent["start_time_unix_nano"] - span["start_time_unix_nano"]
+        late = span["end_time_unix_nano"] - parent["end_time_unix_nano"]
+        if early > slack_ns or late > slack_ns:
+            problems.append(
+                f"{span['kind']} {span['name']} (span {span['span_id']}) outside its parent {parent['kind']} "
+                f"{parent['name']} (span {parent['span_id']}): starts {early / 1e6:.3f} ms before it, ends "
+                f"{late / 1e6:.3f} ms after it")
+    return problems
+

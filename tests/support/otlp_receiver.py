@@ -9,6 +9,7 @@ restart on the same ports (`stop()` then `start()`), answer slowly (`delay_s`), 
 export (`mode`: "refuse" is gRPC UNAVAILABLE / HTTP 503, "reject" is gRPC INVALID_ARGUMENT /
 HTTP 400)."""
 
+import collections
 import gzip
 import ssl
 import sys
@@ -149,6 +150,12 @@ class Received:
     def span_ids(self):
         with self.lock:
             return {span["span_id"] for span in self.spans}
+
+    def span_deliveries(self):
+        """How many times each span id arrived (a retried batch the collector had taken arrives
+        twice)."""
+        with self.lock:
+            return collections.Counter(span["span_id"] for span in self.spans)
 
     def latest_histograms(self, name):
         """Cumulative points: keep the newest per (resource pid, attributes)."""

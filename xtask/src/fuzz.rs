@@ -86,6 +86,8 @@ pub(crate) fn run(ctx: &Ctx, args: &FuzzArgs) -> Result<()> {
             &format!("-timeout={FUZZ_TIMEOUT_SECONDS}"),
             &format!("-rss_limit_mb={FUZZ_RSS_LIMIT_MB}"),
             &format!("-max_len={FUZZ_MAX_LEN}"),
+            // How many inputs ran, and how fast, at the end of the log.
+            "-print_final_stats=1",
         ]),
         "the fuzzer found a failing input (saved under fuzz/artifacts/; replay it with \
          `cargo +nightly fuzz run http_reassembly <file>` in fuzz/), or could not build: \

@@ -82,10 +82,13 @@ pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
         // in it.
         ensure_system_tool(ctx, "ip", "iproute2")?;
         ensure_system_tool(ctx, "nsenter", "util-linux")?;
+        // tests/test_deploy.py verifies the systemd unit and scores its exposure.
+        ensure_system_tool(ctx, "systemd-analyze", "systemd")?;
     } else {
         println!(
-            "xtask: not root: wrk, cc, openssl, wget and iproute2 are not installed (the \
-             bench, the HTTPS tests and the cross-host test need them)"
+            "xtask: not root: wrk, cc, openssl, wget, iproute2 and systemd-analyze are not \
+             installed (the bench, the HTTPS tests, the cross-host test and the unit-file \
+             tests need them)"
         );
     }
     if gym_venv {

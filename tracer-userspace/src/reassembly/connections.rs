@@ -51,6 +51,9 @@ counters! {
         task_contexts_unreadable,
         /// Task contexts not followed by the message write they announced.
         task_contexts_unused,
+        /// The most connections tracked at once: a high-water mark, never above
+        /// `--max-connections` (what tests and operators check the bound against).
+        connections_tracked_peak,
     }
 }
 
@@ -509,6 +512,9 @@ impl ConnectionTable {
                 in_flight_head_bytes: 0,
             },
         );
+        counters.connections_tracked_peak = counters
+            .connections_tracked_peak
+            .max(self.connections.len() as u64);
     }
 
     /// Makes room for one connection by evicting the least recently active one: its requests
@@ -1250,6 +1256,10 @@ mod tests {
         let (exchanges, stats, actions) = run(&events);
         assert_eq!(stats.connections_evicted, 4);
         assert_eq!(stats.connections_dropped, 0);
+        assert_eq!(
+            stats.connections_tracked_peak, 16,
+            "full, never past the bound"
+        );
         assert_eq!(untracked(&actions), [1, 2, 3, 4]);
         assert_eq!(exchanges.len(), 2, "the healthy connection kept its state");
         assert!(
