@@ -129,7 +129,7 @@ pub struct ReportArgs {
     #[arg(short, long, value_name = "FILE", default_value = "report.html")]
     pub output: PathBuf,
     /// How many of the slowest rollouts get a timeline of their critical path.
-    #[arg(long, value_name = "N", default_value_t = 10)]
+    #[arg(long, value_name = "N", default_value_t = crate::report::DEFAULT_SLOWEST)]
     pub slowest: usize,
     /// Link each slow rollout's trace id to this trace UI address, `{trace_id}` replaced
     /// (e.g. `http://jaeger:16686/trace/{trace_id}`).

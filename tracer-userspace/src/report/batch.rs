@@ -171,7 +171,12 @@ impl Batch {
             .enumerate()
             .map(|(index, span)| ((span.trace_id, span.span_id), index))
             .collect();
-        let failed_below = rollouts_with_failed_calls(&input.spans, &by_id);
+        let failed = failed_requests(&input.spans, &by_id);
+        let failed_below: foldhash::HashSet<usize> = failed
+            .iter()
+            .filter(|request| !request.is_run)
+            .filter_map(|request| request.rollout)
+            .collect();
         let mut rollouts = rollouts(&input.spans, &by_id, &failed_below);
         rollouts.sort_by_key(|r| (r.duration_ns(), r.start_ns));
         let t0_ns = rollouts.iter().map(|r| r.start_ns).min().unwrap_or(0);
@@ -194,7 +199,7 @@ impl Batch {
             in_flight: in_flight(&rollouts, &clock),
             queue_delay: queue_delay(&input.spans, &by_id, &clock),
             loop_load: loop_load(&input, &clock),
-            failures: failures(&input.spans, &by_id, &rollouts),
+            failures: failures(&input.spans, &failed, &rollouts),
             timelines,
             numbers,
             t0_ns,
@@ -272,19 +277,31 @@ fn runs(spans: &[ReportSpan]) -> HashMap<(u128, u64), usize> {
         .collect()
 }
 
-/// The `gym.rollout` spans (by index) with a failed request below them (not `/run` itself).
-fn rollouts_with_failed_calls(
+/// A failed request (status ERROR; not a `gym.rollout` span), with the `gym.rollout` span it
+/// belongs to where its parents or its `/run` say: walked once, for the rollouts' outcomes
+/// and for the failure table.
+struct FailedRequest {
+    span: usize,
+    rollout: Option<usize>,
+    /// It is its rollout's own `/run` (that one fails the rollout, not a call inside it).
+    is_run: bool,
+}
+
+fn failed_requests(
     spans: &[ReportSpan],
     by_id: &HashMap<(u128, u64), usize>,
-) -> foldhash::HashSet<usize> {
+) -> Vec<FailedRequest> {
     let runs = runs(spans);
-    let mut below = foldhash::HashSet::default();
-    for (index, span) in spans.iter().enumerate() {
-        if span.error && !span.is_rollout() && !runs.contains_key(&(span.trace_id, span.span_id)) {
-            below.extend(rollout_of(spans, by_id, &runs, index));
-        }
-    }
-    below
+    spans
+        .iter()
+        .enumerate()
+        .filter(|(_, span)| span.error && !span.is_rollout())
+        .map(|(index, span)| FailedRequest {
+            span: index,
+            rollout: rollout_of(spans, by_id, &runs, index),
+            is_run: runs.contains_key(&(span.trace_id, span.span_id)),
+        })
+        .collect()
 }
 
 fn rollouts(
@@ -526,17 +543,14 @@ fn loop_load(input: &Input, clock: &Clock) -> Vec<Series> {
 /// were part of.
 fn failures(
     spans: &[ReportSpan],
-    by_id: &HashMap<(u128, u64), usize>,
+    failed: &[FailedRequest],
     rollouts: &[Rollout],
 ) -> BTreeMap<FailureKey, Failures> {
-    let runs = runs(spans);
     let id_of: HashMap<usize, &str> = rollouts.iter().map(|r| (r.span, r.id.as_str())).collect();
     let mut failures: BTreeMap<FailureKey, (u64, std::collections::BTreeSet<String>, u64)> =
         BTreeMap::new();
-    for (index, span) in spans.iter().enumerate() {
-        if !span.error || span.is_rollout() {
-            continue;
-        }
+    for request in failed {
+        let span = &spans[request.span];
         let key = FailureKey {
             server: span.server,
             kind: span.kind.as_str(),
@@ -545,7 +559,8 @@ fn failures(
         };
         let (requests, broken, untied) = failures.entry(key).or_default();
         *requests += 1;
-        let rollout = rollout_of(spans, by_id, &runs, index)
+        let rollout = request
+            .rollout
             .and_then(|rollout| id_of.get(&rollout).copied())
             .or(span.rollout_id.as_deref());
         match rollout {

@@ -31,6 +31,9 @@ use batch::Batch;
 use input::{Input, Server};
 use page::PageOptions;
 
+/// Slowest rollouts given a timeline unless `--slowest` says otherwise (and by `run --report`).
+pub const DEFAULT_SLOWEST: usize = 10;
+
 /// What was written.
 #[derive(Debug)]
 pub struct Written {

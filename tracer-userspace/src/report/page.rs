@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::batch::{Batch, Outcome};
+use super::batch::{Batch, Outcome, Series};
 use super::charts::{self, Axis};
 use crate::model::rollout::Phase;
 
@@ -284,7 +284,7 @@ fn phases(page: &mut String, batch: &Batch) {
 
 fn load(page: &mut String, batch: &Batch) {
     page.push_str("<h2 id=\"in-flight\">Rollouts in flight</h2>");
-    let in_flight = super::batch::Series {
+    let in_flight = Series {
         server: 0,
         points: batch.in_flight.clone(),
     };
@@ -294,22 +294,14 @@ fn load(page: &mut String, batch: &Batch) {
          server received waited before it read them: from the caller's first write to the \
          server's first read. A rising line at a busy loop is a server that needs more workers.</p>",
     );
-    let named = |series: &[super::batch::Series]| -> Vec<(String, super::batch::Series)> {
-        series
-            .iter()
-            .map(|s| (batch.server_name(s.server).to_owned(), s.clone()))
-            .collect()
-    };
-    let queue = named(&batch.queue_delay);
+    let queue = by_server(batch, &batch.queue_delay);
     if queue.is_empty() {
         page.push_str("<p>No call whose server was traced too.</p>");
     } else {
-        let refs: Vec<(String, &super::batch::Series)> =
-            queue.iter().map(|(name, s)| (name.clone(), s)).collect();
-        page.push_str(&charts::lines(&refs, Axis::Wait));
+        page.push_str(&charts::lines(&queue, Axis::Wait));
     }
     page.push_str("<h2 id=\"loop-load\">Event-loop load per server</h2>");
-    let load = named(&batch.loop_load);
+    let load = by_server(batch, &batch.loop_load);
     if load.is_empty() {
         page.push_str(
             "<p>No <code>gym.server.loop.utilization</code> points in the input: the agent \
@@ -317,14 +309,20 @@ fn load(page: &mut String, batch: &Batch) {
              shorter one for a finer line), and <code>run --report</code> samples every second.</p>",
         );
     } else {
-        let refs: Vec<(String, &super::batch::Series)> =
-            load.iter().map(|(name, s)| (name.clone(), s)).collect();
         page.push_str(
             "<p>The share of each second the server's main thread (its event loop) was on a \
              CPU.</p>",
         );
-        page.push_str(&charts::lines(&refs, Axis::Busy));
+        page.push_str(&charts::lines(&load, Axis::Busy));
     }
+}
+
+/// Each series named by its server, for a chart's legend.
+fn by_server<'a>(batch: &Batch, series: &'a [Series]) -> Vec<(String, &'a Series)> {
+    series
+        .iter()
+        .map(|s| (batch.server_name(s.server).to_owned(), s))
+        .collect()
 }
 
 fn trace_link(trace_id: u128, options: &PageOptions) -> String {
