@@ -1,6 +1,6 @@
 """`cargo xtask bench`: what tracing costs a Gym-shaped server, measured side by side.
 
-Method (also in README.md, "Performance"):
+Method (also in docs/performance.md):
 - The traced servers run on CPU 0 (the three of the /run fan-out too); wrk, the agent and the
   OTLP receiver run on CPU 1. Affinity is set on this process's thread around each spawn, so
   every thread a child starts later inherits it.
@@ -76,7 +76,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 SETTLE_SECONDS = 1.5
 # Counters of the agent whose growth means a request was not traced or a span not delivered.
 LOSS_COUNTERS = ("events_lost_in_kernel", "spans_dropped_queue_full", "requests_dropped_overflow",
-                 "connections_dropped", "spans_export_failed")
+                 "connections_dropped", "spans_lost_in_export")
 
 
 class BenchError(Exception):

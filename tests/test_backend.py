@@ -123,7 +123,7 @@ def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
     summary = agent.summary()
-    for counter in ("exports_failed", "spans_export_failed", "spans_dropped_queue_full", "spans_discarded_exporter_none"):
+    for counter in ("span_exports_failed", "spans_lost_in_export", "spans_dropped_queue_full", "spans_discarded_exporter_none"):
         assert summary[counter] == 0, f"{counter}: {summary}"
     every_span = agent.spans()
     assert summary["spans_exported"] == len(every_span), (summary["spans_exported"], len(every_span))

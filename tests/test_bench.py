@@ -22,7 +22,7 @@ def run_bench(tmp_path, *args, timeout=300):
 
 
 # A smoke test, but one that fails when the tracer is an order of magnitude off what it
-# measures (the full bench's figures, README "Performance": ~20 µs of agent CPU per span,
+# measures (the full bench's figures, docs/performance.md: ~20 µs of agent CPU per span,
 # traced throughput within a few % of untraced), not only when a column is missing.
 MAX_AGENT_US_PER_SPAN = 200
 MIN_TRACED_THROUGHPUT = 0.3

@@ -35,7 +35,7 @@ from harness import wait_until
 REQUESTS = 300
 AT_A_TIME = 100
 CALLS_PER_REQUEST = 2
-UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_none", "parents_contradicted"]
+UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_no_request_in_flight", "parents_contradicted"]
 DECIDED = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",
            "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting"]
 EVIDENCE = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",

@@ -281,7 +281,7 @@ def assert_client_spans(spans, run, expected, summary, with_servers=True):
         if with_servers and below != [path]:
             problems.append(f"CLIENT {path} (span {span['span_id']}): SERVER spans below it {below}")
     assert (want - got, got - want) == ({}, {}), "(CLIENT spans missing, CLIENT spans unexpected)"
-    undecided = sum(summary[name] for name in ("parents_no_evidence", "parents_ambiguous", "parents_none",
+    undecided = sum(summary[name] for name in ("parents_no_evidence", "parents_ambiguous", "parents_no_request_in_flight",
                                                "parents_contradicted"))
     assert roots == undecided, f"{roots} CLIENT spans without a parent, {undecided} parents counted undecided"
     assert not problems, f"{len(problems)} CLIENT spans wrong:\n" + "\n".join(problems[:20])

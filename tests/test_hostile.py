@@ -163,7 +163,7 @@ def test_malformed_garbage_oversized_and_half_requests_leave_healthy_traffic_tra
     assert "panicked" not in output
 
 
-# The agent's heap growth for the flood below, from its limits (README, "Limits under hostile
+# The agent's heap growth for the flood below, from its limits (docs/how-it-works.md, "Limits under hostile
 # input"): what each tracked connection costs, times --max-connections; the evicted ones must
 # cost nothing. PER_CONNECTION_BYTES is the measured ~1.6 KiB of a connection holding a
 # partial head (tests/support/measure_connection_memory.py) rounded up to 4 KiB for the

@@ -35,7 +35,7 @@ from harness import ROOT, free_port, wait_listening, wait_until
 
 APP = Path(__file__).resolve().parent / "support" / "servers" / "stdlib_asyncio_app.py"
 REQUESTS, AT_A_TIME = 40, 8
-UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_none", "parents_contradicted"]
+UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_no_request_in_flight", "parents_contradicted"]
 LEAF = re.compile(r"^/leaf/(\d+)/(\d+)$")
 
 

@@ -56,7 +56,7 @@ SOLO = (5, 0)  # driven alone first, its body not padded: (task index, rollout i
 AT_ONCE = [(task, 1) for task in range(8)]  # then these together, each body ~11 KB
 EXAMPLE_ROWS = 5  # rows in example_single_tool_call's example.jsonl; task i uses row i % 5
 BODY_BYTES = 11_000
-TAIL_BYTES = 512  # the tracer reads the last 512 bytes of every request body (README)
+TAIL_BYTES = 512  # the tracer reads the last 512 bytes of every request body (docs/how-it-works.md)
 # In every prompt the model server sends upstream; new each run, so no earlier output has it.
 CANARY = f"prompt-canary-{secrets.token_hex(8)}"
 # The Authorization header's scheme: no part of the header may be exported.

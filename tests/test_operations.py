@@ -49,7 +49,7 @@ resource-attributes = "team=file"
     assert f'pid = ["{server.pid}"]  # file' in lines, shown.stdout
     assert 'service-name = "env-group"  # env' in lines, shown.stdout
     assert 'resource-attributes = "team=flag"  # flag' in lines, shown.stdout
-    assert 'max-pending-spans = 100000  # default' in lines, shown.stdout
+    assert 'max-stitching-spans = 100000  # default' in lines, shown.stdout
 
 
 def test_check_config_rejects_what_run_would_reject(tmp_path):
@@ -120,7 +120,7 @@ def test_health_endpoint_serves_status_and_counters(server_factory, agents):
         # agent's own route-harvest request is an exchange too, counted as ignored
         # (agent.rs, handle_exchange), and exports nothing.
         text, values = counters()
-        ours = int(values["gym_tracer_exchanges_total"]) - int(values["gym_tracer_self_requests_ignored_total"])
+        ours = int(values["gym_tracer_requests_traced_total"]) - int(values["gym_tracer_self_requests_ignored_total"])
         done = ours == requests and int(values["gym_tracer_spans_exported_total"]) == requests
         return (text, values) if done else None
 
@@ -161,7 +161,7 @@ def test_health_turns_unhealthy_while_the_collector_is_unreachable(server_factor
     assert health["probes_attached"] is True
     agent.stop()
     assert agent.returncode == 0, agent.stderr()
-    assert agent.summary()["spans_export_failed"] >= 1, agent.log_messages()[-1]
+    assert agent.summary()["spans_lost_in_export"] >= 1, agent.log_messages()[-1]
 
 
 def test_log_is_structured_and_levelled(server_factory, agents):

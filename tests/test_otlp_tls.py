@@ -87,7 +87,7 @@ def assert_everything_arrived(agent, receiver, server):
     points = receiver.received.latest_histograms("http.server.request.duration")
     assert {point["attributes"]["http.response.status_code"]: point["count"] for point in points} == {200: REQUESTS}
     summary = agent.summary()
-    assert (summary["spans_exported"], summary["spans_export_failed"]) == (REQUESTS, 0), agent.stderr()
+    assert (summary["spans_exported"], summary["spans_lost_in_export"]) == (REQUESTS, 0), agent.stderr()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -155,7 +155,7 @@ def test_a_collector_with_an_untrusted_certificate_gets_nothing(server_factory, 
     assert receiver.received.spans == [] and receiver.received.histogram_points == []
     assert receiver.received.request_headers == []
     summary = agent.summary()
-    assert (summary["spans_exported"], summary["spans_export_failed"]) == (0, REQUESTS), agent.stderr()
+    assert (summary["spans_exported"], summary["spans_lost_in_export"]) == (0, REQUESTS), agent.stderr()
     assert any("final metric export" in message and "failed" in message for message in agent.log_messages()), (
         agent.stderr()
     )

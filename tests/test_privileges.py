@@ -14,7 +14,7 @@ import pytest
 
 from harness import agent_binary
 
-# The set the README, the systemd unit and the DaemonSet grant; names as setpriv spells them.
+# The set docs/install.md, the systemd unit and the DaemonSet grant; names as setpriv spells them.
 REQUIRED = ["bpf", "perfmon", "dac_read_search", "sys_ptrace"]
 NOBODY = 65534
 

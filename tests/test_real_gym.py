@@ -296,7 +296,7 @@ BODY_BYTES = 11_000  # as example_multi_step's rows: the `_ng_*` ids only in the
 EVIDENCE_COUNTERS = [
     "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context", "parents_by_echoed_id",
     "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting", "parents_ambiguous",
-    "parents_no_evidence", "parents_contradicted", "parents_none", "task_context_conflicts",
+    "parents_no_evidence", "parents_contradicted", "parents_no_request_in_flight", "task_context_conflicts",
     "task_context_regroups", "cross_process_links", "spans_flushed_unmatched", "spans_released_early",
     "events_lost_in_kernel", "python_runtimes_read", "python_runtimes_off", "python_processes_not_python",
     "python_threads_registered", "python_threads_not_registered", "context_chains_read", "context_chains_empty",

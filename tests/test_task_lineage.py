@@ -36,7 +36,7 @@ ROLLOUTS at once, every LOSE_EVERY-th decided "lose" by the upstream's judge. Ch
 5. the agent's summary: parents_by_lineage = the judge calls of every rollout driven (warm-ups
    included), lineage_processes = 1, lineage_processes_off = 0, lineage_conflicts = 0, no
    event lost in the kernel, no outbound call without a parent (parents_no_evidence,
-   parents_ambiguous, parents_contradicted, parents_none all 0);
+   parents_ambiguous, parents_contradicted, parents_no_request_in_flight all 0);
 6. no secret (the API key) nor any text of a prompt, an answer or a verdict is exported.
 
 The contrast (test_judge_calls_without_lineage_are_roots): equivalence_llm_judge, Gym default,
@@ -75,7 +75,7 @@ CASES = [(environment, mode) for environment in JUDGE_CALLS for mode in MODES]
 # Room between a span's and its parent's clocks: the same machine's, converted per process.
 SLACK_NS = 1_000_000
 # The counters that say an outbound call got no parent, or a doubtful one.
-UNPARENTED = ["parents_no_evidence", "parents_ambiguous", "parents_contradicted", "parents_none"]
+UNPARENTED = ["parents_no_evidence", "parents_ambiguous", "parents_contradicted", "parents_no_request_in_flight"]
 # Printed for every case (any other counter with "parents" or "lineage" in its name too).
 SHOWN = ["events_lost_in_kernel", "spans_flushed_unmatched", "task_context_conflicts", "cross_process_links"]
 # The judge's model-server route and the gym.* span under it, by judge path.
@@ -466,7 +466,7 @@ def test_judge_calls_without_lineage_are_roots(judge_gym, tracer):
     # The summary: every root judge call counted as without evidence, and nothing else left
     # without a parent; nothing probed, nothing decided by lineage.
     want = {"parents_by_lineage": 0, "lineage_processes": 0, "lineage_tasks_probed": 0, "events_lost_in_kernel": 0,
-            "parents_no_evidence": len(roots), "parents_ambiguous": 0, "parents_contradicted": 0, "parents_none": 0}
+            "parents_no_evidence": len(roots), "parents_ambiguous": 0, "parents_contradicted": 0, "parents_no_request_in_flight": 0}
     issues += [f"summary {name} = {summary.get(name)}, want {value}" for name, value in want.items()
                if summary.get(name) != value]
     if not roots:

@@ -37,7 +37,7 @@ def main():
         run.start()
         for server in run.servers.values():
             print(f"demo: {server.type} server {server.name!r} on {server.base_url}, pid {server.pid}")
-        agent = Agent(discover=True, extra_args=["--output", "tree"], env=env).start()
+        agent = Agent(discover=True, extra_args=["--output", "tree", "--log-format", "text"], env=env).start()
         if env:
             print(f"demo: with {' '.join(f'{k}={v}' for k, v in env.items())}")
         print(f"demo: gym-tracer started: {' '.join(agent.args)}")
@@ -63,8 +63,9 @@ def main():
     output = agent.stdout_text()
     print("\ndemo: what gym-tracer printed (--output tree):\n")
     print(output)
-    print("demo: agent's closing line:")
-    print("  " + agent.log_messages()[-1])
+    print("demo: what gym-tracer said when it stopped (stderr):\n")
+    stderr = agent.stderr()
+    print(stderr[stderr.rfind("gym-tracer stopped after"):])
     wanted = ["POST /run", "gym.rollout", "HTTP POST", "POST /v1/responses", "gym.model.responses",
               "POST /verify", "gym.verify", "metric gym.verify.calls"]
     printed = all(text in output for text in wanted)
@@ -90,7 +91,7 @@ def start_phoenix():
 
 def show_in_phoenix(phoenix, rollout_ids):
     """Prints where each rollout's trace opens once Phoenix has it (its trace id is derived from
-    the rollout id: README, "Across hosts"), then holds Phoenix up for the person reading."""
+    the rollout id: docs/how-it-works.md, "Across hosts"), then holds Phoenix up for the person reading."""
     print(f"\ndemo: the rollouts in Arize Phoenix ({phoenix.base_url}, project `default`):")
     ok = True
     for rollout in rollout_ids:

@@ -9,7 +9,7 @@ import sys
 from gym_launch import ROLLOUT_ID
 
 
-# The OpenInference kind each gym.* span carries (README, "A trace UI"): what LLM-trace UIs
+# The OpenInference kind each gym.* span carries (docs/outputs.md, "A trace UI"): what LLM-trace UIs
 # such as Arize Phoenix show it as.
 OPENINFERENCE_KINDS = {"gym.rollout": "AGENT", "gym.agent.responses": "AGENT", "gym.model.responses": "LLM",
                        "gym.model.chat_completions": "LLM", "gym.model.messages": "LLM", "gym.verify": "EVALUATOR"}
@@ -22,7 +22,7 @@ def semantic_attributes(name, server_name, rollout_id):
             **({"nemo.gym.rollout.id": rollout_id} if rollout_id else {})}
 
 
-# What the agent adds to a gym.rollout span when the rollout ends (README, "Where a rollout's
+# What the agent adds to a gym.rollout span when the rollout ends (docs/insight.md, "Where a rollout's
 # time goes"): its phases and calls, always; its token totals where its model calls said.
 ROLLOUT_INSIGHT = {f"gym.rollout.phase.{phase}_ms" for phase in ("model", "tool", "verify", "queue", "external",
                                                                    "agent")} | {"gym.rollout.model_calls",
@@ -43,7 +43,7 @@ def gym_attributes(span):
 
 
 def rollout_trace_id(rollout_id):
-    """The trace id the tracer derives from a rollout id (README, "Across hosts")."""
+    """The trace id the tracer derives from a rollout id (docs/how-it-works.md, "Across hosts")."""
     return hashlib.sha256(f"nemo.gym.rollout/{rollout_id}".encode()).hexdigest()[:32]
 
 

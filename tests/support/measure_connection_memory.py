@@ -1,4 +1,4 @@
-"""Measures the agent's memory per traced connection (the figure in the README's "Limits
+"""Measures the agent's memory per traced connection (the figure in docs/how-it-works.md's "Limits
 under hostile input"): the real agent attached to a Gym-shaped uvicorn server, its RSS
 before and after N connections, idle and holding a partial head. Run as root:
 

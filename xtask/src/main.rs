@@ -55,8 +55,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// `cargo fmt --check` and `cargo clippy -D warnings` over the workspace.
     Lint,
-    /// Regenerate README.md's reference section (options, spans, metrics) from the code; a
-    /// unit test fails while it is stale.
+    /// Regenerate the docs' generated sections (options, spans, metrics, counters, how
+    /// parents are decided) from the code; a unit test fails while any is stale.
     Docs,
     /// Fuzz the HTTP reassembly path (cargo-fuzz target `http_reassembly`) for a bounded
     /// time, starting from the committed corpus; installs cargo-fuzz when missing.

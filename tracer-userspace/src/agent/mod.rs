@@ -26,6 +26,7 @@ use crate::export::{ExportLimits, SpanPipeline};
 use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
 use crate::model::service::{AgentResource, GymLabels};
 use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
+use crate::ops::exit_summary::{self, Verdict};
 use crate::ops::health::{Gauges, Health};
 use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
 use crate::processes::discovery::{GymServer, ProcScanner};
@@ -169,6 +170,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             .clone()
             .map(|path| RunReport::new(path, args.report_trace_url.clone())),
     };
+    let started = Instant::now();
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
         agent.attach(&mut probes, pid, labels, server)?;
@@ -187,7 +189,9 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     let kernel = probes.kernel_counters();
     drop(probes);
     let snapshot = agent.drain_and_release(&mut ring, kernel);
-    agent.shutdown(snapshot, self_telemetry, &args).await
+    agent
+        .shutdown(snapshot, self_telemetry, &args, started)
+        .await
 }
 
 async fn serve_health(args: &RunArgs, exporters: &Handle, health: &Arc<Health>) -> Result<()> {
@@ -224,8 +228,8 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
         agent_resource,
         groups: args.span_groups,
         stitch: StitchConfig {
-            max_pending: args.max_pending_spans,
-            max_nodes: args.max_pending_spans.saturating_mul(4),
+            max_pending: args.max_stitching_spans,
+            max_nodes: args.max_stitching_spans.saturating_mul(4),
             inject_traces: args.inject_traceparent,
         },
     }
@@ -615,12 +619,13 @@ impl Agent {
 
     /// Flushes spans and metrics (side by side, each within --shutdown-timeout; the agent's
     /// own metrics last, so that they count what the flush dropped), then reports every
-    /// counter: the `stopped.` line and the summary file.
+    /// counter: the exit summary (text for people, one record in a JSON log) and the summary file.
     async fn shutdown(
         self,
         snapshot: CounterSnapshot,
         self_telemetry: Option<SdkMeterProvider>,
         args: &RunArgs,
+        started: Instant,
     ) -> Result<()> {
         let in_flight = self.pipeline.table.in_flight_requests() as u64;
         let open_connections = self.pipeline.table.open_connections() as u64;
@@ -645,14 +650,14 @@ impl Agent {
         // The exporter's final totals, then its other counters (drops by reason).
         counters.extend([
             ("spans_exported", totals.spans_exported),
-            ("spans_export_failed", totals.spans_failed),
+            ("spans_lost_in_export", totals.spans_failed),
         ]);
         counters.extend(
             health
                 .export
                 .counters()
                 .into_iter()
-                .filter(|(name, _)| !matches!(*name, "spans_exported" | "spans_export_failed")),
+                .filter(|(name, _)| !matches!(*name, "spans_exported" | "spans_lost_in_export")),
         );
         counters.extend([
             (
@@ -665,15 +670,20 @@ impl Agent {
         if let Some(tree) = &totals.tree {
             counters.extend(tree.counters());
         }
-        let line: Vec<String> = counters
-            .iter()
-            .map(|(name, value)| format!("{name}={value}"))
-            .chain([format!(
-                "events_lost_by_cpu={}",
-                lost_by_cpu(&snapshot.events_lost_by_cpu)
-            )])
-            .collect();
-        tracing::info!("stopped. {}", line.join(" "));
+        if crate::ops::logging::is_json() {
+            let all: serde_json::Map<String, serde_json::Value> = counters
+                .iter()
+                .map(|(name, value)| ((*name).to_string(), (*value).into()))
+                .collect();
+            tracing::info!(
+                verdict = %Verdict::of(&counters),
+                counters = %serde_json::Value::Object(all),
+                events_lost_by_cpu = %lost_by_cpu(&snapshot.events_lost_by_cpu),
+                "stopped"
+            );
+        } else {
+            eprint!("{}", exit_summary::render(&counters, started.elapsed()));
+        }
         if let Some(path) = &args.summary_file {
             write_summary(path, &counters, &snapshot.events_lost_by_cpu)?;
         }

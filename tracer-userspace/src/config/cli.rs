@@ -15,7 +15,7 @@ use crate::gym::span_groups::SpanGroups;
     name = "gym-tracer",
     version,
     about = "Zero-code eBPF tracer for NeMo Gym's HTTP servers",
-    long_about = LONG_ABOUT,
+    long_about = long_about(),
     after_long_help = CONFIG_HELP
 )]
 pub struct Cli {
@@ -41,30 +41,29 @@ pub struct Cli {
     pub command: Command,
 }
 
-const LONG_ABOUT: &str = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n\
+const ABOUT_INTRO: &str = "Zero-code eBPF tracer for NeMo Gym's HTTP servers.\n\n\
     Attaches to running uvicorn/FastAPI processes from the kernel (syscall tracepoints) — \
     found with --discover gym or named with --pid — and rebuilds from their HTTP/1.x \
     traffic what NeMo Gym's own telemetry would emit: a SERVER span per request named \
-    after its route template, the gym.rollout / gym.verify / gym.agent.* / gym.model.* \
-    spans with server name and rollout id, http.server.request.duration and the gym.* \
-    metrics. Exports them as JSON lines on stdout by default, or over OTLP when an \
-    endpoint is configured. The traced processes are not changed, restarted or slowed by \
+    after its route template, a CLIENT span per call, the gym.rollout / gym.verify / \
+    gym.agent.* / gym.model.* spans with server name and rollout id, \
+    http.server.request.duration and the gym.* metrics; one rollout is one trace, across \
+    processes and hosts. Exports them as JSON lines on stdout by default, or over OTLP when \
+    an endpoint is configured. The traced processes are not changed, restarted or slowed by \
     in-process instrumentation; request bodies, query strings and Gym's config are never \
-    exported.\n\n\
-    Traces: a CLIENT span for every call a traced process makes. On one host, one rollout \
-    is one trace with Gym's parent edges: a call hangs under the inbound request that made \
-    it, as evidence decides (the request its task descends from, with --task-lineage; the \
-    rollout id it names, a session cookie, its handler task's context, the response id the \
-    request echoes; in a process without task contexts the only request in flight, else the \
-    innermost of nested ones; otherwise none, counted by why), and the callee's SERVER span \
-    under the caller's CLIENT span (the agent sees both ends of the connection). Across \
-    hosts, each agent derives a rollout's trace id from its rollout id (first 16 bytes of \
-    SHA-256(\"nemo.gym.rollout/\" + id)), so every span that knows its rollout lands in the \
-    same trace; a SERVER span hangs under its caller's CLIENT span on another host where both \
-    agents know the request's TCP sequence number and the server's knows its rollout, or an \
-    inbound traceparent header names it.\n\n\
-    Needs root, or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH \
-    (`gym-tracer doctor` checks this kernel and these privileges).";
+    exported.";
+
+const ABOUT_PRIVILEGES: &str = "Needs root, or CAP_BPF + CAP_PERFMON + CAP_SYS_PTRACE + \
+    CAP_DAC_READ_SEARCH (`gym-tracer doctor` checks this kernel and these privileges).";
+
+/// `gym-tracer --help`: what it does, how parents are decided (the text docs/how-it-works.md
+/// and the stitcher's module doc show too), what it needs.
+fn long_about() -> String {
+    format!(
+        "{ABOUT_INTRO}\n\nHow parents are decided:\n\n{}\n{ABOUT_PRIVILEGES}",
+        crate::stitch::EDGE_RULES.replace('`', "")
+    )
+}
 
 const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as a flag, as an \
     environment variable (shown as [env: ...]; the OpenTelemetry variables \
@@ -77,6 +76,10 @@ const CONFIG_HELP: &str = "Configuration: every option of `run` can be given as 
 
 /// `--ring-buffer-bytes` when not set (doctor's trial load allocates the same).
 pub const DEFAULT_RING_BUFFER_BYTES: u32 = 16 << 20;
+
+/// Slowest rollouts given a timeline unless `report --slowest` says otherwise (and by
+/// `run --report`).
+pub const DEFAULT_SLOWEST: usize = 10;
 
 /// `--max-connections` by default.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
@@ -105,18 +108,18 @@ pub enum Command {
     /// output (`--output json`; several files, e.g. one per host, are merged). Lines that
     /// are not the agent's are counted and skipped.
     Report(ReportArgs),
-    /// Print the configuration and span/metric reference as Markdown (the README's
-    /// reference sections are generated from it).
+    /// Print the generated parts of the docs as Markdown (the options, spans, metrics,
+    /// counters and how parents are decided), or rewrite them in place.
     #[command(hide = true)]
     Reference(ReferenceArgs),
 }
 
 #[derive(Debug, Args)]
 pub struct ReferenceArgs {
-    /// Replace the marked reference section of this Markdown file (README.md) in place,
-    /// instead of printing.
-    #[arg(long, value_name = "FILE")]
-    pub update: Option<PathBuf>,
+    /// Rewrite the marked generated sections (`reference:NAME:begin` … `end`) of these
+    /// Markdown files in place, instead of printing.
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    pub update: Vec<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -129,7 +132,7 @@ pub struct ReportArgs {
     #[arg(short, long, value_name = "FILE", default_value = "report.html")]
     pub output: PathBuf,
     /// How many of the slowest rollouts get a timeline of their critical path.
-    #[arg(long, value_name = "N", default_value_t = crate::report::DEFAULT_SLOWEST)]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_SLOWEST)]
     pub slowest: usize,
     /// Link each slow rollout's trace id to this trace UI address, `{trace_id}` replaced
     /// (e.g. `http://jaeger:16686/trace/{trace_id}`).
@@ -298,8 +301,9 @@ pub struct RunArgs {
     /// Do not read the running asyncio task's context in traced CPython processes. By
     /// default the kernel reads it at the first write of each request and response (a few
     /// memory reads, paid by the traced server), which is what ties a call to the request
-    /// that made it when many are in flight. Without it, calls are placed by rollout ids and
-    /// cookies alone, else left without a parent (counted).
+    /// that made it when many are in flight. Without it, a call is placed by the rollout id
+    /// it names, else the only request in flight, else the innermost of nested requests, else
+    /// left without a parent (counted).
     #[arg(long, env = "GYM_TRACER_NO_TASK_CONTEXTS")]
     pub no_task_contexts: bool,
 
@@ -325,7 +329,7 @@ pub struct RunArgs {
 
     /// Tasks whose lineage the kernel keeps, over all probed processes: an LRU allocated at
     /// start (about 100 bytes an entry). A live task it forgot makes its calls undecided by
-    /// lineage (counted as lineage_tasks_unseen); the default holds the live tasks of some
+    /// lineage (counted as lineage_calls_unseen); the default holds the live tasks of some
     /// 10,000 Gym requests in flight.
     #[arg(
         long,
@@ -378,7 +382,7 @@ pub struct RunArgs {
 
     /// At exit, write every counter (events, parse errors, drops by reason, exports) as one
     /// JSON object to this file: `{"counters": {name: value, ...}, "events_lost_by_cpu": [...]}`.
-    /// The same names as the `stopped.` log line and `/metrics`; for scripts and tests.
+    /// The same names as `/metrics` and the JSON log's `stopped` record; the exit summary on stderr shows those that moved. For scripts and tests.
     #[arg(long, value_name = "PATH", env = "GYM_TRACER_SUMMARY_FILE")]
     pub summary_file: Option<PathBuf>,
 
@@ -517,10 +521,13 @@ pub struct RunArgs {
     /// Finished spans held for stitching at most. A span is held until nothing can change
     /// its parent any more (its caller's end seen, the requests that could be its parent
     /// ended: events, not a delay), however long the servers queue; past this many the
-    /// oldest are exported early (counted as spans_released_early).
-    #[arg(long, value_name = "N", env = "GYM_TRACER_MAX_PENDING_SPANS", default_value_t = 100_000,
+    /// oldest are exported early (counted as spans_released_early). Formerly
+    /// --max-pending-spans: that flag, GYM_TRACER_MAX_PENDING_SPANS and the file key
+    /// max-pending-spans still work.
+    #[arg(long, value_name = "N", env = "GYM_TRACER_MAX_STITCHING_SPANS", default_value_t = 100_000,
+          visible_alias = "max-pending-spans",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    pub max_pending_spans: usize,
+    pub max_stitching_spans: usize,
 
     /// Connections tracked at once, idle keep-alive ones included. The agent's table: when
     /// full, a new connection evicts the least recently active one (idle before

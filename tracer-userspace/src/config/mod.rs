@@ -53,6 +53,8 @@ pub struct Loaded {
     pub file: Option<PathBuf>,
     /// Keys the file set (normalised to option ids), to tell file values from defaults.
     file_keys: Vec<String>,
+    /// Options set by the old name of their environment variable ([`RENAMED_OPTIONS`]).
+    env_alias_ids: Vec<String>,
     matches: ArgMatches,
 }
 
@@ -70,12 +72,36 @@ fn load_from(args: Vec<OsString>, env: impl Fn(&str) -> Option<OsString>) -> Res
         let values = read_config_file(path)?;
         (command, file_keys) = apply_file_defaults(command, &values, path)?;
     }
+    let mut env_alias_ids = Vec::new();
+    for renamed in RENAMED_OPTIONS {
+        let id = option_id(renamed.new);
+        let new_env = command
+            .find_subcommand("run")
+            .and_then(|run| run.get_arguments().find(|arg| arg.get_id() == id.as_str()))
+            .and_then(|arg| arg.get_env().map(|env| env.to_os_string()));
+        let (Some(value), None) = (
+            env(renamed.old_env),
+            new_env.and_then(|name| env(&name.to_string_lossy())),
+        ) else {
+            continue;
+        };
+        // Above the file's value (it replaces that default), below the new variable and the
+        // flag, as an environment variable ranks.
+        let value = value.to_string_lossy().into_owned();
+        for name in ["run", "check-config"] {
+            command = command.mut_subcommand(name, |sub| {
+                sub.mut_arg(&id, |arg| arg.default_value(value.clone()))
+            });
+        }
+        env_alias_ids.push(id);
+    }
     let matches = command.get_matches_from(args);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
     Ok(Loaded {
         cli,
         file,
         file_keys,
+        env_alias_ids,
         matches,
     })
 }
@@ -100,6 +126,29 @@ fn config_file_argument(args: &[OsString]) -> Option<PathBuf> {
 
 /// One value of the file, as the strings clap would have been given on the command line.
 type FileValues = BTreeMap<String, Vec<String>>;
+
+/// An option given a clearer name. The old flag is a clap alias; the old file key and the
+/// old environment variable keep working here, ranked as the new ones are.
+pub struct RenamedOption {
+    pub old: &'static str,
+    pub new: &'static str,
+    pub old_env: &'static str,
+    /// Why the old name misled.
+    pub why: &'static str,
+}
+
+pub const RENAMED_OPTIONS: &[RenamedOption] = &[RenamedOption {
+    old: "max-pending-spans",
+    new: "max-stitching-spans",
+    old_env: "GYM_TRACER_MAX_PENDING_SPANS",
+    why: "\"pending\" read as waiting for export; these are the spans held for stitching \
+          (the export queue is `--export-queue-size`)",
+}];
+
+/// The option id (clap's, `max_stitching_spans`) of a renamed option's new long name.
+fn option_id(long: &str) -> String {
+    long.replace('-', "_")
+}
 
 fn read_config_file(path: &Path) -> Result<FileValues> {
     let text = std::fs::read_to_string(path)
@@ -196,7 +245,11 @@ fn apply_file_defaults(
     let keys = file_keys(&command);
     let mut ids = Vec::new();
     for (key, strings) in values {
-        let Some(option) = keys.iter().find(|option| option.key == *key) else {
+        let key = RENAMED_OPTIONS
+            .iter()
+            .find(|renamed| renamed.old.replace('-', "_") == *key)
+            .map_or(key.clone(), |renamed| renamed.new.replace('-', "_"));
+        let Some(option) = keys.iter().find(|option| option.key == key) else {
             let valid: Vec<&str> = keys.iter().map(|option| option.long.as_str()).collect();
             bail!(
                 "{}: unknown key `{}`; the keys are the long options of `gym-tracer run`: {}",
@@ -262,6 +315,9 @@ impl Loaded {
         match matches.value_source(id) {
             Some(ValueSource::CommandLine) => Source::Flag,
             Some(ValueSource::EnvVariable) => Source::Env,
+            Some(ValueSource::DefaultValue) if self.env_alias_ids.iter().any(|key| key == id) => {
+                Source::Env
+            }
             Some(ValueSource::DefaultValue) if self.file_keys.iter().any(|key| key == id) => {
                 Source::File
             }
@@ -394,8 +450,8 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("service_name", shown(&args.service_name)),
         ("metric_interval", Some(args.metric_interval.to_string())),
         (
-            "max_pending_spans",
-            Some(args.max_pending_spans.to_string()),
+            "max_stitching_spans",
+            Some(args.max_stitching_spans.to_string()),
         ),
         ("max_connections", Some(args.max_connections.to_string())),
         (
@@ -628,24 +684,50 @@ mod tests {
     #[test]
     fn flag_beats_env_beats_file() {
         let file = Some(
-            "discover = \"gym\"\nmax-pending-spans = 10\nmax-connections = 20\nmetric-interval = 30\n",
+            "discover = \"gym\"\nmax-stitching-spans = 10\nmax-connections = 20\nmetric-interval = 30\n",
         );
         let loaded = load_with(
-            &["run", "--max-pending-spans", "11"],
+            &["run", "--max-stitching-spans", "11"],
             &[
-                ("GYM_TRACER_MAX_PENDING_SPANS", "12"),
+                ("GYM_TRACER_MAX_STITCHING_SPANS", "12"),
                 ("GYM_TRACER_MAX_CONNECTIONS", "21"),
             ],
             file,
         )
         .unwrap();
         let args = run_args(&loaded);
-        assert_eq!(args.max_pending_spans, 11, "flag wins over env and file");
+        assert_eq!(args.max_stitching_spans, 11, "flag wins over env and file");
         assert_eq!(args.max_connections, 21, "env wins over file");
         assert_eq!(args.metric_interval, 30, "file wins over default");
-        assert_eq!(loaded.source("max_pending_spans"), Source::Flag);
+        assert_eq!(loaded.source("max_stitching_spans"), Source::Flag);
         assert_eq!(loaded.source("max_connections"), Source::Env);
         assert_eq!(loaded.source("metric_interval"), Source::File);
+    }
+
+    #[test]
+    fn a_renamed_option_keeps_its_old_flag_file_key_and_variable() {
+        let loaded = load_with(&["run", "--max-pending-spans", "7"], &[], None).unwrap();
+        assert_eq!(run_args(&loaded).max_stitching_spans, 7);
+        let loaded = load_with(&["run"], &[], Some("max-pending-spans = 8\n")).unwrap();
+        assert_eq!(run_args(&loaded).max_stitching_spans, 8);
+        assert_eq!(loaded.source("max_stitching_spans"), Source::File);
+        let file = Some("max-pending-spans = 8\n");
+        let env = [("GYM_TRACER_MAX_PENDING_SPANS", "9")];
+        let loaded = load_with(&["run"], &env, file).unwrap();
+        assert_eq!(run_args(&loaded).max_stitching_spans, 9, "env beats file");
+        assert_eq!(loaded.source("max_stitching_spans"), Source::Env);
+        let both = [
+            ("GYM_TRACER_MAX_PENDING_SPANS", "9"),
+            ("GYM_TRACER_MAX_STITCHING_SPANS", "10"),
+        ];
+        let loaded = load_with(&["run"], &both, file).unwrap();
+        assert_eq!(
+            run_args(&loaded).max_stitching_spans,
+            10,
+            "the new name wins"
+        );
+        let loaded = load_with(&["run", "--max-stitching-spans", "11"], &both, file).unwrap();
+        assert_eq!(run_args(&loaded).max_stitching_spans, 11, "the flag wins");
     }
 
     #[test]

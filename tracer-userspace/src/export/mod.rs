@@ -29,7 +29,8 @@ use json::JsonLinesSink;
 pub use meter::{meter_provider, shutdown_providers};
 use otlp::options::OtlpOptions;
 use otlp::sink::OtlpSpanSink;
-use tree::{TreeCounters, TreeOptions, TreePrinter};
+pub use tree::TreeCounters;
+use tree::{TreeOptions, TreePrinter};
 
 /// Where one signal goes: to a collector over OTLP, to stdout, both (`otlp,console`: the
 /// same spans, with the same ids, in both places), or nowhere (`none`).

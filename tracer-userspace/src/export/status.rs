@@ -39,7 +39,7 @@ impl SpanDrop {
 }
 
 /// What the exporters report after each attempt: read by `/healthz`, `/metrics`, the
-/// self-telemetry and the closing line.
+/// self-telemetry and the exit summary.
 #[derive(Debug, Default)]
 pub struct ExportStatus {
     spans_exported: AtomicU64,
@@ -133,11 +133,11 @@ impl ExportStatus {
         self.metric_exports_failed.load(Ordering::Relaxed)
     }
 
-    /// The exporter's counters by name, as the closing line and `/metrics` print them.
+    /// The exporter's counters by name, as the exit summary and `/metrics` print them.
     pub fn counters(&self) -> [(&'static str, u64); 8] {
         [
             ("spans_exported", self.spans_exported()),
-            ("spans_export_failed", self.spans_failed()),
+            ("spans_lost_in_export", self.spans_failed()),
             (
                 "spans_dropped_export_buffer_full",
                 self.spans_dropped(SpanDrop::ExportBufferFull),
@@ -151,7 +151,7 @@ impl ExportStatus {
                 self.spans_dropped(SpanDrop::UndeliveredAtShutdown),
             ),
             ("spans_delivered_late", self.spans_delivered_late()),
-            ("exports_failed", self.exports_failed()),
+            ("span_exports_failed", self.exports_failed()),
             ("spans_discarded_exporter_none", self.spans_discarded()),
         ]
     }

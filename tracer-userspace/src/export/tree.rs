@@ -55,7 +55,7 @@ pub struct TreeCounters {
 }
 
 impl TreeCounters {
-    /// By name, as the closing line and the summary file print them.
+    /// By name, as the exit summary and the summary file print them.
     pub fn counters(&self) -> [(&'static str, u64); 5] {
         [
             ("trees_printed", self.trees_printed),

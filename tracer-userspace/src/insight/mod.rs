@@ -38,24 +38,31 @@ counters! {
     /// What the insight stage counts.
     pub struct InsightCounters {
         /// Rollouts whose `gym.rollout` span went out with its phases.
-        rollouts_completed,
-        /// Of them, stragglers (`gym.rollout.straggler`).
-        rollout_stragglers,
-        /// `gym.rollout` spans whose rollout was not gathered (no phases): it carried no
-        /// rollout id and its `/run` was not seen starting (the agent attached mid-rollout).
-        rollouts_not_gathered,
-        /// Spans of a rollout released after its `gym.rollout` span: not in its phases.
-        rollout_spans_after_end,
-        /// Rollouts completed before the stitcher let go of every span that could be theirs:
-        /// past `MAX_WAITING_ROLLOUTS` kept back at once.
-        rollouts_completed_early,
-        /// Spans of running rollouts given up for memory (`MAX_GATHERED_SPANS`).
-        rollout_spans_evicted,
-        /// Spans in a rollout's trace that are not under its `gym.rollout` (a call whose
-        /// parent was not decided, its own root in the same trace).
-        rollout_spans_outside_tree,
-        /// Requests in flight not kept for the live view (`MAX_LIVE_REQUESTS`).
-        live_requests_untracked,
+        traced rollouts_completed,
+        /// Completed rollouts flagged as stragglers (`gym.rollout.straggler`). Over 3 times their
+        /// agent's median, once that agent completed 20.
+        note rollout_stragglers,
+        /// Rollouts whose `gym.rollout` span went out without phases. It carried no rollout id and
+        /// its `/run` was not seen starting (the agent attached mid-rollout).
+        lost rollouts_not_gathered,
+        /// Spans of a rollout released after its `gym.rollout` span: not in its phases. The spans
+        /// themselves are exported.
+        note rollout_spans_after_end,
+        /// Rollouts summed up before every span that could be theirs was released. Past
+        /// `MAX_WAITING_ROLLOUTS` (65,536) kept back at once: their phases may miss spans still
+        /// held.
+        lost rollouts_completed_early,
+        /// Spans of running rollouts dropped from the phase bookkeeping for memory. Past
+        /// `MAX_GATHERED_SPANS` (262,144) the oldest rollout's go: the spans are still exported,
+        /// but its phases lack them.
+        lost rollout_spans_evicted,
+        /// Spans in a rollout's trace that are not under its `gym.rollout`. A call whose parent was
+        /// not decided is a root of its own in the same trace (see `parents_*`).
+        note rollout_spans_outside_tree,
+        /// Requests in flight left out of the live view (`gym-tracer top`). Past
+        /// `MAX_LIVE_REQUESTS` (131,072) at once, `/rollouts` does not show them; their spans are
+        /// still exported.
+        note live_requests_untracked,
     }
 }
 

@@ -1,5 +1,5 @@
 //! One snapshot of every stage's counters: what came in, what was exported, and everything
-//! dropped, by reason. `/metrics`, the self-telemetry, the `stopped.` line and the summary
+//! dropped, by reason. `/metrics`, the self-telemetry, the exit summary and the summary
 //! file all read it, so that no loss is silent and no two places name a counter differently.
 
 use std::fmt;
@@ -16,109 +16,166 @@ counters! {
     /// What the agent itself counts around the pipeline: processes it attached and lost,
     /// route harvests, and the hand-off of spans to the exporters.
     pub struct AgentCounters {
-        processes_attached,
-        processes_exited,
-        /// Discovered servers that could not be added to the kernel's PID filter (full).
-        processes_not_traced,
-        route_tables_harvested,
-        route_harvests_failed,
-        spans_queued,
-        spans_dropped_queue_full,
-        /// `--inject-traceparent`: handler traces the kernel's map had no room for (their
-        /// calls leave unchanged).
-        traces_not_published,
+        /// Processes attached: each `--pid`, and each server `--discover` found. Their forked
+        /// children are counted in `forks_followed` instead.
+        traced processes_attached,
+        /// Traced processes that exited. Not a loss: expected whenever servers stop or restart;
+        /// requests they still had in flight are exported as aborted.
+        note processes_exited,
+        /// Discovered servers that could not be added to the kernel's PID filter. Usually the
+        /// filter is full: it holds 8,192 processes (`MAX_TRACED_PIDS`), forked children included.
+        /// The log names each server and the error.
+        lost processes_not_traced,
+        /// Servers whose route table (`/openapi.json`) named their spans.
+        traced route_tables_harvested,
+        /// Servers whose route table (`/openapi.json`) could not be read. Their spans are named
+        /// from `--route` and Gym's known routes. The log says why (not a FastAPI server, no
+        /// answer, or a port the agent cannot reach from its network namespace); give templates
+        /// with `--route`, or skip the fetch with `--no-route-harvest`.
+        note route_harvests_failed,
+        /// Spans handed to the exporter's queue.
+        traced spans_queued,
+        /// Spans dropped because the export queue (`--export-queue-size`) was full. The export task
+        /// fell behind (stdout read too slowly, or a collector slow to answer): raise
+        /// `--export-queue-size`, or speed up what reads the output.
+        lost spans_dropped_queue_full,
+        /// Handler traces the kernel's injection map had no room for. With `--inject-traceparent`,
+        /// the map holds 16,384 traces; those handlers' calls leave without a `traceparent`, so a
+        /// callee on another host does not join their trace.
+        lost traces_not_published,
     }
 }
 
 counters! {
     /// What the kernel and /proc report.
     pub struct HostCounters {
-        /// Records the kernel could not put on the full ring buffer (summed over CPUs).
-        events_lost_in_kernel,
-        /// Threads a traced process started: the kernel keeps them out of the PID filter
-        /// (only new processes are followed).
-        fork_threads_ignored,
-        /// Processes whose environment discovery could not read.
-        environ_unreadable,
-        /// Connections the kernel did not follow: its socket map (`--max-connections`) was
-        /// full.
-        sockets_untracked_map_full,
-        /// Transfers of traced processes on TCP sockets the kernel did not know (opened
-        /// before tracing began, or not followed as above): requests on them are not traced.
-        transfers_on_unknown_sockets,
-        /// Socket calls the kernel did not follow: its pending-call map was full.
-        socket_calls_untracked_map_full,
-        /// Kernel map entries deleted for processes and threads that ended without closing
-        /// them (not a loss).
-        kernel_entries_swept,
+        /// Records the kernel could not put on the full ring buffer, summed over CPUs. The requests
+        /// and connections they carried are missing or cut short: raise `--ring-buffer-bytes`
+        /// (`events_lost_by_cpu` shows whether one CPU loses alone). Forked children the full PID
+        /// filter could not take are counted here too.
+        lost events_lost_in_kernel,
+        /// Threads started by traced processes (followed through their process). Not a loss: only
+        /// new processes take an entry in the PID filter.
+        note fork_threads_ignored,
+        /// Processes `--discover` skipped because it could not read their environment. A Gym server
+        /// among them is not traced: grant `CAP_SYS_PTRACE` and `CAP_DAC_READ_SEARCH` and run the
+        /// agent in the host's PID namespace (`gym-tracer doctor` checks both). Other processes
+        /// count too, so a small number with every server traced is harmless.
+        note environ_unreadable,
+        /// Connections the kernel did not follow because its socket map was full. Their requests
+        /// are not traced: raise `--max-connections` (the kernel's map holds twice as many
+        /// sockets).
+        lost sockets_untracked_map_full,
+        /// Reads and writes on TCP sockets the kernel does not follow. Their requests are not
+        /// traced. Expected for connections a traced process opened before the agent attached
+        /// (keep-alive pools), which are never followed: start the agent before the Gym servers;
+        /// otherwise see `sockets_untracked_map_full`.
+        lost transfers_on_unknown_sockets,
+        /// Socket calls the kernel did not follow: its pending-call map was full. The map holds one
+        /// entry per thread of the traced processes (16,384, `MAX_PENDING_CALLS`); the calls missed
+        /// are not traced. If it moves with fewer threads than that, report a bug with the agent's
+        /// log.
+        lost socket_calls_untracked_map_full,
+        /// Kernel map entries deleted for processes and threads that ended. Not a loss:
+        /// housekeeping for what they left open.
+        note kernel_entries_swept,
         /// Traced CPython processes whose running task's context the kernel reads.
-        python_runtimes_read,
-        /// Traced CPython processes whose runtime this build could not use (unknown version,
-        /// free-threaded, stripped, ...): no context reads there. The log names the reason.
-        python_runtimes_off,
-        /// Traced processes that are not CPython (no context reads; not a loss).
-        python_processes_not_python,
-        /// CPython threads handed to the kernel's context-read map.
-        python_threads_registered,
-        /// CPython threads the kernel's context-read map had no room for.
-        python_threads_not_registered,
-        /// Message-start writes at which the kernel read a task-context chain.
-        context_chains_read,
-        /// Message-start writes of registered threads with no current context (or an
-        /// unreadable one): reported with no chain.
-        context_chains_empty,
-        /// Message-start writes of threads without an entry (not CPython, runtime off, or
-        /// started since the last rescan): nothing read.
-        context_thread_unknown,
-        /// Chain walks stopped at an object that was not a `Context`.
-        context_not_a_context,
-        /// Chain walks stopped by a failed read.
-        context_reads_failed,
-        /// Context records the full ring buffer refused (also in events_lost_in_kernel).
-        context_records_lost,
-        /// `--inject-traceparent`: requests that left with a `traceparent` line inserted.
-        traceparents_injected,
-        /// Requests written before their handler's request (and so its trace) was known:
-        /// sent unchanged.
-        traceparents_not_known,
-        /// Requests that carried a `traceparent` of their own: left as they were.
-        traceparents_carried,
-        /// Requests whose request line or head end was not within the write's first
-        /// 1,024 bytes: sent unchanged (a `traceparent` could hide past them).
-        traceparents_head_unscanned,
-        /// Requests from a task whose published request had already been answered (its
-        /// context's address now another request's): sent unchanged.
-        traceparents_owner_answered,
-        /// Requests armed on sockets outside the injection map (connected before the agent
-        /// started): sent unchanged.
-        traceparents_not_delivered,
-        /// Requests the `sk_msg` program found changed or could not insert into: unchanged.
-        traceparents_failed,
-        /// Traced client sockets the injection map had no room for.
-        inject_sockets_map_full,
-        /// `--task-lineage`: processes whose task creations are probed.
-        lineage_processes,
-        /// Processes that want lineage but whose interpreter the probe cannot serve (unknown
-        /// version, no symbols, layout not confirmed, ...): the log names the reason.
-        lineage_processes_off,
-        /// Tasks the probe saw created, in all (the trap each one cost its server).
-        lineage_tasks_probed,
-        /// Of those: request roots born for a known inbound request,
-        lineage_request_roots,
-        /// request roots created where no inbound request was being read (a pipelined
-        /// request; a read on a socket the kernel does not follow),
-        lineage_roots_without_request,
-        /// tasks created outside any task that are no request's root (timers, background),
-        lineage_other_roots,
-        /// tasks that took their creator's lineage,
-        lineage_inherited,
-        /// tasks whose creator had no recorded lineage (created before the probe, or
-        /// forgotten to --max-tasks),
-        lineage_creator_unseen,
-        /// tasks whose creator could not be read.
-        lineage_creator_unreadable,
-        /// Lineages deleted from the kernel for processes that are gone (not a loss).
-        lineage_tasks_forgotten,
+        traced python_runtimes_read,
+        /// Traced CPython processes whose runtime this build cannot read. No task contexts there:
+        /// the log and `gym-tracer doctor --pid PID` name the reason (a version other than 3.12 to
+        /// 3.14, free-threaded, stripped, or `CAP_SYS_PTRACE` missing). Their calls are placed by
+        /// rollout id, the only request in flight or nesting alone, so more are left undecided.
+        note python_runtimes_off,
+        /// Traced processes that are not CPython: no task contexts read there. Not a loss; their
+        /// calls are placed by rollout id, the only request in flight or nesting.
+        note python_processes_not_python,
+        /// CPython threads handed to the kernel for task-context reads.
+        traced python_threads_registered,
+        /// CPython threads the kernel's context-read map had no room for. The map holds 16,384
+        /// threads (`MAX_PYTHON_THREADS`) and a thread is counted again at each rescan (every 5 s);
+        /// its writes carry no task context, so more calls are left undecided.
+        note python_threads_not_registered,
+        /// Message-start writes at which the kernel read the writing task's context.
+        traced context_chains_read,
+        /// Message-start writes by registered threads with no readable context. Reported with no
+        /// chain: that write gives no task-context evidence. Not a loss; the call is placed by
+        /// other evidence.
+        note context_chains_empty,
+        /// Message-start writes by threads the kernel has no context-read entry for. Nothing read.
+        /// Expected in processes that are not CPython or whose runtime is off, and for threads
+        /// started since the last rescan (every 5 s).
+        note context_thread_unknown,
+        /// Context-chain walks stopped at an object that was not a `Context`. The chain keeps the
+        /// links read before it. Rare: a count that grows with traffic points at a runtime layout
+        /// this build misreads; report a bug with the agent's log.
+        note context_not_a_context,
+        /// Context-chain walks stopped by a failed memory read. The chain keeps the links read
+        /// before it. Rare (memory paged out); the call is placed by other evidence.
+        note context_reads_failed,
+        /// Task-context records the full ring buffer refused. Also in `events_lost_in_kernel`;
+        /// their writes carry no task context: raise `--ring-buffer-bytes`.
+        lost context_records_lost,
+        /// Requests that left with a `traceparent` inserted (`--inject-traceparent`).
+        traced traceparents_injected,
+        /// Requests sent without a `traceparent`: their handler's trace was not known. Expected for
+        /// a handler's first call, which is what binds the handler. With `--task-lineage on` on the
+        /// caller, an inbound request's own `traceparent` is carried from the first call.
+        note traceparents_not_known,
+        /// Requests that already carried a `traceparent`: left as they were. Not a loss: the
+        /// caller's own instrumentation names the parent.
+        note traceparents_carried,
+        /// Requests sent unchanged: their head did not end in the first 1,024 bytes. A
+        /// `traceparent` could hide past them, so none is inserted; expected for very large heads
+        /// or heads written in pieces.
+        note traceparents_head_unscanned,
+        /// Requests sent unchanged: their handler's request was already answered. The handler's
+        /// context may belong to another request by then, so its trace is withdrawn; expected for
+        /// calls made after the response (background work).
+        note traceparents_owner_answered,
+        /// Requests sent unchanged: their socket was not in the injection map. Expected for
+        /// connections opened before the agent started (keep-alive pools); otherwise see
+        /// `inject_sockets_map_full`.
+        note traceparents_not_delivered,
+        /// Requests sent unchanged: the `sk_msg` program could not insert the line. It found the
+        /// bytes changed, or the insert failed. Should stay near 0; if it grows, report a bug with
+        /// the agent's log.
+        lost traceparents_failed,
+        /// Traced client sockets the injection map had no room for (65,536 sockets). Their requests
+        /// go out without a `traceparent` (counted in `traceparents_not_delivered`).
+        lost inject_sockets_map_full,
+        /// Processes whose task creations are probed (`--task-lineage`).
+        traced lineage_processes,
+        /// Processes wanting task lineage whose interpreter the probe cannot serve. The log and
+        /// `gym-tracer doctor --pid PID` name the reason (CPython other than 3.12 or 3.13, no
+        /// symbols, layout not confirmed, task-context reads off); their calls are placed by the
+        /// other evidence.
+        note lineage_processes_off,
+        /// Tasks the lineage probe saw created, in all. Each cost its server one uprobe trap; the
+        /// next six counters split them by what the probe found.
+        traced lineage_tasks_probed,
+        /// Request tasks created for the inbound request their thread was reading. The normal case:
+        /// their calls hang under that request (`parents_by_lineage`).
+        note lineage_request_roots,
+        /// Request tasks created while no inbound request was being read. A pipelined request, or a
+        /// read on a socket the kernel does not follow; their calls wait for a response one of
+        /// their tasks writes to name the request.
+        note lineage_roots_without_request,
+        /// Tasks created outside any task that are no request's root. Timers and background loops:
+        /// not a loss, their calls belong to no request (`lineage_calls_background`).
+        note lineage_other_roots,
+        /// Tasks that took their creator's lineage. The normal case: a handler's child tasks
+        /// (`asyncio.gather`, `TaskGroup`, middleware).
+        note lineage_inherited,
+        /// Tasks whose creator had no recorded lineage, so neither do they. Expected for tasks of
+        /// creators started before the probe; otherwise the creator was forgotten: raise
+        /// `--max-tasks`.
+        note lineage_creator_unseen,
+        /// Tasks whose creator could not be read, so they have no lineage. Rare; their calls are
+        /// placed by the other evidence.
+        note lineage_creator_unreadable,
+        /// Task lineages deleted from the kernel for processes that are gone. They exited or
+        /// replaced their program. Not a loss: housekeeping.
+        note lineage_tasks_forgotten,
     }
 }
 
@@ -151,7 +208,7 @@ impl Counters for CounterSnapshot {
 
 impl CounterSnapshot {
     /// Every counter by name, in the order they are printed. The names are the keys of the
-    /// shutdown line and the summary file and, prefixed `gym_tracer_` with `_total`, the
+    /// exit summary and the summary file and, prefixed `gym_tracer_` with `_total`, the
     /// Prometheus counters.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
         let mut all = Vec::with_capacity(48);

@@ -2,6 +2,7 @@
 //! per line for log collectors, filtered by RUST_LOG.
 
 use std::io::IsTerminal;
+use std::sync::OnceLock;
 
 use tracing_subscriber::EnvFilter;
 
@@ -20,6 +21,7 @@ pub fn init(format: LogFormat) {
         LogFormat::Text => false,
         LogFormat::Auto => !std::io::stderr().is_terminal(),
     };
+    let _ = JSON.set(json);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -33,4 +35,12 @@ pub fn init(format: LogFormat) {
     } else {
         builder.with_ansi(std::io::stderr().is_terminal()).init();
     }
+}
+
+static JSON: OnceLock<bool> = OnceLock::new();
+
+/// Whether the log is JSON lines (for collectors) rather than text (for people): the exit
+/// summary is a block of text for people, one record for collectors.
+pub fn is_json() -> bool {
+    JSON.get().copied().unwrap_or(false)
 }

@@ -3,6 +3,7 @@
 
 pub mod counters;
 pub mod doctor;
+pub mod exit_summary;
 pub mod health;
 pub mod logging;
 pub mod reference;

@@ -215,7 +215,7 @@ const SELF_INSTRUMENTS: [SelfInstrument; 13] = [
             kind: GAUGE,
             unit: "{span}",
             description: "Spans held now, by `stage`: `stitching` (waiting until \
-                          nothing can change their parent, --max-pending-spans), `export_buffer` (waiting for the \
+                          nothing can change their parent, --max-stitching-spans), `export_buffer` (waiting for the \
                           collector, --export-buffer-spans).",
         },
         observe: |health, _, gauges| {
@@ -309,7 +309,7 @@ fn register(meter: &Meter, instrument: &'static SelfInstrument, health: Arc<Heal
 
 /// Exports the self-telemetry every `interval` and once more on exit, over OTLP or as JSON
 /// lines among the servers' metrics; `None` for `--output tree` (stdout is for people
-/// there, and the `stopped.` line says it all). The reader runs on `runtime`.
+/// there, and the exit summary says it all). The reader runs on `runtime`.
 pub fn start(
     runtime: &tokio::runtime::Handle,
     target: &ExportTarget,

@@ -49,21 +49,32 @@ pub const MAX_PEER_NAMES: usize = 4096;
 counters! {
     /// What the core itself counts (each stage it drives counts its own).
     pub struct PipelineCounters {
-        events_in,
-        events_undecodable,
-        exchanges,
-        /// Requests named by their method alone: past the per-process cap on guessed routes.
-        requests_unnamed,
-        /// The agent's own requests to the servers (route harvest), not exported.
-        self_requests_ignored,
-        /// Traced processes that replaced their program (`execve`); their connections ended.
-        processes_execd,
-        forks_followed,
-        /// Server addresses not remembered for `peer.service`: past [`MAX_PEER_NAMES`].
-        peer_names_dropped,
-        /// TLS connections that ended without a request the tracer could read (a TLS
-        /// library the uprobes do not cover): exported as one `TLS` span each.
-        tls_connections_unread,
+        /// Records read from the kernel's ring buffer.
+        traced events_in,
+        /// Records from the kernel that the agent could not decode. Should be 0: the agent and its
+        /// eBPF object do not match; report a bug with the agent's log.
+        lost events_undecodable,
+        /// HTTP requests followed to their end, served and sent, aborted ones included.
+        traced requests_traced,
+        /// Served requests whose span is named by their method alone. The server had over 256
+        /// guessed route names (ids the guess missed), or the path was no route (`*`, a full URL):
+        /// name them with `--route TEMPLATE`.
+        note requests_unnamed,
+        /// The agent's own requests to the servers (the route harvest), not exported. Not a loss.
+        note self_requests_ignored,
+        /// Traced processes that replaced their program (`execve`). Their connections ended and
+        /// their requests in flight were exported as aborted (`process_exec`); the new program is
+        /// looked at afresh.
+        note processes_execd,
+        /// Forked children traced with their parent's identity (uvicorn workers).
+        traced forks_followed,
+        /// Server addresses not remembered for `peer.service` (past 4,096). Calls to those
+        /// addresses carry no `peer.service` (`MAX_PEER_NAMES`).
+        note peer_names_dropped,
+        /// TLS connections that ended with no request the tracer could read. Each is exported as
+        /// one `TLS` span. Expected with `--no-tls`; otherwise their process's TLS library is one
+        /// the uprobes do not cover (see `tls_processes_unprobed` and the log).
+        lost tls_connections_unread,
     }
 }
 
@@ -485,7 +496,7 @@ impl<M: RequestMetrics> Pipeline<M> {
     }
 
     fn end_request(&mut self, exchange: &HttpExchange, now: Instant, observer: &mut impl Observer) {
-        self.counters.exchanges += 1;
+        self.counters.requests_traced += 1;
         let stitcher = &self.stitcher;
         self.insight
             .request_ended(exchange.span_id, || stitcher.trace_of(exchange.span_id));

@@ -10,14 +10,16 @@ use crate::model::counters::counters;
 counters! {
     /// What the agent did about TLS libraries.
     pub struct TlsProbeCounters {
-        /// Attaches of the SSL uprobes to a library file: one per traced process that maps one
+        /// Attaches of the SSL uprobes to a library file. One per traced process that maps one
         /// (`--tls-probe-scope process`, the default), or one per file (`library`).
-        tls_libraries_probed,
-        /// Attaches that failed (logged with the reason).
-        tls_libraries_failed,
-        /// Processes that opened a TLS connection the uprobes cannot see into (a statically
-        /// linked or another TLS library; logged once each).
-        tls_processes_unprobed,
+        traced tls_libraries_probed,
+        /// Attaches of the SSL uprobes that failed. The log names the library and why; HTTPS
+        /// requests through it are not traced.
+        lost tls_libraries_failed,
+        /// Processes that opened a TLS connection the uprobes cannot see into. Statically linked
+        /// TLS (Go, Rust) or a library other than OpenSSL: each is logged once, and its connections
+        /// show as `TLS` spans (`tls_connections_unread`).
+        note tls_processes_unprobed,
     }
 }
 

@@ -30,30 +30,59 @@ use crate::reassembly::http::{
 counters! {
     /// What reassembly could not follow, by reason: every request it drops is counted here.
     pub struct ReassemblyCounters {
-        parse_not_http,
-        parse_head_too_large,
-        parse_uncaptured_start,
-        parse_lost_chunk_framing,
-        data_without_connection,
-        responses_without_request,
-        requests_dropped_overflow,
-        /// Connections not tracked because the table had nothing to evict (`--max-connections 0`).
-        connections_dropped,
-        /// Connections evicted, least recently active first, to make room in a full table.
-        connections_evicted,
-        /// Of those, evicted because all connections together buffered too many bytes
-        /// (partial heads): `MAX_BUFFERED_BYTES`.
-        connections_evicted_for_memory,
-        /// Requests in flight on evicted connections, exported as aborted (`tracer_evicted`).
-        requests_evicted,
-        connections_not_http,
-        /// Message writes whose Python task context the kernel could not read.
-        task_contexts_unreadable,
-        /// Task contexts not followed by the message write they announced.
-        task_contexts_unused,
-        /// The most connections tracked at once: a high-water mark, never above
-        /// `--max-connections` (what tests and operators check the bound against).
-        connections_tracked_peak,
+        /// Message starts whose bytes were not HTTP/1.x. Not a loss for other protocols (HTTP/2,
+        /// gRPC, databases): a connection with 3 parse errors and nothing in flight is given up
+        /// (`connections_not_http`).
+        note parse_not_http,
+        /// Message heads longer than the capture (`--capture-bytes`) or 16 KiB. The span is built
+        /// from the header lines captured, and headers past them (a `traceparent`, a cookie) are
+        /// missing: raise `--capture-bytes` (at most 8192).
+        lost parse_head_too_large,
+        /// Messages that began in bytes the kernel did not capture: not traced. A message that
+        /// starts mid-transfer, past the captured bytes (after a body in the same read or write),
+        /// is not seen; the connection resumes at the next transfer that starts a message.
+        lost parse_uncaptured_start,
+        /// Chunked bodies whose chunk sizes were not all captured. The body's end is then taken
+        /// from a transfer that ends in `0\r\n\r\n`, so the message's end time may be off.
+        note parse_lost_chunk_framing,
+        /// Data records for a connection the agent's table does not hold. Their bytes are dropped:
+        /// its open record was lost (`events_lost_in_kernel`), it was not admitted
+        /// (`connections_dropped`), or it had just been evicted or given up.
+        lost data_without_connection,
+        /// Responses with no request in flight to pair with: no span. The request was not seen (a
+        /// lost record, or a head that could not be parsed: see `parse_*`).
+        lost responses_without_request,
+        /// Requests given up because 64 on one connection awaited responses. The limit is 64
+        /// requests or 64 KiB of their heads; the oldest is exported as aborted (`error.type`
+        /// `tracer_overflow`). Usually the responses were not being parsed (see `parse_*`).
+        lost requests_dropped_overflow,
+        /// Connections not tracked: the table could evict nothing. Only with `--max-connections 0`.
+        lost connections_dropped,
+        /// Connections evicted from the full table, least recently active first. Requests in flight
+        /// on them are exported as aborted (`requests_evicted`) and later requests on them are not
+        /// traced: raise `--max-connections`.
+        lost connections_evicted,
+        /// Connections evicted because all connections together buffered over 256 MiB. The bound is
+        /// `MAX_BUFFERED_BYTES`, and these are also in `connections_evicted`. Healthy traffic holds
+        /// next to nothing there: look for peers that send heads a few bytes at a time on many
+        /// connections.
+        lost connections_evicted_for_memory,
+        /// Requests in flight on evicted connections, exported as aborted. Their spans carry
+        /// `error.type` `tracer_evicted`: raise `--max-connections`.
+        lost requests_evicted,
+        /// Connections given up as not HTTP/1.x after 3 parse errors. The kernel stops capturing
+        /// them. Not a loss for other protocols (HTTP/2, gRPC, databases).
+        note connections_not_http,
+        /// Message writes whose Python task context the kernel could not read. That write gives no
+        /// task-context evidence (see `context_chains_empty` and `context_reads_failed`); the call
+        /// is placed by other evidence.
+        note task_contexts_unreadable,
+        /// Task-context records not followed by the write they announced. Not a loss by itself: the
+        /// write's record was lost, or its connection is not tracked.
+        note task_contexts_unused,
+        /// The most connections tracked at once. A high-water mark, never above
+        /// `--max-connections`: near it, raise `--max-connections` before evictions start.
+        note connections_tracked_peak,
     }
 }
 

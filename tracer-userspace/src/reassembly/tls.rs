@@ -30,17 +30,21 @@ use crate::model::exchange::SocketId;
 counters! {
     /// How TLS plaintext found (or did not find) its connection.
     pub struct TlsCounters {
-        /// Plaintext records (TLS reads and writes) the uprobes reported.
-        tls_records,
-        /// `SSL*`s tied to their connection by a socket transfer inside the call (blocking).
-        tls_sessions_by_syscall,
-        /// `SSL*`s tied to their connection by the length of the records their writes made.
-        tls_sessions_by_record_length,
-        /// Ciphertext writes that two `SSL*`s could have made: decided by a later write.
-        tls_matches_ambiguous,
-        /// Plaintext records given up before their connection was known (held too long,
-        /// or past the bounds on what is held).
-        tls_records_unmatched,
+        /// Plaintext records (TLS reads and writes) the OpenSSL uprobes reported.
+        traced tls_records,
+        /// TLS sessions tied to their connection by a transfer inside the call. Blocking sockets
+        /// (`requests`, `ssl.SSLSocket`); not a loss.
+        note tls_sessions_by_syscall,
+        /// TLS sessions tied to their connection by the lengths of their records. asyncio's TLS
+        /// (uvloop, aiohttp, uvicorn), which sends after the call; not a loss.
+        note tls_sessions_by_record_length,
+        /// Ciphertext writes two TLS sessions could have made: left to a later write. Not a loss
+        /// while `tls_records_unmatched` stays 0.
+        note tls_matches_ambiguous,
+        /// Plaintext records given up before their connection was known. Held over 2 s, past 256
+        /// records or 1 MiB for one session, past 4,096 sessions waiting, or still held at exit;
+        /// their requests are not traced.
+        lost tls_records_unmatched,
     }
 }
 

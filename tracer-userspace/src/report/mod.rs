@@ -31,8 +31,7 @@ use batch::Batch;
 use input::{Input, Server};
 use page::PageOptions;
 
-/// Slowest rollouts given a timeline unless `--slowest` says otherwise (and by `run --report`).
-pub const DEFAULT_SLOWEST: usize = 10;
+pub use crate::config::cli::DEFAULT_SLOWEST;
 
 /// What was written.
 #[derive(Debug)]

@@ -445,7 +445,7 @@ impl Stitcher {
 
     pub(super) fn count_undecided(&mut self, why: Option<Undecided>) {
         let counter = match why {
-            Some(Undecided::NoInbound) => &mut self.counters.parents_none,
+            Some(Undecided::NoInbound) => &mut self.counters.parents_no_request_in_flight,
             Some(Undecided::Ambiguous) => &mut self.counters.parents_ambiguous,
             Some(Undecided::Contradicted) => &mut self.counters.parents_contradicted,
             Some(Undecided::NoEvidence) | None => &mut self.counters.parents_no_evidence,

@@ -1,29 +1,26 @@
 //! Stitching: which span is whose parent and which trace each one is in, so that one rollout
 //! reads as one trace across the agent, model and resources processes.
 //!
-//! Every request gets its span id when its head is seen ([`RequestStart`]), long before it
-//! ends, so edges can be drawn while both ends are still in flight:
-//! - inside a process, an outbound call hangs under the inbound request that caused it, as
-//!   evidence decides ([`calls`], [`lineage`]): the request root its writing task descends
-//!   from (`--task-lineage`); the rollout id it names and the session cookie it carries; the
-//!   handler task's context it shares with calls already placed, or with the request's
-//!   response; the response id the request's answer echoes; in a process without task
-//!   contexts, the only request in flight, else the innermost of nested ones. Otherwise
-//!   nothing — never a guess — counted by why;
-//! - across processes on this host, the server end of a TCP connection hangs under the client
-//!   end: (client address, server address, the TCP sequence number of the request's first
-//!   byte, or its ordinal where that is unknown) names one request from either side,
-//!   whichever is seen first;
-//! - an inbound `traceparent` wins over both;
-//! - across hosts, nothing is shared: a CLIENT span whose request's TCP sequence number is
-//!   known gets an id derived from it ([`SpanId::of_tcp_request`]), and a SERVER span whose
-//!   caller is not on this host names that id as its parent, where its trace is known here
-//!   (a rollout id) and its caller is a Gym server, traced by an agent of its own host.
+//! # How parents are decided
 //!
-//! Trace ids are resolved when a span is released, not when it is built: a finished span is
-//! held until no event can change its parent or any ancestor's ([`settle`] says, per kind of
-//! evidence, which event closes it). A trace with a rollout id gets a trace id derived from
-//! it ([`rollout_trace_id`]), so agents on different hosts agree without talking.
+//! This is the text `gym-tracer --help` and docs/how-it-works.md print ([`EDGE_RULES`]):
+//!
+#![doc = include_str!("edges.md")]
+//!
+//! # Where in the code
+//!
+//! Every request gets its span id when its head is seen ([`RequestStart`]), long before it
+//! ends, so edges can be drawn while both ends are still in flight. A call's parent inside a
+//! process is chosen in [`calls`] (the evidence, intersected) and [`lineage`] (the kernel's
+//! task lineage); a process without task contexts is decided by
+//! `Stitcher::choose_caller_without_context`. Across processes the connection keys live here;
+//! across hosts a CLIENT span's id is [`SpanId::of_tcp_request`] and a trace's is
+//! [`rollout_trace_id`]. Trace ids are resolved when a span is released, not when it is
+//! built: [`settle`] says, per kind of evidence, which event closes a span's chain.
+
+/// How parents are decided, for people: `gym-tracer --help` and docs/how-it-works.md print
+/// it, and it opens this module's doc. Keep it true to [`calls`], [`lineage`] and [`settle`].
+pub const EDGE_RULES: &str = include_str!("edges.md");
 
 mod calls;
 pub mod context_keys;
@@ -92,117 +89,140 @@ pub enum SpanRole {
 counters! {
     /// What the stitcher counts: every edge it could not decide, by reason.
     pub struct StitchCounters {
-        /// Server spans linked to the client span of a caller on this host.
-        cross_process_links,
-        /// Server spans given the client span of a Gym server on another host as parent, by
-        /// the TCP sequence number of the request's first byte.
-        cross_host_parents,
-        /// Server spans of requests from a Gym server not on this host whose trace is not
-        /// known here (no rollout id, no `traceparent`): exported as roots, marked
-        /// `gym_tracer.parent.unjoined`.
-        cross_host_unjoined,
-        /// Inbound requests given their rollout by a session that a response of the same
-        /// resources server opened for a request of that rollout.
-        rollouts_by_session,
-        /// Server spans whose parent an inbound `traceparent` names (another agent's
-        /// injection, or the caller's own instrumentation).
-        parents_from_traceparent,
-        /// `--inject-traceparent`: handler tasks whose request's trace the kernel was given
-        /// for their next outbound requests.
-        traces_published,
-        /// Handler tasks bound to a request whose trace could still change (a root with no
-        /// rollout id yet): not given to the kernel then; published if it settles while the
-        /// request is in flight (then in traces_published too), else their calls leave
-        /// unchanged.
-        traces_unsettled,
-        /// Sessions opened for requests of two different rollouts: no longer evidence.
-        sessions_conflicting,
-        /// Outbound calls left without a parent, by why (counted when their span is
-        /// released): more than one candidate and nothing to tell them apart,
-        parents_ambiguous,
-        /// evidence that names different requests (or a rollout the only candidate lacks),
-        parents_contradicted,
-        /// no inbound request of the process in flight,
-        parents_none,
-        /// candidates in flight but no evidence about any of them.
-        parents_no_evidence,
-        /// Outbound calls given their parent, by the evidence that decided it: the task
-        /// lineage (`--task-lineage`: the task that wrote the call descends from the inbound
-        /// request's root task),
-        parents_by_lineage,
-        /// the rollout id (path prefix or body),
-        parents_by_rollout_id,
-        /// a session cookie the inbound request carried too,
-        parents_by_cookie,
-        /// the handler task's context, shared with a call placed by other evidence,
-        parents_by_task_context,
-        /// the task context the inbound request's response was written under,
-        parents_by_response_context,
-        /// the response id the inbound request's response echoed,
-        parents_by_echoed_id,
-        /// the only inbound request in flight (a process without task contexts, or no other
-        /// evidence),
-        parents_by_only_inbound,
-        /// nesting (a process without task contexts: the innermost of nested requests),
-        parents_by_nesting,
-        /// A handler task's calls whose evidence named two different requests: the calls
-        /// placed by the task context since are left as they were.
-        task_context_conflicts,
-        /// Calls of a probed process whose task lineage names no inbound request, by why:
-        /// the task was created outside any task and is no request's root (a timer's, a
-        /// background loop's),
-        lineage_calls_background,
-        /// it (or an ancestor) was created before the probe or forgotten to --max-tasks,
-        lineage_calls_unseen,
-        /// the call was written outside any task,
-        lineage_calls_no_task,
-        /// the running task could not be read.
-        lineage_calls_unreadable,
-        /// Calls whose lineage named an inbound request the graph no longer holds (evicted,
-        /// or on a connection the tracer does not follow): placed by a response of the same
-        /// request root, or by other evidence.
-        lineage_requests_unmatched,
-        /// Request roots whose evidence named two different inbound requests (the kernel's
-        /// birth and a response written by one of its tasks): their calls are left as they
-        /// were.
-        lineage_conflicts,
-        /// Regroupings of a process's calls after its event loop's context tail changed.
-        task_context_regroups,
-        /// Outbound requests to an address of this host: each waits for its server's end,
-        /// and ends in exactly one of cross_process_links, local_calls_parented_by_header or
-        /// a local_calls_unlinked_* reason (their sum is this, once nothing waits).
-        local_calls,
-        /// Local calls whose server end named another parent in its `traceparent` (the
-        /// caller's own instrumentation).
-        local_calls_parented_by_header,
-        /// Local calls whose server end was never seen, by what ended the wait: another
-        /// request started on the connection first (the server is not traced, or missed it),
-        local_calls_unlinked_next_request,
-        /// the connection ended,
-        local_calls_unlinked_closed,
-        /// the calling process exited,
-        local_calls_unlinked_process_exit,
-        /// the agent shut down.
-        local_calls_unlinked_shutdown,
-        /// Server requests from a traced client socket on this host whose client end was
-        /// never seen (the connection ended, or went on, first): exported as roots.
-        callers_unseen,
-        /// Server spans released before their caller's client span was seen (released early,
-        /// or a caller that was not known to be traced when the request started): the edge
-        /// is lost.
-        spans_flushed_unmatched,
-        /// Calls whose parent was decided after one of their spans (or one below them, such
-        /// as the callee's) had gone out in a trace of its own (released early): the edge is
-        /// lost, so that no span names a parent in another trace.
-        parents_decided_late,
-        /// Spans released before their chain settled because --max-pending-spans were held.
-        spans_released_early,
-        /// Finished requests dropped from a full graph before RETIRED_KEEP others retired
-        /// after them (a call made after its caller answered then finds no parent).
-        stitch_nodes_evicted,
-        /// Requests not entered into a full graph whose requests are all still needed:
-        /// their spans stand alone.
-        stitch_nodes_refused,
+        /// Server spans linked to the client span of their caller on this host.
+        traced cross_process_links,
+        /// Server spans given a caller's client span on another host as parent. Matched by the TCP
+        /// sequence number of the request's first byte; the caller's host's agent exports that
+        /// parent.
+        traced cross_host_parents,
+        /// Server spans of calls from another host whose trace is not known here. Exported as roots
+        /// marked `gym_tracer.parent.unjoined` (no rollout id, or no TCP sequence number): turn on
+        /// Gym's `observability_enabled` (path prefixes), run the server on its callers' host, or
+        /// run the callers' agent with `--inject-traceparent`.
+        undecided cross_host_unjoined,
+        /// Inbound requests given their rollout by a session cookie. The same resources server's
+        /// response to a request of that rollout opened the session (`/seed_session`).
+        traced rollouts_by_session,
+        /// Server spans whose parent an inbound `traceparent` names. Another agent's injection, or
+        /// the caller's own instrumentation.
+        traced parents_from_traceparent,
+        /// Handler traces given to the kernel for their next outbound requests. With
+        /// `--inject-traceparent` only.
+        traced traces_published,
+        /// Handler traces held back from the kernel because they could still change. Counted at
+        /// each try: a root with no rollout id yet is published if it settles while the request is
+        /// in flight (then also in `traces_published`), else its calls leave without a
+        /// `traceparent`.
+        note traces_unsettled,
+        /// Sessions opened for two different rollouts: no longer used as evidence.
+        note sessions_conflicting,
+        /// Calls left without a parent: several inbound requests fit their evidence. Counted when
+        /// the call's span is released. Turn on Gym's `observability_enabled` (rollout ids on every
+        /// call), or `--task-lineage on` for CPython 3.12 and 3.13 servers.
+        undecided parents_ambiguous,
+        /// Calls left without a parent because their evidence contradicted itself. Items named
+        /// different requests, or a rollout the only request in flight does not belong to; counted
+        /// when the call's span is released.
+        undecided parents_contradicted,
+        /// Calls left without a parent: their process had no request in flight. Expected for calls
+        /// a process makes on its own (startup, background loops, a client script); a call made
+        /// after its request was answered is placed only with `--task-lineage`. Counted when the
+        /// call's span is released.
+        undecided parents_no_request_in_flight,
+        /// Calls left without a parent: nothing tied them to a request in flight. Counted when the
+        /// call's span is released. Turn on Gym's `observability_enabled` (rollout ids on every
+        /// call) or `--task-lineage on`, and check `python_runtimes_off` (no task contexts there).
+        undecided parents_no_evidence,
+        /// Calls given their parent by task lineage (`--task-lineage`). The task that wrote the
+        /// call descends from the inbound request's root task.
+        decided parents_by_lineage,
+        /// Calls given their parent by the rollout id they name (path prefix or body).
+        decided parents_by_rollout_id,
+        /// Calls given their parent by a session cookie the request carried too.
+        decided parents_by_cookie,
+        /// Calls given their parent by their handler task's context. Shared with a call of the same
+        /// handler that other evidence placed.
+        decided parents_by_task_context,
+        /// Calls given their parent by the context a response was written under. Where no
+        /// middleware task sits between the handler and the socket, the inbound request's response
+        /// is written under the context of the handler that made the calls.
+        decided parents_by_response_context,
+        /// Calls given their parent by the response id the request's response echoed.
+        decided parents_by_echoed_id,
+        /// Calls given their parent as the only inbound request in flight. In a process without
+        /// task contexts, or when no other evidence came.
+        decided parents_by_only_inbound,
+        /// Calls given their parent by nesting: the innermost request in flight. Only in processes
+        /// without task contexts, when the requests in flight are nested.
+        decided parents_by_nesting,
+        /// Handler tasks whose calls' evidence named a second inbound request. The task keeps the
+        /// first; the calls its context placed stay as they were.
+        note task_context_conflicts,
+        /// Calls from tasks that belong to no request (timers, background loops). Their lineage
+        /// names no inbound request; other evidence may still place them, else they are counted
+        /// under `parents_*`.
+        note lineage_calls_background,
+        /// Calls from tasks with no recorded lineage. The task or an ancestor was created before
+        /// the probe, or forgotten past `--max-tasks`; other evidence may still place them.
+        note lineage_calls_unseen,
+        /// Calls written outside any asyncio task. Loop callbacks, or a thread without an event
+        /// loop; other evidence may still place them.
+        note lineage_calls_no_task,
+        /// Calls whose running task could not be read. Other evidence may still place them.
+        note lineage_calls_unreadable,
+        /// Calls whose lineage named an inbound request the graph no longer holds. Evicted, or on a
+        /// connection the tracer does not follow: placed by a response of the same request root, or
+        /// by other evidence.
+        note lineage_requests_unmatched,
+        /// Request roots whose evidence named two different inbound requests. The kernel's birth
+        /// record and a response one of its tasks wrote disagree; their calls stay as they were.
+        note lineage_conflicts,
+        /// Regroupings of a process's calls after its loop's context tail changed. Not a loss.
+        note task_context_regroups,
+        /// Outbound requests to an address of this host. Each waits for its server end and ends in
+        /// exactly one of `cross_process_links`, `local_calls_parented_by_header`,
+        /// `spans_flushed_unmatched` or a `local_calls_unlinked_*` reason: their sum is this, once
+        /// nothing waits.
+        traced local_calls,
+        /// Local calls whose server end took its parent from a `traceparent` header. The caller's
+        /// own instrumentation named another parent, and the header wins.
+        decided local_calls_parented_by_header,
+        /// Local calls whose server end was not seen before the next request. Another request
+        /// started on the connection first: the server is not traced, or missed the request.
+        note local_calls_unlinked_next_request,
+        /// Local calls whose server end was not seen before the connection ended. Usually a server
+        /// that is not traced.
+        note local_calls_unlinked_closed,
+        /// Local calls whose server end was not seen before the calling process exited.
+        note local_calls_unlinked_process_exit,
+        /// Local calls still waiting for their server end when the agent shut down. Expected for
+        /// calls in flight at exit.
+        note local_calls_unlinked_shutdown,
+        /// Server requests whose traced caller on this host was never seen. Exported as roots once
+        /// the connection ended, carried its next request, or the process exited; check
+        /// `events_lost_in_kernel` and `parse_*` for the caller's lost request.
+        lost callers_unseen,
+        /// Server spans released before their caller's client span was seen. The edge is lost:
+        /// released early (`spans_released_early`), or a caller that was not known to be traced
+        /// when the request started.
+        lost spans_flushed_unmatched,
+        /// Calls whose parent was decided after a span of theirs had gone out. That span (or one
+        /// below, such as the callee's) is in a trace of its own, so the edge is not drawn: no span
+        /// may name a parent in another trace. Usually spans released early: raise
+        /// `--max-stitching-spans`.
+        lost parents_decided_late,
+        /// Spans let go early because `--max-stitching-spans` were held. Released before their
+        /// parents and trace settled, their edges may be missing (see `parents_decided_late`,
+        /// `spans_flushed_unmatched`): raise `--max-stitching-spans`.
+        note spans_released_early,
+        /// Finished requests dropped from the full request graph to make room. A call made after
+        /// its caller answered then finds no parent. The graph holds 4 times
+        /// `--max-stitching-spans` requests: raise it.
+        lost stitch_nodes_evicted,
+        /// Requests not entered into the full request graph: their spans stand alone. Every request
+        /// in it was still needed; raise `--max-stitching-spans` (the graph holds 4 times as many
+        /// requests).
+        lost stitch_nodes_refused,
     }
 }
 

@@ -29,7 +29,7 @@
 //! `local_calls` and ends in exactly one of `cross_process_links`,
 //! `local_calls_parented_by_header` or a `local_calls_unlinked_*` reason.
 //!
-//! Memory, not time, bounds the rest: held spans (`--max-pending-spans`, the oldest then
+//! Memory, not time, bounds the rest: held spans (`--max-stitching-spans`, the oldest then
 //! released early: `spans_released_early`), and finished requests, kept while anything needs
 //! them (a span of theirs held, a request hanging under them, a key waiting) and then for
 //! [`RETIRED_KEEP`] more requests, for calls that outlive their caller.
