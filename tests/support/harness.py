@@ -202,17 +202,19 @@ def rss_kib(pid, field="VmRSS"):
 
 class Agent:
     """The real gym-tracer, attached by PID (or, with discover=True, finding Gym servers itself
-    with `--discover gym`); JSON lines are read from its stdout. `wrapper`: a command prefix it
+    with `--discover gym`); JSON lines are read from its stdout. `binary`: another build than
+    GYM_TRACER_BIN's (the installed wheel's). `wrapper`: a command prefix it
     runs under (e.g. `nsenter --net=... --`, another host's network namespace); the prefix
     must exec gym-tracer, so that the pid is gym-tracer's and `stop()` (SIGINT) reaches it."""
 
-    def __init__(self, pids=(), extra_args=(), env=None, discover=False, metric_interval=3600, wrapper=()):
+    def __init__(self, pids=(), extra_args=(), env=None, discover=False, metric_interval=3600, wrapper=(),
+                 binary=None):
         self.workdir = tempfile.mkdtemp(prefix="gym-tracer-test-")
         self.ready_file = Path(self.workdir) / "ready"
         self.stdout_path = Path(self.workdir) / "stdout.jsonl"
         self.stderr_path = Path(self.workdir) / "stderr.log"
         self.summary_path = Path(self.workdir) / "summary.json"
-        args = [*wrapper, str(agent_binary()), "run", "--ready-file", str(self.ready_file),
+        args = [*wrapper, str(binary or agent_binary()), "run", "--ready-file", str(self.ready_file),
                 "--summary-file", str(self.summary_path),
                 "--metric-interval", str(metric_interval)]
         for pid in pids:

@@ -69,6 +69,11 @@ impl Ctx {
         self.root.join("target/phoenix-venv")
     }
 
+    /// The venv maturin runs from (`cargo xtask wheel`).
+    pub(crate) fn wheel_venv(&self) -> PathBuf {
+        self.root.join("target/wheel-venv")
+    }
+
     pub(crate) fn agent_bin(&self, release: bool) -> PathBuf {
         let profile = if release { "release" } else { "debug" };
         self.root.join("target").join(profile).join("gym-tracer")

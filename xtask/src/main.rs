@@ -17,6 +17,7 @@ mod lint;
 mod run;
 mod setup;
 mod test;
+mod wheel;
 
 use std::process::ExitCode;
 
@@ -58,6 +59,9 @@ enum Cmd {
     /// Regenerate the docs' generated sections (options, spans, metrics, counters, how
     /// parents are decided) from the code; a unit test fails while any is stale.
     Docs,
+    /// Build the agent as a Python wheel (maturin, the binary only) into target/wheels/,
+    /// for `pip install`; installs maturin into target/wheel-venv.
+    Wheel,
     /// Fuzz the HTTP reassembly path (cargo-fuzz target `http_reassembly`) for a bounded
     /// time, starting from the committed corpus; installs cargo-fuzz when missing.
     Fuzz(fuzz::FuzzArgs),
@@ -78,6 +82,7 @@ fn main() -> ExitCode {
         Cmd::Demo(args) => demo::run(&ctx, &args),
         Cmd::Bench(args) => bench::run(&ctx, &args),
         Cmd::Lint => lint::run(&ctx),
+        Cmd::Wheel => wheel::run(&ctx),
         Cmd::Docs => docs::run(&ctx),
         Cmd::Fuzz(args) => fuzz::run(&ctx, &args),
     };

@@ -27,6 +27,8 @@ pub(crate) struct SetupArgs {
     toolchain_only: bool,
 }
 
+pub(crate) use venv::ensure_wheel_venv;
+
 pub(crate) fn run(ctx: &Ctx, args: &SetupArgs) -> Result<()> {
     if args.toolchain_only {
         return toolchain(ctx);

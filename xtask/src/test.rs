@@ -7,7 +7,7 @@ use anyhow::Result;
 
 use crate::command::{require_root, run_checked};
 use crate::ctx::Ctx;
-use crate::{build, setup};
+use crate::{build, setup, wheel};
 
 #[derive(clap::Args)]
 pub(crate) struct TestArgs {
@@ -46,6 +46,8 @@ pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
     require_root("the integration tests load", "test")?;
     let bin = build::agent(ctx, true)?;
     let examples = build::bench_examples(ctx)?;
+    // tests/test_wheel.py installs it into a fresh venv, as `pip install gym-tracer` would.
+    let wheel = wheel::build(ctx)?;
     println!(
         "xtask: running the integration tests against {}",
         bin.display()
@@ -56,6 +58,7 @@ pub(crate) fn run(ctx: &Ctx, args: &TestArgs) -> Result<()> {
         .env("GYM_TRACER_BIN", &bin)
         .env("GYM_PIPELINE_COST_BIN", &examples.pipeline_cost)
         .env("GYM_SYSCALL_FLOOR_BIN", &examples.syscall_floor)
+        .env("GYM_TRACER_WHEEL", &wheel)
         .env("PYTHONUNBUFFERED", "1")
         .args(["-m", "pytest"])
         .arg(ctx.root.join("tests"))

@@ -239,3 +239,16 @@ pub(crate) fn ensure_phoenix_venv(ctx: &Ctx) -> Result<()> {
     }
     .ensure(ctx)
 }
+
+/// maturin (packaging/requirements.txt) in its own venv, target/wheel-venv: what `cargo xtask
+/// wheel` builds the Python wheel with.
+pub(crate) fn ensure_wheel_venv(ctx: &Ctx) -> Result<()> {
+    RequirementsVenv {
+        what: "wheel-build",
+        venv: ctx.wheel_venv(),
+        requirements: ctx.root.join("packaging/requirements.txt"),
+        pip_hint: "delete target/wheel-venv to start over, then rerun `cargo xtask wheel`",
+        base: None,
+    }
+    .ensure(ctx)
+}
