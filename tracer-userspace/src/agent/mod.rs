@@ -671,13 +671,9 @@ impl Agent {
             counters.extend(tree.counters());
         }
         if crate::ops::logging::is_json() {
-            let all: serde_json::Map<String, serde_json::Value> = counters
-                .iter()
-                .map(|(name, value)| ((*name).to_string(), (*value).into()))
-                .collect();
             tracing::info!(
                 verdict = %Verdict::of(&counters),
-                counters = %serde_json::Value::Object(all),
+                counters = %serde_json::Value::Object(counters_json(&counters)),
                 events_lost_by_cpu = %lost_by_cpu(&snapshot.events_lost_by_cpu),
                 "stopped"
             );
@@ -795,11 +791,17 @@ fn log_exec(pid: u32, pipeline: &Pipeline<Metrics>) {
 }
 
 /// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.
-fn write_summary(path: &Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> Result<()> {
-    let counters: serde_json::Map<String, serde_json::Value> = counters
+/// Every counter as one JSON object: the summary file's `counters`, and the JSON log's
+/// `stopped` record.
+fn counters_json(counters: &[(&str, u64)]) -> serde_json::Map<String, serde_json::Value> {
+    counters
         .iter()
         .map(|(name, value)| ((*name).to_string(), (*value).into()))
-        .collect();
+        .collect()
+}
+
+fn write_summary(path: &Path, counters: &[(&str, u64)], lost_by_cpu: &[u64]) -> Result<()> {
+    let counters = counters_json(counters);
     let summary = serde_json::json!({ "counters": counters, "events_lost_by_cpu": lost_by_cpu });
     let partial = path.with_extension("partial");
     std::fs::write(&partial, format!("{summary}\n"))

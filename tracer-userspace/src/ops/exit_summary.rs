@@ -165,12 +165,7 @@ pub struct Verdict {
 
 impl Verdict {
     pub fn of(values: &[(&'static str, u64)]) -> Self {
-        let value = |name: &str| {
-            values
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map_or(0, |(_, v)| *v)
-        };
+        let value = |name: &str| value_of(values, name);
         let spans_lost = SPANS_LOST.iter().map(|name| value(name)).sum();
         let other_losses = catalog()
             .into_iter()
@@ -207,14 +202,17 @@ impl std::fmt::Display for Verdict {
     }
 }
 
+/// A counter's value among `values`; 0 when absent (a printer that did not run).
+fn value_of(values: &[(&'static str, u64)], name: &str) -> u64 {
+    values
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(0, |(_, v)| *v)
+}
+
 /// The block printed on stderr at exit when the log is text.
 pub fn render(values: &[(&'static str, u64)], elapsed: Duration) -> String {
-    let value = |name: &str| {
-        values
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map_or(0, |(_, v)| *v)
-    };
+    let value = |name: &str| value_of(values, name);
     let verdict = Verdict::of(values);
     let mut out = format!("gym-tracer stopped after {}: {verdict}", duration(elapsed));
     if !verdict.nothing_lost() {
