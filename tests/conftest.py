@@ -40,14 +40,17 @@ def server_factory():
 
 @pytest.fixture
 def receiver():
+    """An OTLP receiver, started; at teardown, no two spans it got may share a span id."""
     receiver = OtlpReceiver().start()
     yield receiver
     receiver.stop()
+    receiver.assert_span_ids_unique()
 
 
 @pytest.fixture
 def collector():
-    """An OTLP receiver that is NOT started: each test starts, stops and restarts it."""
+    """An OTLP receiver that is NOT started: each test starts, stops and restarts it. At
+    teardown, as for `receiver`, no two spans one got may share a span id."""
     receivers = []
 
     def make(**kwargs):
@@ -59,13 +62,15 @@ def collector():
     for receiver in receivers:
         receiver.delay_s = 0
         receiver.stop()
+    for receiver in receivers:
+        receiver.assert_span_ids_unique()
 
 
 @pytest.fixture
 def agents():
     """Makes gym-tracer agents (`Agent(...)` arguments; started unless start=False). At teardown
     each one still running is stopped, or killed, and its stderr printed (pytest shows it for a
-    failed test)."""
+    failed test); then each one's spans are checked for shared span ids (`Agent.close`)."""
     made = []
 
     def make(*args, start=True, **kwargs):
@@ -74,8 +79,14 @@ def agents():
         return agent.start() if start else agent
 
     yield make
-    for agent in made:
-        agent.close()
+    failure = None
+    for agent in made:  # every one closed, also after one failed its check
+        try:
+            agent.close()
+        except Exception as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
 
 
 @pytest.fixture

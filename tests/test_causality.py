@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import wait_until
+from span_ids import parent_key, span_key, spans_by_key
 
 REQUESTS = 300
 AT_A_TIME = 100
@@ -98,7 +99,7 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
     evidence = {name: summary.get(name) for name in EVIDENCE}
 
     spans = agent.spans()
-    by_id = {s["span_id"]: s for s in spans}
+    by_key = spans_by_key(spans)
     counts = collections.Counter((s["resource"].get("process.pid"), s["kind"]) for s in spans)
     assert counts == want, f"{counts}\n{evidence}"
 
@@ -118,14 +119,14 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
 
     wrong, orphans = [], []
     for (n, i), span in sorted(clients.items()):
-        parent = span["parent_span_id"]
-        if not parent:
+        parent = parent_key(span)
+        if parent is None:
             orphans.append((n, i))
-        elif parent != inbound[n]["span_id"]:
-            other = by_id.get(parent)
+        elif parent[1] != inbound[n]["span_id"]:
+            other = by_key.get(parent)
             wrong.append(f"/leaf/{n}/{i} under " + (f"{other['kind']} {other['attributes'].get('url.path')}"
-                                                    if other else f"unknown span {parent}"))
-        elif span["trace_id"] != inbound[n]["trace_id"]:
+                                                    if other else f"unknown span {parent[1]}"))
+        elif parent != span_key(inbound[n]):
             wrong.append(f"/leaf/{n}/{i}: parent right, trace {span['trace_id']} vs {inbound[n]['trace_id']}")
     wrong_leaves = []
     for span in spans_of(leaf.pid, "SERVER"):
@@ -134,12 +135,17 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
         assert match, span
         caller = clients[(int(match.group(1)), int(match.group(2)))]
         # The agent sees both ends of the connection: every leaf request has its caller.
-        if not span["parent_span_id"]:
+        if parent_key(span) is None:
             wrong_leaves.append(f"leaf SERVER {path} without a parent")
-        elif span["parent_span_id"] != caller["span_id"]:
-            other = by_id.get(span["parent_span_id"])
-            wrong_leaves.append(f"leaf SERVER {path} under " + (
-                f"{other['kind']} {other['attributes'].get('url.full')}" if other else "an unknown span"))
+        elif parent_key(span) != span_key(caller):
+            other = by_key.get(parent_key(span))
+            if other:
+                where = f"{other['kind']} {other['attributes'].get('url.full')}"
+            elif span["parent_span_id"] == caller["span_id"]:  # a parent is its caller only in its trace
+                where = f"its caller's span id, in trace {span['trace_id']}, not its caller's {caller['trace_id']}"
+            else:
+                where = "an unknown span"
+            wrong_leaves.append(f"leaf SERVER {path} under {where}")
 
     undecided = sum(summary[name] for name in UNDECIDED)
     print(f"\n[{kind}] CLIENT spans {len(clients)}: parented {len(clients) - len(orphans)}, without a parent "

@@ -78,7 +78,7 @@ import pytest
 
 from harness import Agent, wait_until
 from netns import TwoHosts
-from gym_expect import rollout_trace_id
+from gym_expect import children_by_parent, parent_key, rollout_trace_id, shared_span_ids, span_key, spans_by_key
 from real_gym.launch import MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
 from test_real_gym import (AT_ONCE, BODY_BYTES, EXAMPLE_ROWS, EXPECTED_TREE, NEVER_EXPORTED, SOLO,
                            SPANS_PER_ROLLOUT, attached_tracer, canonical, drive_at_once, expected_requests, gym_venv,
@@ -151,14 +151,16 @@ def edge_problems(spans_a, spans_b, b_address):
     """Checks (b): the number of exact cross-host edges, and what is wrong with the rest."""
     calls = [s for s in spans_a if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == b_address]
     served = [s for s in spans_b if s["kind"] == "SERVER"]
-    under = collections.defaultdict(list)
+    # An edge joins two spans of one trace: by (trace, span id). By span id alone only to tell
+    # an edge named in another trace from none (span ids are unique over the run, checked apart).
+    under, named = children_by_parent(served), collections.defaultdict(list)
     for span in served:
-        under[span["parent_span_id"]].append(span)
-    by_id = {s["span_id"]: s for s in calls}
+        named[span["parent_span_id"]].append(span)
+    by_key, by_id = spans_by_key(calls), {s["span_id"]: s for s in calls}
     exact, problems, tally = 0, [], collections.Counter()
     for call in calls:
-        found = under.get(call["span_id"], [])
-        if len(found) == 1 and found[0]["trace_id"] == call["trace_id"]:
+        found = named.get(call["span_id"], [])  # whatever their trace
+        if len(found) == 1 and under.get(span_key(call)) == found:  # that one in the call's trace
             exact += 1
             continue
         if len(found) != 1:
@@ -168,9 +170,9 @@ def edge_problems(spans_a, spans_b, b_address):
             tally["A's CLIENT span to B whose SERVER span of B is in another trace"] += 1
             problems.append(f"{describe(call, 'A')}: its SERVER span of B is in trace {found[0]['trace_id']}")
     for span in served:
-        parent = by_id.get(span["parent_span_id"])
-        if parent is not None and parent["trace_id"] == span["trace_id"]:
+        if parent_key(span) in by_key:
             continue
+        parent = by_id.get(span["parent_span_id"])  # in another trace, if any
         why = span["attributes"].get(UNJOINED)
         if not span["parent_span_id"]:  # a root: "" in gym-tracer's output
             reason = "a root" + (f" ({UNJOINED}={why})" if why else "")
@@ -191,6 +193,7 @@ def unjoined_problems(spans_a, spans_b, b_address, rollout_ids, subtree, by_pid)
     (A's CLIENT spans to B, B's SERVER spans, those joined to a span of A, those marked unjoined)."""
     calls = [s for s in spans_a if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == b_address]
     served = [s for s in spans_b if s["kind"] == "SERVER"]
+    # By span id alone, whatever the trace: B names no span of A at all (stricter than within a trace).
     a_ids = {s["span_id"] for s in spans_a}
     spans = spans_a + spans_b
     by_trace = collections.defaultdict(list)
@@ -224,8 +227,8 @@ def unjoined_problems(spans_a, spans_b, b_address, rollout_ids, subtree, by_pid)
     for span in spans_b:
         if span["trace_id"] in derived:
             problems.append(f"{describe(span, 'B')}: in rollout {derived[span['trace_id']]}'s derived trace")
-    call_ids = {s["span_id"] for s in calls}
-    under_calls = [s for s in spans if s["parent_span_id"] in call_ids]
+    call_keys = {span_key(s) for s in calls}
+    under_calls = [s for s in spans if parent_key(s) in call_keys]
     if under_calls:
         problems.append(f"{len(under_calls)} spans under A's CLIENT spans to B (want them leaves): "
                         + "; ".join(describe(s) for s in under_calls[:5]))
@@ -236,25 +239,22 @@ def injected_problems(spans_a, spans_b, b_address, rollout_ids, host_b, subtree,
     """Checks (g), (h) of B's spans where only A's traceparent headers can join them: what is
     wrong, B's joined SERVER spans, and those marked unjoined."""
     calls = [s for s in spans_a if s["kind"] == "CLIENT" and s["attributes"].get("server.address") == b_address]
-    calls_by_id = collections.defaultdict(list)
-    for call in calls:
-        calls_by_id[call["span_id"]].append(call)
+    # A parent edge joins two spans of one trace: by (trace, span id); by span id alone only to
+    # tell an edge named in another trace from none (span ids are unique over the run, checked apart).
+    calls_by_key, calls_by_id = spans_by_key(calls), {s["span_id"]: s for s in calls}
     derived = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
-    below = collections.defaultdict(list)
-    for span in spans_b:
-        below[span["parent_span_id"]].append(span)
+    below = children_by_parent(spans_b)
 
     def subtree_of(span):
-        return [span] + [s for child in below[span["span_id"]] for s in subtree_of(child)]
+        return [span] + [s for child in below[span_key(span)] for s in subtree_of(child)]
 
     problems, joined = [], []
     for span in (s for s in spans_b if s["kind"] == "SERVER" and s["parent_span_id"]):  # roots: see below
-        parents = calls_by_id.get(span["parent_span_id"], [])
-        call = parents[0] if len(parents) == 1 else None
-        if call is None:
-            why = f"its parent {span['parent_span_id']} is {len(parents)} CLIENT spans of A to {b_address}, not one"
-        elif call["trace_id"] != span["trace_id"]:
-            why = f"its CLIENT parent {describe(call, 'A')} is in another trace"
+        call = calls_by_key.get(parent_key(span))
+        if call is None and span["parent_span_id"] in calls_by_id:
+            why = f"its CLIENT parent {describe(calls_by_id[span['parent_span_id']], 'A')} is in another trace"
+        elif call is None:
+            why = f"its parent {span['parent_span_id']} is no CLIENT span of A to {b_address}"
         elif call["trace_id"] not in derived:
             why = "its trace (its CLIENT parent's) is no rollout's derived trace"
         elif UNJOINED in span["attributes"]:
@@ -268,25 +268,27 @@ def injected_problems(spans_a, spans_b, b_address, rollout_ids, host_b, subtree,
             joined.append(span)
             continue
         problems.append(f"{describe(span, 'B')}: {why}")
-    served_under = collections.Counter(s["parent_span_id"] for s in spans_b if s["kind"] == "SERVER")
-    problems += [f"{describe(call, 'A')}: {served_under[call['span_id']]} SERVER spans of B under it"
-                 for call in calls if served_under[call["span_id"]] > 1]
-    # Each joined call's subtree (gym.model.responses, the upstream call) in its trace, all of it.
-    joined_ids = set()
+    served_under = collections.Counter(parent_key(s) for s in spans_b if s["kind"] == "SERVER")
+    problems += [f"{describe(call, 'A')}: {served_under[span_key(call)]} SERVER spans of B under it"
+                 for call in calls if served_under[span_key(call)] > 1]
+    # Each joined call's subtree (gym.model.responses, the upstream call) in its trace, all of it:
+    # the spans of B naming one of it as parent from another trace are not in it.
+    joined_keys = set()
     for span in joined:
         members = subtree_of(span)
-        joined_ids |= {s["span_id"] for s in members}
-        elsewhere = [s for s in members if s["trace_id"] != span["trace_id"]]
+        joined_keys |= {span_key(s) for s in members}
+        member_ids = {s["span_id"] for s in members}
+        elsewhere = [s for s in spans_b if s["parent_span_id"] in member_ids and s["trace_id"] != span["trace_id"]]
         shapes = tree_shape(members, by_pid)
         if elsewhere or shapes != [canonical(subtree)]:
             problems.append(f"{describe(span, 'B')}: joined, but {len(elsewhere)} spans below it in other traces, "
                             f"and below it:\n" + "\n".join("    " + line for line in render_shapes(shapes)))
     # (d), (e) for the rest of B: roots marked unjoined, each trace the model's subtree alone.
-    rest = [s for s in spans_b if s["span_id"] not in joined_ids]
+    rest = [s for s in spans_b if span_key(s) not in joined_keys]
     _, _, _, marked, rest_issues = unjoined_problems(spans_a, rest, b_address, rollout_ids, subtree, by_pid)
     problems += rest_issues
     # (h): each rollout's trace, over both tracers' spans, with as many model subtrees as it has joined calls.
-    union = spans_a + [s for s in spans_b if s["span_id"] in joined_ids]
+    union = spans_a + [s for s in spans_b if span_key(s) in joined_keys]
     strays = [s for s in union if s["trace_id"] not in derived]
     if strays:
         problems.append(f"{len(strays)} spans of A or joined spans of B in no rollout's trace: "
@@ -442,6 +444,9 @@ def test_cross_host_edges_are_exact(topology, label, inject):
                           f"unjoined over {len(rollouts)} rollouts, {len(AT_ONCE)} at once")
             want_counters = {"cross_host_parents": 0, "cross_host_unjoined": want_edges}
             expected_trees = [canonical(a_tree), subtree]
+        # One run over two hosts: no span id on two spans of it, whichever tracer exported them
+        # (each tracer's own are checked as it closes).
+        edge_issues[:0] = [f"tracers A and B: {line}" for line in shared_span_ids(tracer_a.spans() + tracer_b.spans())]
         if topology == "model-on-b":
             # Tracer B's own account of its cross-host parents.
             for name, want in want_counters.items():

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 import pytest
 from aiohttp.http import SERVER_SOFTWARE as AIOHTTP_USER_AGENT
 
-from gym_expect import assert_attached, assert_resource, gym_attributes, gym_rollout_id, semantic_attributes
+from gym_expect import (assert_attached, assert_resource, children_by_parent, gym_attributes, gym_rollout_id,
+                        semantic_attributes, span_key)
 from gym_launch import (AGENT, DEFAULT_SERVERS, MODEL, PROMPT, RESOURCES, SECRET, USER_AGENT, drive_rollouts,
                         rollout_mix, run_body, split_prefix)
 from harness import wait_until
@@ -263,10 +264,7 @@ def assert_client_spans(spans, run, expected, summary, with_servers=True):
     by_pid, by_port = run.by_pid(), {server.port: server for server in run.servers.values()}
     want = collections.Counter((e.server, e.method, e.path, e.status)
                                for e in expected if e.user_agent == AIOHTTP_USER_AGENT)
-    served = collections.defaultdict(list)
-    for span in spans:
-        if span["kind"] == "SERVER":
-            served[span["parent_span_id"]].append(span)
+    served = children_by_parent(s for s in spans if s["kind"] == "SERVER")
     got, problems, roots = collections.Counter(), [], 0
     for span in (s for s in spans if s["kind"] == "CLIENT"):
         attributes = span["attributes"]
@@ -277,7 +275,7 @@ def assert_client_spans(spans, run, expected, summary, with_servers=True):
         if by_pid[span["resource"]["process.pid"]].type != AGENT:
             problems.append(f"CLIENT {path} of {by_pid[span['resource']['process.pid']].name}")
         roots += not span["parent_span_id"]
-        below = [s["attributes"]["url.path"] for s in served.get(span["span_id"], [])]
+        below = [s["attributes"]["url.path"] for s in served.get(span_key(span), [])]
         if with_servers and below != [path]:
             problems.append(f"CLIENT {path} (span {span['span_id']}): SERVER spans below it {below}")
     assert (want - got, got - want) == ({}, {}), "(CLIENT spans missing, CLIENT spans unexpected)"
@@ -289,19 +287,16 @@ def assert_client_spans(spans, run, expected, summary, with_servers=True):
 
 def assert_semantic_spans(spans, run, groups=PER_ROLLOUT):
     """Each SERVER span has exactly its semantic INTERNAL child (or none), with the same trace,
-    timing and rollout id; no other INTERNAL span exists."""
+    timing and rollout id; no other INTERNAL span exists (a root, or one in another trace than
+    its parent, is left over)."""
     by_pid = run.by_pid()
-    children = collections.defaultdict(list)
-    for span in spans:
-        if span["kind"] == "INTERNAL":
-            children[span["parent_span_id"]].append(span)
+    children = children_by_parent(s for s in spans if s["kind"] == "INTERNAL")
     for parent in (span for span in spans if span["kind"] == "SERVER"):
         server, attributes = by_pid[parent["resource"]["process.pid"]], parent["attributes"]
         name = semantic(server, parent["name"], attributes["http.response.status_code"], groups)
-        found = children.pop(parent["span_id"], [])
+        found = children.pop(span_key(parent), [])
         assert [child["name"] for child in found] == ([name] if name else []), parent
         for child in found:
-            assert child["trace_id"] == parent["trace_id"]
             assert (child["start_time_unix_nano"], child["end_time_unix_nano"]) == \
                    (parent["start_time_unix_nano"], parent["end_time_unix_nano"])
             rollout_id = attributes.get("nemo.gym.rollout.id")

@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 from harness import free_port, http_get, rss_kib, wait_accepted, wait_until
+from span_ids import parent_key, span_key
 
 SECRET = "hostile-secret-7f3a9c"
 
@@ -145,11 +146,11 @@ def test_malformed_garbage_oversized_and_half_requests_leave_healthy_traffic_tra
 
     assert agent.returncode == 0, agent.stderr()
     healthy.assert_all_traced(agent, server)
-    names = {s["span_id"]: s["name"] for s in agent.spans()}
+    names = {span_key(s): s["name"] for s in agent.spans()}
     # Sorted by repr: a span without a status or a user agent has None there.
     others = sorted(((s["kind"], s["name"], s["attributes"].get("http.response.status_code"),
                       s["attributes"].get("user_agent.original"), s["attributes"].get("error.type"), s["status"],
-                      names.get(s["parent_span_id"], s["parent_span_id"] or None))
+                      names.get(parent_key(s), s["parent_span_id"] or None))
                      for s in agent.spans()
                      if not s["attributes"].get("user_agent.original", "").startswith("healthy-")), key=repr)
     left = [span for _, _, spans in HOSTILE_PAYLOADS + HALF_REQUESTS for span in spans]

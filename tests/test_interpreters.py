@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from harness import ROOT, free_port, wait_listening, wait_until
+from span_ids import parent_key, span_key
 
 APP = Path(__file__).resolve().parent / "support" / "servers" / "stdlib_asyncio_app.py"
 REQUESTS, AT_A_TIME = 40, 8
@@ -75,14 +76,14 @@ def drive(port):
 
 def wrong_and_orphans(calls, fronts):
     """Of the CLIENT spans `calls` (each to /leaf/n/i): the paths of those under another than
-    their request n's SERVER span (`fronts[n]`), and how many have no parent."""
+    their request n's SERVER span (`fronts[n]`, in its trace), and how many have no parent."""
     wrong, orphans = [], 0
     for call in calls:
         path = "/" + call["attributes"]["url.full"].split("://", 1)[1].split("/", 1)[1]
         n = int(LEAF.match(path).group(1))
-        if not call["parent_span_id"]:
+        if parent_key(call) is None:
             orphans += 1
-        elif call["parent_span_id"] != fronts[n]["span_id"]:
+        elif parent_key(call) != span_key(fronts[n]):
             wrong.append(path)
     return wrong, orphans
 

@@ -61,6 +61,8 @@ def tls_receiver(pki):
     yield start
     for receiver in receivers:
         receiver.stop()
+    for receiver in receivers:
+        receiver.assert_span_ids_unique()
 
 
 def endpoint_of(receiver, protocol):
@@ -135,6 +137,7 @@ def test_grpc_exports_are_really_gzip_compressed(server_factory, agents):
         agent.stop()
     finally:
         receiver.stop()
+    receiver.assert_span_ids_unique()
     assert agent.returncode == 0, agent.stderr()
     assert receiver.received.spans == []
     assert any("spans failed" in message and "Unimplemented" in message for message in agent.log_messages())

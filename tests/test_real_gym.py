@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from gym_expect import containment_problems, gym_attributes, rollout_trace_id, semantic_attributes
+from gym_expect import (children_by_parent, containment_problems, gym_attributes, parent_key, rollout_trace_id,
+                        semantic_attributes, span_key)
 from gym_launch import split_prefix
 from harness import ROOT, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
@@ -66,17 +67,16 @@ def canonical(node):
 
 
 def tree_shape(spans, by_pid):
-    """The spans as canonical trees, from their parent_span_id edges (roots: parent not among them)."""
-    ids = {s["span_id"] for s in spans}
-    children = collections.defaultdict(list)
-    for span in spans:
-        children[span["parent_span_id"]].append(span)
+    """The spans as canonical trees, from their parent_span_id edges within a trace (roots:
+    parent not among them)."""
+    keys = {span_key(s) for s in spans}
+    children = children_by_parent(spans)
 
     def node(span):
         return canonical((span["name"], by_pid[span["resource"]["process.pid"]],
-                          [node(child) for child in children[span["span_id"]]]))
+                          [node(child) for child in children[span_key(span)]]))
 
-    return [node(span) for span in spans if span["parent_span_id"] not in ids]
+    return [node(span) for span in spans if parent_key(span) not in keys]
 
 
 def gym_venv():
@@ -214,18 +214,15 @@ def test_one_real_rollout(real_gym, tracer, observability):
         elif prefix_id is not None:
             assert a.get("nemo.gym.rollout.id") == prefix_id, span
 
-    # gym.* children: same trace, same timing, the server's name and the SERVER span's id.
-    children = collections.defaultdict(list)
-    for span in spans:
-        if span["kind"] == "INTERNAL":
-            children[span["parent_span_id"]].append(span)
+    # gym.* children: same trace (keyed by it), same timing, the server's name and the SERVER
+    # span's id; an INTERNAL root, or one in another trace than its SERVER parent, is left over.
+    children = children_by_parent(s for s in spans if s["kind"] == "INTERNAL")
     for parent in server_spans:
         name = by_pid[parent["resource"]["process.pid"]]
         want = SEMANTIC.get((name, parent["name"]))
-        found = children.pop(parent["span_id"], [])
+        found = children.pop(span_key(parent), [])
         assert [c["name"] for c in found] == ([want] if want else []), parent
         for child in found:
-            assert child["trace_id"] == parent["trace_id"]
             assert (child["start_time_unix_nano"], child["end_time_unix_nano"]) == \
                    (parent["start_time_unix_nano"], parent["end_time_unix_nano"])
             rollout_id = parent["attributes"].get("nemo.gym.rollout.id")
@@ -238,7 +235,7 @@ def test_one_real_rollout(real_gym, tracer, observability):
         return found
 
     [run_span] = only(AGENT, "POST /run")
-    [rollout] = [s for s in spans if s["kind"] == "INTERNAL" and s["parent_span_id"] == run_span["span_id"]]
+    [rollout] = [s for s in spans if s["kind"] == "INTERNAL" and parent_key(s) == span_key(run_span)]
     assert rollout["name"] == "gym.rollout"
     assert gym_attributes(rollout) == semantic_attributes("gym.rollout", AGENT, RUN_ID)
     model_calls = only(MODEL, "POST /v1/responses")

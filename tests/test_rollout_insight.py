@@ -37,6 +37,7 @@ import subprocess
 import threading
 import time
 
+from gym_expect import children_by_parent, parent_key, span_key, spans_by_key
 from harness import agent_binary, free_ports, http_get, wait_until
 from real_gym.launch import RealGymRun
 from test_real_gym import SPANS_PER_ROLLOUT, gym_venv, tree_size
@@ -99,7 +100,7 @@ def walk_phases(root, children, type_of):
             return "model"
         if span["kind"] == "CLIENT":
             callee = "peer.service" in attributes(span) or any(
-                c["kind"] == "SERVER" for c in children[span["span_id"]])
+                c["kind"] == "SERVER" for c in children[span_key(span)])
             return "queue" if callee else "external"
         return context
 
@@ -110,7 +111,7 @@ def walk_phases(root, children, type_of):
             return
         context = context_of(span, inherited)
         own = own_phase(span, context)
-        for child in sorted(children[span["span_id"]], key=lambda c: c["end_time_unix_nano"], reverse=True):
+        for child in sorted(children[span_key(span)], key=lambda c: c["end_time_unix_nano"], reverse=True):
             if child["start_time_unix_nano"] >= cursor or child["end_time_unix_nano"] <= floor:
                 continue
             child_end = min(child["end_time_unix_nano"], cursor)
@@ -130,7 +131,7 @@ def subtree(root, children):
     while todo:
         span = todo.pop()
         out.append(span)
-        todo.extend(children[span["span_id"]])
+        todo.extend(children[span_key(span)])
     return out
 
 
@@ -153,24 +154,21 @@ def phase_problems(rollout_spans, children, type_of, want_counts=None):
         if off:
             problems.append(f"{rid}: phases (agent's, this test's) differ: {off}")
         below = subtree(span, children)
+        below_by_key = spans_by_key(below)
         model_servers = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "model"]
         tools = [s for s in below if s["kind"] == "SERVER" and type_of(s) == "resources"
                  and attributes(s).get("http.route") not in ("/seed_session", "/verify")
-                 and type_of(by_id_of(below)[s["parent_span_id"]]) == "agent"]
+                 and type_of(below_by_key[parent_key(s)]) == "agent"]
         counts = (a.get("gym.rollout.model_calls"), a.get("gym.rollout.tool_calls"))
         if counts != (len(model_servers), len(tools)) or (want_counts and counts != want_counts):
             problems.append(f"{rid}: model_calls, tool_calls = {counts}, spans say "
                             f"({len(model_servers)}, {len(tools)}); the environment makes {want_counts}")
-        calls = [by_id_of(below)[s["parent_span_id"]] for s in model_servers]
+        calls = [below_by_key[parent_key(s)] for s in model_servers]
         for key in ("gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"):
             want_tokens = sum(attributes(c).get(key, 0) for c in calls)
             if a.get(key) != want_tokens:
                 problems.append(f"{rid}: {key} = {a.get(key)}, its model calls say {want_tokens}")
     return problems
-
-
-def by_id_of(spans):
-    return {s["span_id"]: s for s in spans}
 
 
 def print_phase_split(rollout_spans):
@@ -285,9 +283,7 @@ def test_rollouts_carry_their_phases_stragglers_are_named_and_the_live_view_show
     def type_of(span):
         return server_type_of(span, types_by_pid)
 
-    children = collections.defaultdict(list)
-    for span in spans:
-        children[span["parent_span_id"]].append(span)
+    children = children_by_parent(spans)
     rollout_spans = [s for s in spans if s["name"] == "gym.rollout"]
     assert sorted(attributes(s)["nemo.gym.rollout.id"] for s in rollout_spans) == sorted(ids)
 
@@ -430,9 +426,7 @@ def test_a_judge_inside_verify_is_model_time_under_verify(agents):
         run.stop()
     assert [(r["status"], r["reward"]) for r in batch] == [(200, r["expected_reward"]) for r in batch]
     ids = sorted(f"{r['task_index']}-{r['rollout_index']}" for r in batch)
-    children = collections.defaultdict(list)
-    for span in spans:
-        children[span["parent_span_id"]].append(span)
+    children = children_by_parent(spans)
     rollout_spans = [s for s in spans if s["name"] == "gym.rollout"]
     assert sorted(attributes(s)["nemo.gym.rollout.id"] for s in rollout_spans) == ids
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 from harness import TESTS_DIR, Agent, UvicornServer, free_port, wait_for_health
+from span_ids import shared_span_ids
 from test_hostile import metrics, rss_kib, wait_accepted
 
 IDLE_CONNECTIONS = 16_384
@@ -124,8 +125,12 @@ def run_idle_pool(idle, fresh=FRESH_REQUESTS, agent_args=()):
         server.stop()
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     assert agent.returncode == 0, agent.stderr()
+    spans = agent.spans()
+    # The run-wide check Agent.close() makes for the tests' agents: this one is stopped, not closed.
+    shared = shared_span_ids(spans)
+    assert not shared, f"gym-tracer exported {len(shared)} span ids on more than one span:\n" + "\n".join(shared[:20])
     seen["spans"] = collections.Counter(
-        s["attributes"].get("user_agent.original") for s in agent.spans()
+        s["attributes"].get("user_agent.original") for s in spans
         if s["kind"] == "SERVER" and s["name"] == "POST /verify")
     seen["summary"] = agent.summary()
     return seen

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gym_expect import assert_attached, assert_resource, containment_problems, gym_rollout_id
+from gym_expect import assert_attached, assert_resource, containment_problems, gym_rollout_id, parent_key, span_key
 from gym_launch import PROMPT, drive_rollouts, run_body, split_prefix
 from harness import wait_until
 from servers.gym_common import INPROCESS_OTEL_CLIENT_ENV, INPROCESS_OTEL_ENV
@@ -154,10 +154,10 @@ def build_traces(spans):
         by_trace[span["trace_id"]].append(span)
     traces = {}
     for trace_id, members in by_trace.items():
-        nodes = {span["span_id"]: Node(span) for span in members}
+        nodes = {span_key(span): Node(span) for span in members}
         roots = []
         for node in nodes.values():
-            parent = nodes.get(node.span["parent_span_id"])
+            parent = nodes.get(parent_key(node.span))
             (parent.children if parent else roots).append(node)
         for node in nodes.values():
             node.children.sort(key=lambda n: (n.span["start_time_unix_nano"], n.kind, n.name))

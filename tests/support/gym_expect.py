@@ -7,6 +7,8 @@ import socket
 import sys
 
 from gym_launch import ROLLOUT_ID
+# Re-exported: the checkers take their span keys from here, with the rest of what a run must show.
+from span_ids import children_by_parent, parent_key, shared_span_ids, span_key, spans_by_key  # noqa: F401
 
 
 # The OpenInference kind each gym.* span carries (docs/outputs.md, "A trace UI"): what LLM-trace UIs
@@ -94,10 +96,10 @@ CONTAINMENT_SLACK_NS = 1_000_000
 def containment_problems(spans, slack_ns=CONTAINMENT_SLACK_NS):
     """The spans of `spans` that start before or end after their parent (when it is among
     `spans`) by more than `slack_ns`, as lines; [] if none."""
-    by_id = {(s["trace_id"], s["span_id"]): s for s in spans}
+    by_key = spans_by_key(spans)
     problems = []
     for span in spans:
-        parent = by_id.get((span["trace_id"], span["parent_span_id"]))
+        parent = by_key.get(parent_key(span))
         if parent is None:
             continue
         early = parent["start_time_unix_nano"] - span["start_time_unix_nano"]

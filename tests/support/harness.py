@@ -14,6 +14,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from span_ids import shared_span_ids
+
 # The support programs; the Gym-shaped servers are imported from here as `servers.*`, so
 # every process that runs one gets it as PYTHONPATH and cwd.
 SUPPORT_DIR = Path(__file__).resolve().parent
@@ -251,7 +253,8 @@ class Agent:
     def close(self):
         """For fixture teardown: an agent the test left running is stopped (killed if it does
         not exit), so no test leaks one; its stderr is printed, which pytest shows when the
-        test failed."""
+        test failed. Then the run-wide check every test gets: no two spans it exported share a
+        span id (the checkers key spans by id, and would merge them)."""
         if self.process is None:
             return
         try:
@@ -265,6 +268,15 @@ class Agent:
                 self.process.wait()
             print(f"gym-tracer {' '.join(self.args)}\nexit status {self.process.returncode}; stderr:\n"
                   f"{self.stderr()[-20000:]}")
+        try:
+            spans = self.spans()
+        except (OSError, ValueError) as error:  # no stdout, or a line that is no JSON: the test's to judge
+            print(f"gym-tracer's spans unreadable, span ids not checked: {error}")
+            return
+        shared = shared_span_ids(spans)
+        if shared:
+            raise AssertionError(f"gym-tracer exported {len(shared)} span ids on more than one span:\n"
+                                 + "\n".join(shared[:20]))
 
     def stderr(self):
         return self.stderr_path.read_text(errors="replace")

@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from harness import free_port
+from span_ids import shared_span_ids, span_key
 
 KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -148,14 +149,20 @@ class Received:
         return list(newest.values())
 
     def span_ids(self):
+        """The distinct spans received, by span_key (trace id, span id)."""
         with self.lock:
-            return {span["span_id"] for span in self.spans}
+            return {span_key(span) for span in self.spans}
 
     def span_deliveries(self):
-        """How many times each span id arrived (a retried batch the collector had taken arrives
-        twice)."""
+        """How many times each span (by span_key) arrived (a retried batch the collector had
+        taken arrives twice)."""
         with self.lock:
-            return collections.Counter(span["span_id"] for span in self.spans)
+            return collections.Counter(span_key(span) for span in self.spans)
+
+    def shared_span_ids(self):
+        """span_ids.shared_span_ids over every span received (one delivered twice is one)."""
+        with self.lock:
+            return shared_span_ids(self.spans)
 
     def latest_histograms(self, name):
         """Cumulative points: keep the newest per (resource pid, attributes)."""
@@ -355,6 +362,14 @@ class OtlpReceiver:
         self.http_server = self._http_server()
         threading.Thread(target=self.http_server.serve_forever, daemon=True).start()
         return self
+
+    def assert_span_ids_unique(self):
+        """The run-wide check on what it received, for a test's teardown: no two spans share a
+        span id (the checkers key spans by id, and would merge them)."""
+        shared = self.received.shared_span_ids()
+        if shared:
+            raise AssertionError(f"the OTLP receiver got {len(shared)} span ids on more than one span:\n"
+                                 + "\n".join(shared[:20]))
 
     def stop(self):
         """Closes both listeners (clients see connection refused); `start()` opens them again."""

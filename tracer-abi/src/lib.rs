@@ -153,16 +153,37 @@ pub struct DataEventHeader {
 /// [`DataEventHeader::flags`]: `seq` is known.
 pub const DATA_SEQ_KNOWN: u8 = 1;
 
-/// The span id of the CLIENT span of the request whose first byte has TCP sequence number
-/// `seq`, as a big-endian `u64`: what the caller's agent exports and what the callee's agent
-/// (on any host, sharing nothing; or a header the kernel writes) names as its parent.
-/// SplitMix64's finalizer over a fixed domain tag and the number: a bijection, so two
-/// requests with different numbers never share an id, never 0 (only 0 maps to 0), and
-/// cheap enough for an eBPF program. Changing it breaks joins between agents of two
-/// versions: it is versioned by its tag.
-pub const fn tcp_request_span_id(seq: u32) -> u64 {
-    const TAG_V1: u64 = 0x6774_7271; // "gtrq"
-    let mut z = (TAG_V1 << 32) | seq as u64;
+/// The span id of the CLIENT span of a call that another agent must name without seeing it:
+/// the request, in trace `trace`, whose first byte has TCP sequence number `seq`. The caller's
+/// agent exports its CLIENT span with it, its kernel writes it into an injected
+/// `traceparent`, and the callee's agent (on another host, sharing nothing) names it as the
+/// SERVER span's parent. Both ends know the trace (the header, or a rollout id both see) and
+/// the number, which NAT leaves alone (unlike the addresses).
+///
+/// Why the trace goes in: a sequence number alone is 32 bits, and the numbers of one host's
+/// connections are far from independent, so calls of two rollouts shared ids. With the
+/// trace, two calls share an id only if they are in one trace and their first bytes have one
+/// number; the stitcher checks for that before export.
+///
+/// SplitMix64's finalizer, twice, over the trace's two halves and a tag with the number in
+/// its low 32 bits: for one trace a bijection of the number (two requests of a trace with
+/// different numbers never share an id), and cheap enough for an eBPF program. Changing it
+/// breaks joins between agents of two versions: it is versioned by its tag.
+pub const fn call_span_id(trace: &[u8; 16], seq: u32) -> u64 {
+    const TAG_V2: u64 = 0x6774_7232; // "gtr2"
+    let high = u64::from_be_bytes([
+        trace[0], trace[1], trace[2], trace[3], trace[4], trace[5], trace[6], trace[7],
+    ]);
+    let low = u64::from_be_bytes([
+        trace[8], trace[9], trace[10], trace[11], trace[12], trace[13], trace[14], trace[15],
+    ]);
+    let id = splitmix64_finalizer(splitmix64_finalizer(high ^ ((TAG_V2 << 32) | seq as u64)) ^ low);
+    // 0 is not a valid span id; the one (trace, seq) that gives it gets 1.
+    if id == 0 { 1 } else { id }
+}
+
+/// SplitMix64's output function: a bijection of `u64` that spreads every input bit.
+const fn splitmix64_finalizer(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

@@ -1468,7 +1468,7 @@ fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
     hex_into(
         &mut armed.line,
         49,
-        &tracer_abi::tcp_request_span_id(seq).to_be_bytes(),
+        &tracer_abi::call_span_id(&trace, seq).to_be_bytes(),
     );
     let _ = INJECT_ARMED.insert(&(pid_tgid as u32), &armed, BPF_ANY as u64);
 }

@@ -47,13 +47,13 @@ impl TraceId {
 }
 
 impl SpanId {
-    /// The id of the CLIENT span of the request whose first byte has TCP sequence number
-    /// `seq` ([`tracer_abi::tcp_request_span_id`]): the caller's agent gives its span this id
-    /// and the callee's agent, on any host and sharing nothing, names it as the SERVER span's
-    /// parent. Only the sequence number goes in, not the addresses, which NAT and Service
-    /// addresses change between the ends.
-    pub fn of_tcp_request(seq: u32) -> Self {
-        Self(tracer_abi::tcp_request_span_id(seq).to_be_bytes())
+    /// The id of the CLIENT span of the request in `trace` whose first byte has TCP sequence
+    /// number `seq` ([`tracer_abi::call_span_id`]): what the caller's agent exports for a
+    /// call another agent must name (one to another host, or one whose `traceparent` the
+    /// kernel may have written), and what the callee's agent names as the SERVER span's
+    /// parent. Every other span's id is [`SpanId::random`].
+    pub fn of_call(trace: TraceId, seq: u32) -> Self {
+        Self(tracer_abi::call_span_id(&trace.0, seq).to_be_bytes())
     }
 
     pub fn random() -> Self {
@@ -121,25 +121,51 @@ fn decode_hex(text: &str, out: &mut [u8]) -> Option<()> {
 mod tests {
     use super::*;
 
-    /// The ids other tools (and other versions of this one) must compute the same way:
-    /// SplitMix64's finalizer of (0x67747271 << 32 | seq), big-endian. The vectors were
-    /// computed apart from this code (Python: `z = (0x67747271 << 32) | seq; z = ((z ^ (z >>
-    /// 30)) * 0xbf58476d1ce4e5b9) % 2**64; z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) % 2**64;
-    /// z ^ (z >> 31)`).
-    const VECTORS: [(u32, &str); 4] = [
-        (0, "9a196ab7dcf845d8"),
-        (1, "e66a7be098b5a643"),
-        (0x8000_0000, "6ef3bd6b586e4cdb"),
-        (u32::MAX, "f92427a4b745cab0"),
+    /// The ids other tools (and other versions of this one) must compute the same way. The
+    /// vectors were computed apart from this code (Python: `f(z) = z ^ z >> 30, * 0xbf58476d1ce4e5b9,
+    /// ^ >> 27, * 0x94d049bb133111eb, ^ >> 31` mod 2^64; `id = f(f(hi ^ (0x67747232 << 32 | seq)) ^ lo)`
+    /// with `hi`, `lo` the trace's halves, big-endian).
+    const VECTORS: [(&str, u32, &str); 4] = [
+        ("0af7651916cd43dd8448eb211c80319c", 0, "6d290f487535cc2d"),
+        ("0af7651916cd43dd8448eb211c80319c", 1, "470bce4efdc155a4"),
+        (
+            "0af7651916cd43dd8448eb211c80319c",
+            u32::MAX,
+            "e02a88c310b7082f",
+        ),
+        ("00000000000000000000000000000001", 5000, "8840c260ce1cae16"),
     ];
 
+    fn trace(text: &str) -> TraceId {
+        let mut bytes = [0u8; 16];
+        decode_hex(text, &mut bytes).expect("hex");
+        TraceId(bytes)
+    }
+
     #[test]
-    fn a_requests_span_id_is_a_function_of_its_sequence_number_only() {
-        for (seq, hex) in VECTORS {
-            let id = SpanId::of_tcp_request(seq);
-            let got: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
-            assert_eq!(got, hex, "seq {seq}");
+    fn a_calls_span_id_is_a_function_of_its_trace_and_sequence_number() {
+        for (trace_hex, seq, want) in VECTORS {
+            assert_eq!(
+                hex(&SpanId::of_call(trace(trace_hex), seq).0),
+                want,
+                "{trace_hex} {seq}"
+            );
         }
-        assert_ne!(SpanId::of_tcp_request(7), SpanId::of_tcp_request(8));
+    }
+
+    /// Two requests with one sequence number (two connections whose numbers met, the
+    /// collision #45 saw) get two ids when they are in two traces; in one trace, one number
+    /// is one request, and the stitcher catches the rest before export.
+    #[test]
+    fn equal_sequence_numbers_in_two_traces_give_two_ids() {
+        let (a, b) = (trace(VECTORS[0].0), trace(VECTORS[3].0));
+        for seq in [0, 7, 0x8000_0000, u32::MAX] {
+            assert_ne!(
+                SpanId::of_call(a, seq),
+                SpanId::of_call(b, seq),
+                "seq {seq}"
+            );
+        }
+        assert_ne!(SpanId::of_call(a, 7), SpanId::of_call(a, 8));
     }
 }

@@ -14,14 +14,15 @@
 //! process is chosen in [`calls`] (the evidence, intersected) and [`lineage`] (the kernel's
 //! task lineage); a process without task contexts is decided by
 //! `Stitcher::choose_caller_without_context`. Across processes the connection keys live here;
-//! across hosts a CLIENT span's id is [`SpanId::of_tcp_request`] and a trace's is
-//! [`rollout_trace_id`]. Trace ids are resolved when a span is released, not when it is
+//! across hosts a trace's id is [`rollout_trace_id`] and a CLIENT span's is decided in
+//! [`call_ids`]. Trace ids are resolved when a span is released, not when it is
 //! built: [`settle`] says, per kind of evidence, which event closes a span's chain.
 
 /// How parents are decided, for people: `gym-tracer --help` and docs/how-it-works.md print
 /// it, and it opens this module's doc. Keep it true to [`calls`], [`lineage`] and [`settle`].
 pub const EDGE_RULES: &str = include_str!("edges.md");
 
+mod call_ids;
 mod calls;
 pub mod context_keys;
 pub mod injection;
@@ -52,6 +53,7 @@ use crate::model::ids::parse_traceparent;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanKind;
 use crate::model::span::SpanRecord;
+use call_ids::{CallId, SharedIds};
 pub use calls::GroupKey;
 use context_keys::LoopTails;
 
@@ -215,6 +217,14 @@ counters! {
         /// parents and trace settled, their edges may be missing (see `parents_decided_late`,
         /// `spans_flushed_unmatched`): raise `--max-stitching-spans`.
         note spans_released_early,
+        /// Calls to another host released with the id an earlier call of their trace had. Their
+        /// first bytes had one TCP sequence number; the later one went out under an id of its own,
+        /// and its callee's SERVER span, named by the shared id, may hang under the earlier call.
+        lost shared_call_ids_repeated,
+        /// Shared call ids that left the window checked for repeats (as many as the request graph
+        /// holds). A call of the same trace with the same TCP sequence number after that is not
+        /// caught; two calls of one trace that far apart are rare.
+        note shared_call_ids_forgotten,
         /// Finished requests dropped from the full request graph to make room. A call made after
         /// its caller answered then finds no parent. The graph holds 4 times
         /// `--max-stitching-spans` requests: raise it.
@@ -286,10 +296,11 @@ struct Node {
     semantic_span_id: Option<SpanId>,
     /// Outbound: see [`StartFacts::inbound_hidden`].
     inbound_hidden: bool,
-    /// Client: the id its CLIENT span is exported with ([`SpanId::of_tcp_request`]), when
-    /// the kernel read the request's TCP sequence number. Server: the id its caller's CLIENT
-    /// span has, from the same number.
-    tcp_span_id: Option<SpanId>,
+    /// The TCP sequence number of the request's first byte, when the kernel read it: both
+    /// ends see it, so with the trace it names a call across hosts ([`SpanId::of_call`]).
+    tcp_seq: Option<u32>,
+    /// Client: the id its CLIENT span goes out with ([`call_ids`]).
+    call_id: CallId,
     /// Inbound: its caller is a Gym server ([`StartFacts::caller_traced`]) on another host
     /// (its address is neither loopback nor the server's own).
     caller_on_other_host: bool,
@@ -413,6 +424,8 @@ pub struct Stitcher {
     published_by_owner: HashMap<SpanId, Vec<(u32, GroupKey)>>,
     /// Changes to the published traces not yet taken by the driver.
     injections: Vec<injection::TraceInjection>,
+    /// The shared call ids given out lately ([`call_ids`]).
+    shared_ids: SharedIds,
     pub counters: StitchCounters,
 }
 
@@ -438,10 +451,21 @@ pub struct StartFacts {
     pub caller_seen_here: bool,
 }
 
+/// What a span's parent is, as [`Stitcher::parent_span_of`] finds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ParentSpan {
+    /// A span by its exported id: on this host (a SERVER or `gym.*` span), or named by a
+    /// header or by the caller's host (`remote`).
+    Span { id: SpanId, remote: bool },
+    /// The CLIENT span of this call, whose exported id [`Stitcher::exported_call_id`] decides.
+    Call(SpanId),
+}
+
 /// Where a request whose caller is on another host hangs (see [`Stitcher::cross_host_parent`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CrossHost {
-    /// Under its caller's CLIENT span, whose id both hosts derive from the sequence number.
+    /// Under its caller's CLIENT span, whose id both hosts derive from the trace and the
+    /// sequence number.
     Joined(SpanId),
     /// A root: its trace is not known here (or the kernel read no sequence number).
     Unjoined,
@@ -486,6 +510,7 @@ impl Stitcher {
             published: HashMap::new(),
             published_by_owner: HashMap::new(),
             injections: Vec::new(),
+            shared_ids: SharedIds::new(config.max_nodes),
             counters: StitchCounters::default(),
         }
     }
@@ -531,7 +556,17 @@ impl Stitcher {
             semantic_span_id: (start.role == Role::Server && facts.emits_semantic)
                 .then(SpanId::random),
             inbound_hidden: facts.inbound_hidden,
-            tcp_span_id: start.tcp_seq.map(SpanId::of_tcp_request),
+            tcp_seq: start.tcp_seq,
+            // Named elsewhere: by the callee's agent on another host (or a host unknown), or
+            // by the header the kernel may write.
+            call_id: match start.role {
+                Role::Client => CallId::of_call(
+                    start.tcp_seq,
+                    self.config.inject_traces
+                        || !start.local.zip(start.peer).is_some_and(on_one_host),
+                ),
+                Role::Server => CallId::Own,
+            },
             caller_on_other_host: start.role == Role::Server
                 && facts.caller_traced
                 && start
@@ -599,7 +634,7 @@ impl Stitcher {
         match (remote, client) {
             // The header this host's kernel inserted (`--inject-traceparent`) names the
             // caller seen here: the local edge says the same and more.
-            (Some((_, span)), Some(client)) if self.injected_by_us(client, span) => {
+            (Some((trace, span)), Some(client)) if self.is_injected_id(client, trace, span) => {
                 self.counters.cross_process_links += 1;
                 self.draw_edge(id, Parent::Local(client));
             }
@@ -864,11 +899,11 @@ impl Stitcher {
     /// hangs under it, unless a span of the request is out already or another caller's
     /// `traceparent` named its parent (each counted: the local call is not linked).
     fn link_server(&mut self, server: SpanId, client: SpanId) {
-        let client_span = self.nodes.get(&client).and_then(|c| c.tcp_span_id);
         let Some(node) = self.nodes.get(&server) else {
             return;
         };
-        let injected = matches!(node.parent, Parent::Remote(_, span) if client_span == Some(span));
+        let injected = matches!(node.parent,
+            Parent::Remote(trace, span) if self.is_injected_id(client, trace, span));
         if node.trace.is_some() {
             // Its spans are out already, under a trace of their own.
             self.counters.spans_flushed_unmatched += 1;
@@ -879,14 +914,6 @@ impl Stitcher {
         } else {
             self.counters.local_calls_parented_by_header += 1;
         }
-    }
-
-    /// Whether `span`, the parent an inbound `traceparent` names, is the exported id of
-    /// `client`, a call seen on this host: the header was this agent's own injection.
-    fn injected_by_us(&self, client: SpanId, span: SpanId) -> bool {
-        self.nodes
-            .get(&client)
-            .is_some_and(|c| c.tcp_span_id == Some(span))
     }
 
     /// A request ended (its spans, if any, are [`hold`](Self::hold)-ed by the caller).
@@ -975,13 +1002,12 @@ impl Stitcher {
         let emits_own = node.emits_own;
         // The request's outermost span: the one that hangs under its parent.
         let outermost = role == SpanRole::Own || !emits_own;
+        let trace = self.trace_of(id);
         if role == SpanRole::Own && node.role == Role::Client {
-            if let Some(id) = node.tcp_span_id {
-                span.span_id = id;
-            }
             if node.parent == Parent::None {
                 self.count_undecided(node.undecided);
             }
+            span.span_id = self.exported_call_id(id, trace);
         }
         if outermost {
             match self.cross_host_parent(id) {
@@ -996,12 +1022,13 @@ impl Stitcher {
                 None => {}
             }
         }
-        let trace = self.trace_of(id);
         let (parent, remote) = match role {
             SpanRole::Semantic if emits_own => (Some(id), false),
-            _ => self
-                .parent_span_of(id)
-                .map_or((None, false), |(p, r)| (Some(p), r)),
+            _ => match self.parent_span_of(id) {
+                None => (None, false),
+                Some(ParentSpan::Span { id, remote }) => (Some(id), remote),
+                Some(ParentSpan::Call(call)) => (Some(self.exported_call_id(call, trace)), false),
+            },
         };
         span.parent_span_id = parent;
         span.parent_is_remote = remote;
@@ -1119,35 +1146,42 @@ impl Stitcher {
             .map_or_else(TraceId::random, |n| n.random_trace)
     }
 
-    /// The span a request's own span hangs under, and whether it is another process's seen
-    /// only through the request: for a server, the caller's client span (on this host, on
-    /// another host, or from `traceparent`); for a client, the gym.* span (or SERVER span)
-    /// of the inbound request that made the call. Requests whose spans are not emitted are
-    /// passed through.
-    fn parent_span_of(&self, mut id: SpanId) -> Option<(SpanId, bool)> {
+    /// The span a request's own span hangs under: for a server, the caller's client span (on
+    /// this host, on another host, or from `traceparent`); for a client, the gym.* span (or
+    /// SERVER span) of the inbound request that made the call. Requests whose spans are not
+    /// emitted are passed through.
+    fn parent_span_of(&self, mut id: SpanId) -> Option<ParentSpan> {
         for _ in 0..MAX_DEPTH {
             let node = self.nodes.get(&id)?;
             match node.parent {
                 Parent::None => {
                     return match self.cross_host_parent(id)? {
-                        CrossHost::Joined(span) => Some((span, true)),
+                        CrossHost::Joined(span) => Some(ParentSpan::Span {
+                            id: span,
+                            remote: true,
+                        }),
                         CrossHost::Unjoined => None,
                     };
                 }
-                Parent::Remote(_, span) => return Some((span, true)),
+                Parent::Remote(_, span) => {
+                    return Some(ParentSpan::Span {
+                        id: span,
+                        remote: true,
+                    });
+                }
                 Parent::Local(parent) => {
+                    let local = |id| ParentSpan::Span { id, remote: false };
                     let Some(parent_node) = self.nodes.get(&parent) else {
-                        return Some((parent, false));
+                        return Some(local(parent));
                     };
                     if let Some(semantic) = parent_node.semantic_span_id {
-                        return Some((semantic, false));
+                        return Some(local(semantic));
                     }
                     if parent_node.emits_own {
-                        let exported = match parent_node.role {
-                            Role::Client => parent_node.tcp_span_id.unwrap_or(parent),
-                            Role::Server => parent,
-                        };
-                        return Some((exported, false));
+                        return Some(match parent_node.role {
+                            Role::Client => ParentSpan::Call(parent),
+                            Role::Server => local(parent),
+                        });
                     }
                     id = parent;
                 }
@@ -1157,15 +1191,19 @@ impl Stitcher {
     }
 
     /// For a request without a parent on this host whose caller is a Gym server on another
-    /// host: its caller's CLIENT span, named by the request's TCP sequence number, when its
-    /// trace is known here (a rollout id); otherwise it stays a root, unjoined.
+    /// host: its caller's CLIENT span, named by the trace and the request's TCP sequence
+    /// number, when its trace is known here (a rollout id); otherwise it stays a root,
+    /// unjoined.
     fn cross_host_parent(&self, id: SpanId) -> Option<CrossHost> {
         let node = self.nodes.get(&id)?;
         if node.parent != Parent::None || !node.caller_on_other_host {
             return None;
         }
-        match (node.tcp_span_id, self.effective_rollout(id)) {
-            (Some(caller), Some(_)) => Some(CrossHost::Joined(caller)),
+        match (node.tcp_seq, self.effective_rollout(id)) {
+            (Some(seq), Some(rollout)) => Some(CrossHost::Joined(SpanId::of_call(
+                rollout_trace_id(rollout),
+                seq,
+            ))),
             _ => Some(CrossHost::Unjoined),
         }
     }
@@ -1231,6 +1269,13 @@ mod tests {
     impl Stitcher {
         fn undecided(&self, call: SpanId) -> Option<Undecided> {
             self.nodes[&call].undecided
+        }
+
+        /// The request (or `gym.*` span) a request's span hangs under, as the graph stands.
+        fn parent_request(&self, id: SpanId) -> Option<SpanId> {
+            self.parent_span_of(id).map(|parent| match parent {
+                ParentSpan::Span { id, .. } | ParentSpan::Call(id) => id,
+            })
         }
     }
 
@@ -1534,12 +1579,67 @@ mod tests {
 
         let exported_call = export(&mut host_a, &call, SpanKind::Client);
         let exported_served = export(&mut host_b, &served, SpanKind::Server);
-        assert_eq!(exported_call.span_id, SpanId::of_tcp_request(5000));
+        let trace = rollout_trace_id(&RolloutId::parse("7-1").unwrap());
+        assert_eq!(exported_call.span_id, SpanId::of_call(trace, 5000));
         assert_eq!(exported_served.parent_span_id, Some(exported_call.span_id));
         assert!(exported_served.parent_is_remote);
         assert_eq!(exported_served.trace_id, exported_call.trace_id);
         assert_eq!(host_b.counters.cross_host_parents, 1);
         assert_eq!(host_b.counters.cross_host_unjoined, 0);
+    }
+
+    /// Two connections whose requests' first bytes have one TCP sequence number (the numbers
+    /// of one host's connections meet far more often than 32 random bits would: #45): their
+    /// CLIENT spans get two ids, whether both ends are on this host (ids of their own), the
+    /// calls go to another host in two rollouts (the trace is in the derived id), or in one
+    /// rollout (the second is caught, goes out under its own id, and is counted).
+    #[test]
+    fn requests_with_one_sequence_number_get_two_ids() {
+        let now = Instant::now();
+        // Two rollouts' `/run`s each make a call, from two ports, with one sequence number;
+        // their CLIENT spans as released.
+        let exported = |stitcher: &mut Stitcher, rollouts: [&str; 2], to: [u8; 4], port: u16| {
+            let (mut runs, mut calls) = (Vec::new(), Vec::new());
+            for (n, rollout) in (0..).zip(rollouts) {
+                let run = start(AGENT, Role::Server, 8000, port + n, 0, "/run");
+                stitcher.start(&run, facts(Some(rollout), true), now);
+                let call = RequestStart {
+                    local: Some(SocketAddr::from((HOST_A, port + 100 + n))),
+                    ..between_hosts(AGENT, Role::Client, 5000, HOST_A, to)
+                };
+                stitcher.start(&call, facts(Some(rollout), false), now);
+                runs.push(run.span_id);
+                calls.push(call.span_id);
+            }
+            let mut out = Vec::new();
+            for (run, call) in runs.into_iter().zip(calls) {
+                let own = testing::span("HTTP POST", SpanKind::Client, call);
+                stitcher.hold(call, SpanRole::Own, own, &mut out);
+                stitcher.finish(call);
+                stitcher.finish(run);
+            }
+            stitcher.release_all(&mut out);
+            let ids: Vec<SpanId> = out.iter().map(|span| span.span_id).collect();
+            assert_eq!(ids.len(), 2);
+            assert_ne!(ids[0], ids[1], "{rollouts:?} to {to:?}");
+            ids
+        };
+        let mut host_a = Stitcher::new(config());
+        let local = exported(&mut host_a, ["1-0", "1-0"], HOST_A, 41000);
+        assert!(local.iter().all(|id| {
+            let trace = rollout_trace_id(&RolloutId::parse("1-0").unwrap());
+            *id != SpanId::of_call(trace, 5000)
+        }));
+        let remote = exported(&mut host_a, ["2-0", "3-0"], HOST_B, 42000);
+        for (id, rollout) in remote.iter().zip(["2-0", "3-0"]) {
+            let trace = rollout_trace_id(&RolloutId::parse(rollout).unwrap());
+            assert_eq!(*id, SpanId::of_call(trace, 5000));
+        }
+        assert_eq!(host_a.counters.shared_call_ids_repeated, 0);
+        let same_trace = exported(&mut host_a, ["4-0", "4-0"], HOST_B, 43000);
+        let trace = rollout_trace_id(&RolloutId::parse("4-0").unwrap());
+        assert_eq!(same_trace[0], SpanId::of_call(trace, 5000));
+        assert_eq!(host_a.counters.shared_call_ids_repeated, 1);
     }
 
     /// One keep-alive connection between the hosts reused by two rollouts, its requests
@@ -1648,7 +1748,10 @@ mod tests {
             span.trace_id,
             rollout_trace_id(&RolloutId::parse("7-1").unwrap())
         );
-        assert_eq!(span.parent_span_id, Some(SpanId::of_tcp_request(900)));
+        assert_eq!(
+            span.parent_span_id,
+            Some(SpanId::of_call(span.trace_id, 900))
+        );
         assert_eq!(host_b.counters.rollouts_by_session, 1);
 
         let other = between_hosts(MODEL, Role::Server, 2000, HOST_A, HOST_B);
@@ -1677,21 +1780,11 @@ mod tests {
         stitcher.start(&b, facts(Some("b"), false), now);
         let for_b = start(AGENT, Role::Client, 40000, 9000, 0, "/ng-rollout/b/verify");
         stitcher.start(&for_b, facts(Some("b"), false), now);
-        assert_eq!(
-            stitcher
-                .parent_span_of(for_b.span_id)
-                .map(|(parent, _)| parent),
-            Some(b.span_id)
-        );
+        assert_eq!(stitcher.parent_request(for_b.span_id), Some(b.span_id));
         // Two in flight, no id on the call: no parent, counted.
         let anonymous = start(AGENT, Role::Client, 40001, 9000, 0, "/verify");
         stitcher.start(&anonymous, facts(None, false), now);
-        assert_eq!(
-            stitcher
-                .parent_span_of(anonymous.span_id)
-                .map(|(parent, _)| parent),
-            None
-        );
+        assert_eq!(stitcher.parent_request(anonymous.span_id), None);
         assert_eq!(
             stitcher.undecided(anonymous.span_id),
             Some(Undecided::Ambiguous)
@@ -1700,12 +1793,7 @@ mod tests {
         stitcher.finish(a.span_id);
         let for_c = start(AGENT, Role::Client, 40002, 9000, 0, "/ng-rollout/c/verify");
         stitcher.start(&for_c, facts(Some("c"), false), now);
-        assert_eq!(
-            stitcher
-                .parent_span_of(for_c.span_id)
-                .map(|(parent, _)| parent),
-            None
-        );
+        assert_eq!(stitcher.parent_request(for_c.span_id), None);
         assert_eq!(
             stitcher.undecided(for_c.span_id),
             Some(Undecided::Contradicted)
@@ -1767,18 +1855,8 @@ mod tests {
         let tool_call = start(AGENT, Role::Client, 40002, 7000, 0, "/get_weather");
         stitcher.start(&tool_call, facts(None, false), now);
         let nested_semantic = stitcher.semantic_span_id(nested.span_id);
-        assert_eq!(
-            stitcher
-                .parent_span_of(model_call.span_id)
-                .map(|(parent, _)| parent),
-            nested_semantic
-        );
-        assert_eq!(
-            stitcher
-                .parent_span_of(tool_call.span_id)
-                .map(|(parent, _)| parent),
-            nested_semantic
-        );
+        assert_eq!(stitcher.parent_request(model_call.span_id), nested_semantic);
+        assert_eq!(stitcher.parent_request(tool_call.span_id), nested_semantic);
         assert_eq!(
             stitcher.effective_rollout(tool_call.span_id).cloned(),
             RolloutId::parse("r")
@@ -1788,12 +1866,7 @@ mod tests {
         stitcher.start(&other, facts(Some("s"), true), now);
         let anonymous = start(AGENT, Role::Client, 40003, 7000, 0, "/get_weather");
         stitcher.start(&anonymous, facts(None, false), now);
-        assert_eq!(
-            stitcher
-                .parent_span_of(anonymous.span_id)
-                .map(|(parent, _)| parent),
-            None
-        );
+        assert_eq!(stitcher.parent_request(anonymous.span_id), None);
         assert_eq!(
             stitcher.undecided(anonymous.span_id),
             Some(Undecided::Ambiguous)
@@ -1843,11 +1916,11 @@ mod tests {
     #[test]
     fn a_header_this_agent_injected_keeps_the_local_edge() {
         let header = |seq: u32| {
-            let span: String = SpanId::of_tcp_request(seq)
-                .0
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
+            let trace =
+                parse_traceparent("00-0af7651916cd43dd8448eb211c80319c-0000000000000001-01")
+                    .expect("a header")
+                    .0;
+            let span = crate::model::ids::hex(&SpanId::of_call(trace, seq).0);
             Some(format!("00-0af7651916cd43dd8448eb211c80319c-{span}-01"))
         };
         for server_first in [false, true] {
