@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 
 use crate::command::run_checked;
 use crate::ctx::Ctx;
@@ -41,6 +41,26 @@ pub(crate) fn bench_examples(ctx: &Ctx) -> Result<BenchExamples> {
         pipeline_cost: examples.join("pipeline_cost"),
         syscall_floor: examples.join("syscall_floor"),
     })
+}
+
+/// The same examples as `cargo test` leaves them (it builds every example, in the test
+/// profile): for the bench's smoke tests, which check that each section runs, not its
+/// figures. `cargo xtask bench` measures with [`bench_examples`].
+pub(crate) fn tested_examples(ctx: &Ctx) -> Result<BenchExamples> {
+    let examples = ctx.root.join("target/debug/examples");
+    let found = BenchExamples {
+        pipeline_cost: examples.join("pipeline_cost"),
+        syscall_floor: examples.join("syscall_floor"),
+    };
+    for binary in [&found.pipeline_cost, &found.syscall_floor] {
+        if !binary.exists() {
+            bail!(
+                "`cargo test` left no {}: the bench's examples are missing from its build",
+                binary.display()
+            );
+        }
+    }
+    Ok(found)
 }
 
 /// Builds tracer-userspace (its build.rs builds the eBPF object) and returns the binary.

@@ -1,5 +1,7 @@
 //! `cargo xtask lint`: rustfmt and clippy (warnings denied) over the workspace.
 
+use std::process::Command;
+
 use anyhow::Result;
 
 use crate::command::run_checked;
@@ -12,11 +14,16 @@ pub(crate) fn run(ctx: &Ctx) -> Result<()> {
         "code is not formatted: run `cargo fmt --all`",
     )?;
     println!("xtask: running clippy");
-    run_checked(
-        ctx.cmd("cargo")
-            .args(["clippy", "--all-targets", "--", "-D", "warnings"]),
-        "clippy found problems: fix the warnings above",
-    )?;
+    run_checked(&mut clippy(ctx), CLIPPY_HINT)?;
     println!("xtask: lint passed");
     Ok(())
+}
+
+pub(crate) const CLIPPY_HINT: &str = "clippy found problems: fix the warnings above";
+
+/// clippy over every target, warnings denied (it builds the eBPF objects, by build.rs).
+pub(crate) fn clippy(ctx: &Ctx) -> Command {
+    let mut cmd = ctx.cmd("cargo");
+    cmd.args(["clippy", "--all-targets", "--", "-D", "warnings"]);
+    cmd
 }

@@ -62,8 +62,8 @@ enum Cmd {
     /// Build the agent as a Python wheel (maturin, the binary only) into target/wheels/,
     /// for `pip install`; installs maturin into target/wheel-venv.
     Wheel,
-    /// Fuzz the HTTP reassembly path (cargo-fuzz target `http_reassembly`) for a bounded
-    /// time, starting from the committed corpus; installs cargo-fuzz when missing.
+    /// Fuzz the HTTP reassembly path (libFuzzer target `http_reassembly`, built with the
+    /// flags cargo-fuzz would use) for a bounded time, starting from the committed corpus.
     Fuzz(fuzz::FuzzArgs),
 }
 

@@ -62,14 +62,13 @@ pub(crate) fn trace_ui(ctx: &Ctx, browser: bool) -> Result<()> {
 /// All of setup, which test, demo and bench run first; `gym_venv`: also create the
 /// real-Gym venv (off with `--no-gym-venv`).
 pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
-    if ctx.path_extended {
-        println!(
-            "xtask: note: {} is not on your PATH; adding it for the commands xtask runs \
-             (add it to your shell profile to use bpf-linker directly)",
-            ctx.cargo_bin.display()
-        );
-    }
     toolchain(ctx)?;
+    environment(ctx, gym_venv)
+}
+
+/// What the tests, demo and bench run with besides the build: the Python venvs, the system
+/// tools, tracefs. Mostly downloads: `cargo xtask test` runs it while cargo builds.
+pub(crate) fn environment(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     venv::ensure_venv(ctx)?;
     venv::ensure_py312_venv(ctx)?;
     // The benchmark's load generator and the compiler of its syscall loop: `cargo xtask
@@ -105,6 +104,16 @@ pub(crate) fn machine(ctx: &Ctx, gym_venv: bool) -> Result<()> {
 
 /// What building the agent needs: nightly with rust-src, and bpf-linker.
 pub(crate) fn toolchain(ctx: &Ctx) -> Result<()> {
+    static PATH_NOTE: std::sync::Once = std::sync::Once::new();
+    if ctx.path_extended {
+        PATH_NOTE.call_once(|| {
+            println!(
+                "xtask: note: {} is not on your PATH; adding it for the commands xtask runs \
+                 (add it to your shell profile to use bpf-linker directly)",
+                ctx.cargo_bin.display()
+            )
+        });
+    }
     ensure_nightly(ctx)?;
     ensure_rust_src(ctx)?;
     bpf_linker::ensure_bpf_linker(ctx)

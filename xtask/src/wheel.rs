@@ -2,20 +2,22 @@
 //! "bin"`) in target/wheels/, for `pip install`. The wheel holds the stripped binary and
 //! nothing else. zig links it against glibc 2.17's symbols (manylinux2014), and maturin's
 //! audit refuses a wheel whose binary needs more than its tag claims. It builds in a target
-//! directory of its own (target/wheel-build): its linker and flags differ from the release
-//! build's, which would otherwise be rebuilt, stripped, at every turn.
+//! directory of its own (target/wheel-build): maturin builds for an explicit `--target` with
+//! zig as the C compiler and linker, so none of the native release build's artifacts are
+//! shared, and that build would otherwise be rebuilt at every turn. `cargo xtask test` runs
+//! the integration tests against the binary this build ships (one release build, not two).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::command::run_checked;
+use crate::command::{capture, run_checked, run_logged};
 use crate::ctx::Ctx;
 use crate::setup;
 
 pub(crate) fn run(ctx: &Ctx) -> Result<()> {
-    let wheel = build(ctx)?;
+    let Wheel { wheel, .. } = build(ctx, None)?;
     let bytes = std::fs::metadata(&wheel)
         .with_context(|| format!("reading {}", wheel.display()))?
         .len();
@@ -28,9 +30,16 @@ pub(crate) fn run(ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
-/// Builds the wheel (the eBPF objects first, by tracer-userspace's build script) and returns
-/// its path: the only wheel in target/wheels/ afterwards.
-pub(crate) fn build(ctx: &Ctx) -> Result<PathBuf> {
+/// A built wheel, and the binary maturin put in it (stripped, linked for glibc 2.17).
+pub(crate) struct Wheel {
+    /// The only wheel in target/wheels/.
+    pub(crate) wheel: PathBuf,
+    pub(crate) binary: PathBuf,
+}
+
+/// Builds the wheel (the eBPF objects first, by tracer-userspace's build script); with `log`,
+/// maturin's output goes there (printed if it fails), for a build beside another.
+pub(crate) fn build(ctx: &Ctx, log: Option<&Path>) -> Result<Wheel> {
     setup::toolchain(ctx)?;
     setup::ensure_wheel_venv(ctx)?;
     let out = ctx.root.join("target/wheels");
@@ -42,6 +51,7 @@ pub(crate) fn build(ctx: &Ctx) -> Result<PathBuf> {
         "xtask: building the wheel with maturin (release, stripped, linked by zig for glibc 2.17)"
     );
     let venv_bin = ctx.wheel_venv().join("bin");
+    let target_dir = ctx.root.join("target/wheel-build");
     // maturin finds zig (the ziglang package) through the venv's python on PATH.
     let mut path = vec![venv_bin.clone()];
     path.extend(std::env::split_paths(&ctx.path));
@@ -50,17 +60,39 @@ pub(crate) fn build(ctx: &Ctx) -> Result<PathBuf> {
         "PATH",
         std::env::join_paths(path).context("PATH holds an invalid entry")?,
     )
-    .env("CARGO_TARGET_DIR", ctx.root.join("target/wheel-build"))
+    .env("CARGO_TARGET_DIR", &target_dir)
+    // The binary is stripped: the release profile's line tables would only cost build time.
+    // (tracer-ebpf keeps its own `debug = 2`, a package override: its BTF comes from it.)
+    .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
     .current_dir(&ctx.root)
     .args(["build", "--release", "--zig", "--out"])
     .arg(&out);
-    run_checked(
-        &mut cmd,
-        "maturin could not build the wheel: see the errors above (the eBPF build needs \
-         `cargo xtask setup --toolchain-only`)",
-    )?;
+    let hint = "maturin could not build the wheel: see the errors above (the eBPF build needs \
+                `cargo xtask setup --toolchain-only`)";
+    match log {
+        Some(log) => run_logged(&mut cmd, log, hint)?,
+        None => run_checked(&mut cmd, hint)?,
+    }
+    // maturin builds for the host named as an explicit `--target`.
+    let host = capture(ctx.cmd("rustc").arg("-vV"))
+        .and_then(|vv| {
+            vv.lines()
+                .find_map(|line| line.strip_prefix("host: "))
+                .map(str::to_string)
+        })
+        .context("`rustc -vV` names no host")?;
+    let binary = target_dir.join(host).join("release/gym-tracer");
+    if !binary.exists() {
+        bail!(
+            "maturin built no {}: has its layout changed? (see the build above)",
+            binary.display()
+        );
+    }
     match wheels_in(&out)?.as_slice() {
-        [wheel] => Ok(wheel.clone()),
+        [wheel] => Ok(Wheel {
+            wheel: wheel.clone(),
+            binary,
+        }),
         found => bail!(
             "expected one gym_tracer wheel in {}, found {found:?}",
             out.display()
@@ -68,7 +100,7 @@ pub(crate) fn build(ctx: &Ctx) -> Result<PathBuf> {
     }
 }
 
-fn wheels_in(dir: &std::path::Path) -> Result<Vec<PathBuf>> {
+fn wheels_in(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut wheels = Vec::new();
     for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let path = entry?.path();
