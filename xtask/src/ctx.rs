@@ -55,6 +55,23 @@ impl Ctx {
         cmd
     }
 
+    /// The host triple of `rustc` (with `toolchain`, e.g. `["+nightly"]`): builds for an
+    /// explicit `--target` put their artifacts under it.
+    pub(crate) fn host_triple(&self, toolchain: &[&str]) -> Result<String> {
+        crate::command::capture(self.cmd("rustc").args(toolchain).arg("-vV"))
+            .and_then(|vv| {
+                vv.lines()
+                    .find_map(|line| line.strip_prefix("host: "))
+                    .map(str::to_string)
+            })
+            .with_context(|| {
+                format!(
+                    "`rustc {} -vV` names no host: is that toolchain installed?",
+                    toolchain.join(" ")
+                )
+            })
+    }
+
     pub(crate) fn venv_python(&self) -> PathBuf {
         self.root.join("target/venv/bin/python")
     }

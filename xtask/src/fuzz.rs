@@ -13,7 +13,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::command::{capture, run_checked};
+use crate::command::run_checked;
 use crate::ctx::Ctx;
 use crate::setup;
 
@@ -126,13 +126,7 @@ pub(crate) fn fuzz_for(ctx: &Ctx, binary: &Path, seconds: u64) -> Result<()> {
 /// does.
 pub(crate) fn build_command(ctx: &Ctx, sanitizer: bool) -> Result<(Command, PathBuf)> {
     setup::ensure_nightly(ctx)?;
-    let host = capture(ctx.cmd("rustc").args(["+nightly", "-vV"]))
-        .and_then(|vv| {
-            vv.lines()
-                .find_map(|line| line.strip_prefix("host: "))
-                .map(str::to_string)
-        })
-        .context("`rustc +nightly -vV` names no host: is the nightly toolchain installed?")?;
+    let host = ctx.host_triple(&["+nightly"])?;
     let mut rustflags = COVERAGE_RUSTFLAGS.join(" ");
     if sanitizer {
         rustflags.push_str(" -Zsanitizer=address");

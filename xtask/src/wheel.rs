@@ -12,7 +12,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::command::{capture, run_checked, run_logged};
+use crate::command::{run_checked, run_logged};
 use crate::ctx::Ctx;
 use crate::setup;
 
@@ -74,14 +74,9 @@ pub(crate) fn build(ctx: &Ctx, log: Option<&Path>) -> Result<Wheel> {
         None => run_checked(&mut cmd, hint)?,
     }
     // maturin builds for the host named as an explicit `--target`.
-    let host = capture(ctx.cmd("rustc").arg("-vV"))
-        .and_then(|vv| {
-            vv.lines()
-                .find_map(|line| line.strip_prefix("host: "))
-                .map(str::to_string)
-        })
-        .context("`rustc -vV` names no host")?;
-    let binary = target_dir.join(host).join("release/gym-tracer");
+    let binary = target_dir
+        .join(ctx.host_triple(&[])?)
+        .join("release/gym-tracer");
     if !binary.exists() {
         bail!(
             "maturin built no {}: has its layout changed? (see the build above)",
