@@ -2,6 +2,7 @@
 fails, so no test leaks a server, a receiver or an agent into the next."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ from otlp_receiver import OtlpReceiver  # noqa: E402
 def pytest_configure(config):
     if os.geteuid() != 0:
         raise pytest.UsageError("the integration tests load eBPF programs: run them as root (cargo xtask test)")
+    # The tests stop servers with SIGINT, as Ctrl-C does. A shell that runs a command in the
+    # background without job control (CI runners, `nohup cmd &`) starts it with SIGINT ignored,
+    # and every child inherits that: uvicorn then ignores the stop and each real-Gym test waited
+    # out its 15 s before SIGKILL. A handled signal is reset to its default by exec, so a
+    # handler here gives every process the tests start the default.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

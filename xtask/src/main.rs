@@ -13,6 +13,7 @@ mod ctx;
 mod demo;
 mod docs;
 mod fuzz;
+mod idle;
 mod lint;
 mod run;
 mod setup;

@@ -12,12 +12,12 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::command::{run_checked, run_logged};
+use crate::command::run_checked;
 use crate::ctx::Ctx;
 use crate::setup;
 
 pub(crate) fn run(ctx: &Ctx) -> Result<()> {
-    let Wheel { wheel, .. } = build(ctx, None)?;
+    let Wheel { wheel, .. } = build(ctx)?;
     let bytes = std::fs::metadata(&wheel)
         .with_context(|| format!("reading {}", wheel.display()))?
         .len();
@@ -37,9 +37,8 @@ pub(crate) struct Wheel {
     pub(crate) binary: PathBuf,
 }
 
-/// Builds the wheel (the eBPF objects first, by tracer-userspace's build script); with `log`,
-/// maturin's output goes there (printed if it fails), for a build beside another.
-pub(crate) fn build(ctx: &Ctx, log: Option<&Path>) -> Result<Wheel> {
+/// Builds the wheel (the eBPF objects first, by tracer-userspace's build script).
+pub(crate) fn build(ctx: &Ctx) -> Result<Wheel> {
     setup::toolchain(ctx)?;
     setup::ensure_wheel_venv(ctx)?;
     let out = ctx.root.join("target/wheels");
@@ -67,12 +66,11 @@ pub(crate) fn build(ctx: &Ctx, log: Option<&Path>) -> Result<Wheel> {
     .current_dir(&ctx.root)
     .args(["build", "--release", "--zig", "--out"])
     .arg(&out);
-    let hint = "maturin could not build the wheel: see the errors above (the eBPF build needs \
-                `cargo xtask setup --toolchain-only`)";
-    match log {
-        Some(log) => run_logged(&mut cmd, log, hint)?,
-        None => run_checked(&mut cmd, hint)?,
-    }
+    run_checked(
+        &mut cmd,
+        "maturin could not build the wheel: see the errors above (the eBPF build needs \
+         `cargo xtask setup --toolchain-only`)",
+    )?;
     // maturin builds for the host named as an explicit `--target`.
     let binary = target_dir
         .join(ctx.host_triple(&[])?)
