@@ -98,7 +98,8 @@ pub struct EventHeader {
     /// Thread id.
     pub tid: u32,
     pub fd: i32,
-    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the syscall returned.
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the syscall returned; for a data record's
+    /// write, when it was entered (see [`DataEventHeader`]).
     pub timestamp_ns: u64,
     /// Identifies one connection across fd reuse: the monotonic time it was opened.
     pub conn_id: u64,
@@ -125,6 +126,12 @@ pub struct ConnOpenEvent {
 
 /// Fixed part of a data record. The payload follows it on the ring: `captured_len` bytes from
 /// the start of the transfer, then `tail_len` bytes from its end.
+///
+/// `header.timestamp_ns` is when the bytes moved as each end saw them: a write's entry (its
+/// bytes may reach the peer from then on) and a read's return (they had arrived). So the
+/// writer of a message never stamps a byte later than its reader: a callee's SERVER span lies
+/// within its caller's CLIENT span even when the writer's syscall returns late (on loopback
+/// the receiver runs, on the other CPU, before the sender's write returns; 1.5 ms was seen).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DataEventHeader {
@@ -641,6 +648,8 @@ pub struct PendingCall {
     /// The TCP sequence number at entry (see [`DataEventHeader::seq`]), when `seq_known`.
     pub seq: u32,
     pub seq_known: u32,
+    /// `bpf_ktime_get_ns()` at entry: a write's data record is stamped with it.
+    pub entered_ns: u64,
 }
 
 /// A thread's entry in the kernel's per-thread call map: its pending call, and what it last
@@ -757,8 +766,8 @@ const _: () = assert!(size_of::<PendingTlsCall>() == 40);
 const _: () = assert!(size_of::<TlsKey>() == 16);
 const _: () = assert!(size_of::<SocketState>() == 32);
 const _: () = assert!(size_of::<SocketKey>() == 8);
-const _: () = assert!(size_of::<PendingCall>() == 32);
-const _: () = assert!(size_of::<ThreadCalls>() == 48);
+const _: () = assert!(size_of::<PendingCall>() == 40);
+const _: () = assert!(size_of::<ThreadCalls>() == 56);
 const _: () = assert!(size_of::<KernelOffsets>() == 76);
 const _: () = assert!(size_of::<TaskContextEvent>() == 40 + 8 * MAX_CONTEXT_DEPTH + 8 + 32);
 const _: () = assert!(size_of::<AsyncioProcess>() == 24 + 32 + ROOT_NAME_BYTES);

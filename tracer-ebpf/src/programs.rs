@@ -407,6 +407,8 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
         count,
         seq: seq.unwrap_or(0),
         seq_known: u32::from(seq.is_some()),
+        // SAFETY: a helper with no arguments.
+        entered_ns: unsafe { bpf_ktime_get_ns() },
     };
     remember_pending(pid_tgid, &pending);
     0
@@ -1015,6 +1017,10 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) -> LastRead {
             seq: call.seq,
             _pad: 0,
         };
+        if !reading && call.entered_ns != 0 {
+            // When the bytes could first reach the peer (see `DataEventHeader`).
+            event.header.header.timestamp_ns = call.entered_ns;
+        }
         // The tail follows the head in the payload: a masked offset below MAX_CAPTURE_BYTES
         // plus at most TAIL_BYTES stays inside the doubled scratch payload.
         let head = bounded(copied as usize, CAPTURE_MASK);
@@ -1370,6 +1376,7 @@ fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
         count,
         seq,
         seq_known: 1,
+        entered_ns: 0,
     };
     let (array, _, single) = iovecs_of(&pending, count);
     let Some(first) = iovec_at(array, 0, &single) else {
