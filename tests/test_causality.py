@@ -37,9 +37,9 @@ REQUESTS = 300
 AT_A_TIME = 100
 CALLS_PER_REQUEST = 2
 UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_no_request_in_flight", "parents_contradicted"]
-DECIDED = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",
+DECIDED = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_session", "parents_by_task_context",
            "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting"]
-EVIDENCE = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context",
+EVIDENCE = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_session", "parents_by_task_context",
             "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting",
             *UNDECIDED, "task_context_conflicts", "task_context_regroups", "cross_process_links",
             "spans_flushed_unmatched", "events_lost_in_kernel", "python_runtimes_read", "python_threads_registered",

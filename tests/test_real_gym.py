@@ -285,13 +285,30 @@ def test_one_real_rollout(real_gym, tracer, observability):
 
 # ---- many rollouts at once ----
 
-SOLO = (16, 0)  # driven alone first: (task index, rollout index)
-AT_ONCE = [(task, 1) for task in range(16)]  # then all of these together
+SOLO = (64, 0)  # driven alone first: (task index, rollout index)
+AT_ONCE = [(task, 1) for task in range(64)]  # then all of these together
+UPSTREAM_DELAY_S = 1.0  # a model that takes its time: the rollouts overlap for seconds
+# The shapes driven at once: (Gym's observability on, the policy model server) by test id.
+# openai_model echoes its upstream's response id; vllm_model (the one Gym trains with) and
+# azure_openai_model (the OpenAI SDK over httpx) answer with an id of their own.
+SHAPES = {
+    "plain": (False, "openai_model"),
+    "observability": (True, "openai_model"),
+    "vllm_model": (False, "vllm_model"),
+    "azure_openai_model": (False, "azure_openai_model"),
+}
+# The path each model server calls its upstream at.
+UPSTREAM_PATHS = {
+    "openai_model": "/v1/responses",
+    "vllm_model": "/v1/chat/completions",
+    "azure_openai_model": "/openai/deployments/canned-model/chat/completions?api-version=2024-10-21",
+}
 EXAMPLE_ROWS = 5  # rows in example_single_tool_call's example.jsonl; task i uses row i % 5
 BODY_BYTES = 11_000  # as example_multi_step's rows: the `_ng_*` ids only in the body's tail
 # The agent's summary counters that say how each outbound call got its parent (or why not).
 EVIDENCE_COUNTERS = [
-    "parents_by_rollout_id", "parents_by_cookie", "parents_by_task_context", "parents_by_echoed_id",
+    "parents_by_lineage", "lineage_processes", "lineage_tasks_probed", "lineage_calls_unseen",
+    "lineage_calls_no_task", "lineage_calls_unreadable", "lineage_creator_unreadable", "parents_by_rollout_id", "parents_by_session", "parents_by_task_context", "parents_by_echoed_id",
     "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting", "parents_ambiguous",
     "parents_no_evidence", "parents_contradicted", "parents_no_request_in_flight", "task_context_conflicts",
     "task_context_regroups", "cross_process_links", "spans_flushed_unmatched", "spans_released_early",
@@ -405,15 +422,17 @@ def drive_at_once(run, rollouts, body_options):
     return results
 
 
-@pytest.mark.parametrize("observability", [False, True], ids=["plain", "observability"])
-def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observability):
-    """Issue #13: at Gym's real concurrency every rollout is one trace with exactly the tree of
-    a rollout run alone. One rollout alone, then 16 at once, each with its own (task, rollout)
-    and an ~11 KB body (as example_multi_step's rows) whose `_ng_*` ids are in its tail only,
-    through the real servers: for every rollout id, every span that carries it or is in its
-    derived trace is in that one trace, that trace is exactly EXPECTED_TREE and holds no span
-    of another rollout, and there is no span besides these 17 trees."""
-    run = real_gym(observability=observability)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, shape):
+    """Issues #13 and #46: at Gym's real concurrency every rollout is one trace with exactly
+    the tree of a rollout run alone, whichever model server Gym runs. One rollout alone, then
+    64 at once, the upstream answering after 1 s, each with its own (task, rollout) and an
+    ~11 KB body (as example_multi_step's rows) whose `_ng_*` ids are in its tail only, through
+    the real servers: for every rollout id, every span that carries it or is in its derived
+    trace is in that one trace, that trace is exactly EXPECTED_TREE and holds no span of
+    another rollout, and there is no span besides these 65 trees."""
+    observability, model_impl = SHAPES[shape]
+    run = real_gym(observability=observability, model_impl=model_impl, upstream_delay_s=UPSTREAM_DELAY_S)
     pids = run.pids
     by_pid = {pid: name for name, pid in pids.items()}
     agent = attached_tracer(tracer, pids)
@@ -433,7 +452,7 @@ def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observabi
     assert {key: result["reward"] for key, result in results.items()} == {key: 1.0 for key in rollouts}, results
     upstream = run.upstream_requests()
     assert collections.Counter((r["method"], r["path"], r["auth_ok"]) for r in upstream) == \
-        {("POST", "/v1/responses", True): 2 * len(rollouts)}
+        {("POST", UPSTREAM_PATHS[model_impl], True): 2 * len(rollouts)}
 
     expected_paths = collections.Counter(
         request for rollout_id in ids for request in expected_requests(rollout_id, observability))
@@ -456,7 +475,7 @@ def test_concurrent_real_rollouts_are_one_trace_each(real_gym, tracer, observabi
     spans = ours()
     summary = agent.summary()
     evidence = {name: summary.get(name) for name in EVIDENCE_COUNTERS}
-    print(f"\n[{'observability' if observability else 'plain'}] {len(spans)} spans, "
+    print(f"\n[{shape}] {len(spans)} spans, "
           f"{len(rollouts)} rollouts x {SPANS_PER_ROLLOUT}; evidence counters:")
     for name, value in evidence.items():
         print(f"  {name} = {value}")

@@ -9,8 +9,9 @@ the call is written by a task of the handler's (Starlette's middleware runs the 
 task group; arena_judge's two judge calls are asyncio.gather children), not by the task that
 read the request. With 256 /verify requests in flight, nothing but the task's lineage (which
 request-root task it descends from, recorded by a uprobe on `_asyncio` Task.__init__) tells
-which one a judge call belongs to. Under `--task-lineage auto` (the default) only the judge's
-resources server is probed.
+which one a judge call belongs to. Under `--task-lineage auto` (the default) the judge's
+resources server and the model servers are probed (a model server's upstream call carries no
+evidence either, unless the implementation echoes the upstream's response id), not the agent.
 
 The real nemo-gym servers (tests/support/real_gym/launch.py) for two judge environments of the
 package, Gym's telemetry off, the canned upstream answering after UPSTREAM_DELAY_S, traced by
@@ -34,7 +35,8 @@ ROLLOUTS at once, every LOSE_EVERY-th decided "lose" by the upstream's judge. Ch
 4. every span is in its parent's trace and inside its parent's time window (1 ms of slack;
    CLIENT -> SERVER edges cross processes, stamped from the same clock);
 5. the agent's summary: parents_by_lineage = the judge calls of every rollout driven (warm-ups
-   included), lineage_processes = 1, lineage_processes_off = 0, lineage_conflicts = 0, no
+   included) plus the model servers' upstream calls (the upstream's count of the POSTs it
+   answered), lineage_processes = 1 + the model servers, lineage_processes_off = 0, lineage_conflicts = 0, no
    event lost in the kernel, no outbound call without a parent (parents_no_evidence,
    parents_ambiguous, parents_contradicted, parents_no_request_in_flight all 0);
 6. no secret (the API key) nor any text of a prompt, an answer or a verdict is exported.
@@ -355,9 +357,11 @@ def test_judge_calls_hang_under_their_rollout(judge_gym, tracer, environment, mo
     # (3) the judge edges; (4) the time windows (warm-ups' spans included).
     edge_issues = judge_edge_problems(batch, ids, run, by_pid)
     time_issues = timing_problems(spans, by_pid)
-    # (5) the agent's own account: each judge call decided by lineage, only the judge's
-    # resources server probed, nothing left without a parent or lost.
-    want = {"parents_by_lineage": judge_calls * driven, "lineage_processes": 1, "lineage_processes_off": 0,
+    # (5) the agent's own account: each judge call and each upstream call decided by lineage, the
+    # judge's resources server and the model servers probed, nothing left without a parent or lost.
+    upstream_calls = sum(n for key, n in upstream["counts"].items() if key.startswith("POST "))
+    want = {"parents_by_lineage": judge_calls * driven + upstream_calls,
+            "lineage_processes": 1 + len(run.model_servers), "lineage_processes_off": 0,
             "lineage_conflicts": 0, "parents_decided_late": 0, "events_lost_in_kernel": 0,
             **{name: 0 for name in UNPARENTED}}
     counter_issues = [f"summary {name} = {summary.get(name)}, want {value}" for name, value in want.items()

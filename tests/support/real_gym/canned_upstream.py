@@ -30,7 +30,14 @@ a model server (`equivalence_llm_judge`, `arena_judge`). Non-streamed, in this o
   candidate: `[[A>B]]` when it is A, `[[B>A]]` when it is B; with LOSE, the other way round.
   `_parse_verdict` takes the one label; the reward is 1.0 iff the A=candidate call says A>>B
   or A>B, so: 1.0 without LOSE, 0.0 with it;
+- chat completions with tools (what `vllm_model` and `azure_openai_model` make of a Responses
+  API call with tools): one `get_weather` tool call while no `tool` message is in the
+  messages, then a final assistant message, as for the Responses API above;
 - any other chat completion: a fixed assistant message.
+
+Azure OpenAI's paths (`/openai/deployments/<model>/chat/completions?api-version=...`, what
+`azure_openai_model`'s `AsyncAzureOpenAI` client calls, its key in an `api-key` header) are
+answered as `/v1/chat/completions`.
 
 The verdict rule, for a test to reproduce from the rollout body it sent: a rollout is judged
 "lose" (reward 0.0) iff LOSE (`[canned-judge:lose]`) is in a text its judge is sent. Put it in
@@ -117,6 +124,8 @@ JUDGE_LABELS = ("[[A=B]]", "[[A!=B]]")
 # arena-hard's answer slots (resources_servers/arena_judge/prompts/arena.yaml).
 ARENA_SLOT = re.compile(
     r"<\|The Start of Assistant (A|B)'s Answer\|>\n?(.*?)\n?<\|The End of Assistant \1's Answer\|>", re.DOTALL)
+# Azure OpenAI's chat completions path (the openai SDK's AzureOpenAI, a deployment per model).
+AZURE_CHAT = re.compile(r"/openai/deployments/[^/]+/chat/completions")
 # The listen backlog: net.core.somaxconn here, so a burst of 1,000+ connects is queued, not
 # dropped into SYN retries.
 LISTEN_BACKLOG = 4096
@@ -273,12 +282,31 @@ def chat_reply(n, content=ANSWER):
     }
 
 
+def chat_tool_call(n):
+    """A chat completion that calls `get_weather`, as vLLM's OpenAI server answers one."""
+    reply = chat_reply(n)
+    reply["choices"][0]["finish_reason"] = "tool_calls"
+    reply["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": f"call_canned_{n}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": CITY})},
+    }]}
+    return reply
+
+
 def chat_answer(body, n):
     """(the chat completion, kind, verdict label or None)."""
-    text = _texts(body.get("messages"))
+    messages = body.get("messages")
+    text = _texts(messages)
     if is_arena_judge(text):
         label, verdict = arena_verdict(text)
         return chat_reply(n, verdict), "judge", label
+    if body.get("tools"):
+        answered = isinstance(messages, list) and any(
+            isinstance(m, dict) and m.get("role") == "tool" for m in messages)
+        if not answered:
+            return chat_tool_call(n), "tool_call", None
+        return chat_reply(n), "policy", None
     return chat_reply(n), None, None
 
 
@@ -442,7 +470,8 @@ class Handler(BaseHTTPRequestHandler):
         entry = {
             "method": self.command,
             "path": self.path,
-            "auth_ok": self.headers.get("Authorization") == f"Bearer {self.api_key}",
+            "auth_ok": (self.headers.get("Authorization") == f"Bearer {self.api_key}"
+                        or self.headers.get("api-key") == self.api_key),
             "stream": body.get("stream") is True,
             "model": body.get("model"),
             "model_offset": top_level_keys(raw).get("model") if "model" in body else None,
@@ -516,12 +545,20 @@ class Handler(BaseHTTPRequestHandler):
                                                                 "owned_by": "canned"}]})
         self._send(404, {"error": {"message": "not found", "n": n}})
 
+    def _route(self):
+        """The path answered: Azure OpenAI's deployment paths are chat completions."""
+        path = self.path.split("?", 1)[0]
+        if AZURE_CHAT.fullmatch(path):
+            return "/v1/chat/completions"
+        return self.path
+
     def do_POST(self):
         raw, body = self._body()
-        n, entry = self._record(raw, body, answers_usage=self.path in ("/v1/responses", "/v1/chat/completions"))
+        route = self._route()
+        n, entry = self._record(raw, body, answers_usage=route in ("/v1/responses", "/v1/chat/completions"))
         stream = isinstance(body, dict) and body.get("stream") is True
         body = body if isinstance(body, dict) else {}
-        if self.path == "/v1/responses":
+        if route == "/v1/responses":
             if stream:
                 self._answer(entry, "policy")
                 return self._stream([(name, json.dumps(data)) for name, data in responses_events(n)])
@@ -532,7 +569,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(500, {"error": {"message": f"the canned upstream fails this call ({kind})", "n": n}})
             self._answer(entry, kind, verdict)
             return self._send(200, reply)
-        if self.path == "/v1/chat/completions":
+        if route == "/v1/chat/completions":
             if stream:
                 self._answer(entry)
                 return self._stream([(None, json.dumps(chunk)) for chunk in chat_chunks(n)] + [(None, "[DONE]")])

@@ -121,9 +121,28 @@ SERVER_TYPES = {
 API_KEY = "sk-canned-upstream-5ecret-0f-the-yaml-7f3a9c"
 EXAMPLE_DATA = "resources_servers/example_single_tool_call/data/example.jsonl"
 DEFAULT_ENVIRONMENT = RESOURCES
-# The policy model of every environment, as `ng_run` is usually given it (relative to Gym's root).
-POLICY_MODEL_CONFIG = "responses_api_models/openai_model/configs/openai_model.yaml"
 UPSTREAM_MODEL = "canned-model"
+# The api-version azure_openai_model's config asks for (`default_query`, `???` in its YAML).
+AZURE_API_VERSION = "2024-10-21"
+
+
+def policy_model_config(impl):
+    """The policy model's config file as `ng_run` is given it (relative to Gym's root)."""
+    return f"responses_api_models/{impl}/configs/{impl}.yaml"
+
+
+def model_upstream_settings(base_url, api_key=API_KEY, model=UPSTREAM_MODEL):
+    """How each model server implementation is pointed at the canned upstream: the settings its
+    configs/<impl>.yaml fills from ${policy_base_url}, ${policy_api_key}, ${policy_model_name},
+    by implementation (make_config.py sets them on every model server of that implementation).
+    `base_url` ends in /v1; Azure's client adds its own /openai/deployments/<model> path."""
+    return {
+        "openai_model": {"openai_base_url": base_url, "openai_api_key": api_key, "openai_model": model},
+        "vllm_model": {"base_url": base_url, "api_key": api_key, "model": model,
+                       "return_token_id_information": False},
+        "azure_openai_model": {"openai_base_url": base_url.removesuffix("/v1"), "openai_api_key": api_key,
+                               "openai_model": model, "default_query": {"api-version": AZURE_API_VERSION}},
+    }
 # Ports handed to make_config.py for an environment's servers (it uses as many as there are).
 MAX_SERVERS = 12
 # The judge calls of the environments canned_upstream.py judges: (upstream path, per rollout).
@@ -183,14 +202,13 @@ def run_config(ports, upstream_port, observability, capture_dir, access_log, ups
     """The run config before Gym's parser fills the global keys (what a user's YAML holds).
     `hosts`: server name -> the address it binds and is called at (default 127.0.0.1)."""
     hosts = {**{name: "127.0.0.1" for name in SERVER_TYPES}, **(hosts or {})}
+    upstream = model_upstream_settings(f"{upstream_scheme}://127.0.0.1:{upstream_port}/v1")
     config = {
         MODEL: {"responses_api_models": {"openai_model": {
             "entrypoint": "app.py",
             "host": hosts[MODEL],
             "port": ports[MODEL],
-            "openai_base_url": f"{upstream_scheme}://127.0.0.1:{upstream_port}/v1",
-            "openai_api_key": API_KEY,
-            "openai_model": "canned-model",
+            **upstream["openai_model"],
         }}},
         RESOURCES: {"resources_servers": {"example_single_tool_call": {
             "entrypoint": "app.py",
@@ -346,6 +364,9 @@ class RealGymRun:
     other configs. The server names (for hosts, netns, pids, urls) are then the config's:
     see `roles` once started.
     upstream_delay_s: the canned upstream waits this long before every answer.
+    model_impl: the policy model server's implementation (`openai_model`, `vllm_model`,
+    `azure_openai_model`: model_upstream_settings()), run from its package config
+    (responses_api_models/<impl>/configs/<impl>.yaml) with the environment's.
     extra_pythonpath: directories put on every server's PYTHONPATH after its own folder
     (default: GYM_REAL_EXTRA_PYTHONPATH, colon-separated), e.g. packages a server imports that
     the gym venv lacks.
@@ -353,20 +374,25 @@ class RealGymRun:
 
     def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False,
                  hosts=None, netns=None, upstream_netns=None, environment=None, config_path=None,
-                 upstream_delay_s=0.0, extra_pythonpath=None):
+                 upstream_delay_s=0.0, extra_pythonpath=None, model_impl="openai_model"):
         self.venv = Path(venv or default_venv()).absolute()
         self.python = self.venv / "bin" / "python"
         if not self.python.exists():
             raise RuntimeError(f"{self.python} does not exist: run `cargo xtask setup` to create the gym venv")
         self.observability = observability
         self.access_log = access_log
+        self.model_impl = model_impl
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="real-gym-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.environment = environment or DEFAULT_ENVIRONMENT
-        # The default keeps its hand-written config; any other environment (or file) is read
-        # from the package.
+        # The default keeps its hand-written config; any other environment (or file), or another
+        # policy model server, is read from the package (the server names stay the same).
+        if model_impl not in model_upstream_settings(""):
+            raise ValueError(f"model server {model_impl!r}: the canned upstream serves "
+                             f"{sorted(model_upstream_settings(''))}")
         self.config_path = config_path
-        self.from_package = config_path is not None or self.environment != DEFAULT_ENVIRONMENT
+        self.from_package = (config_path is not None or self.environment != DEFAULT_ENVIRONMENT
+                             or model_impl != "openai_model")
         if self.from_package:
             self.upstream_port, *self.port_pool = free_ports(1 + MAX_SERVERS)
             self.ports = {}  # known once the config is resolved
@@ -463,17 +489,17 @@ class RealGymRun:
         """A run of an environment as `ng_run "+config_paths=[ENV.yaml,openai_model.yaml]"
         +policy_base_url=... +policy_api_key=... +policy_model_name=...` is asked for, and what
         make_config.py sets on each server once merged (`_real_gym`, see there)."""
-        upstream = {
-            "openai_base_url": f"{self.upstream_scheme}://127.0.0.1:{self.upstream_port}/v1",
-            "openai_api_key": API_KEY,
-            "openai_model": UPSTREAM_MODEL,
-        }
+        base_url = f"{self.upstream_scheme}://127.0.0.1:{self.upstream_port}/v1"
         config = {
-            "config_paths": [self._package_config_file(), POLICY_MODEL_CONFIG],
-            "policy_base_url": upstream["openai_base_url"],
+            "config_paths": [self._package_config_file(), policy_model_config(self.model_impl)],
+            "policy_base_url": base_url,
             "policy_api_key": API_KEY,
             "policy_model_name": UPSTREAM_MODEL,
-            "_real_gym": {"ports": self.port_pool, "hosts": self.hosts, "model_upstream": upstream},
+            "_real_gym": {"ports": self.port_pool, "hosts": self.hosts,
+                          "model_upstream": model_upstream_settings(base_url)},
+            # The policy model's settings, as a user's `++policy_model....=` overrides (azure's
+            # config leaves its api-version `???`, which the parser refuses before any merge).
+            MODEL: {"responses_api_models": {self.model_impl: model_upstream_settings(base_url)[self.model_impl]}},
         }
         if self.observability:  # as run_config: Gym's evaluation model-call capture
             config["observability_enabled"] = True
@@ -508,6 +534,8 @@ class RealGymRun:
         env["PYTHONPATH"] = ":".join(p for p in (server["dir"], *self.extra_pythonpath, env.get("PYTHONPATH")) if p)
         env["UV_CACHE_DIR"] = str(self.workdir / "cache" / "uv")
         env["UV_LOCK_TIMEOUT"] = "1800"
+        # haystack_agent's haystack-ai sends usage telemetry (posthog) by default: no network here.
+        env["HAYSTACK_TELEMETRY_ENABLED"] = "False"
         if self.upstream_cert:
             env["SSL_CERT_FILE"] = str(self.upstream_cert)  # how the servers trust the upstream
         log = open(self.workdir / f"{name}.log", "wb")

@@ -30,10 +30,12 @@ a private key `_real_gym` (removed before parsing) saying what to set on each of
     _real_gym:
       ports: [P, ...]              # handed out, in the parser's server order, to every server
       hosts: {NAME: ADDRESS}       # a server's `host` (default: the parser's, 127.0.0.1)
-      model_upstream: {openai_base_url: ..., openai_api_key: ..., openai_model: ...}
-                                   # set on every responses_api_models server, whatever its
-                                   # config says (arena_judge's judge model reads ARENA_JUDGE_*
-                                   # environment variables, falling back to "MISSING")
+      model_upstream: {IMPL: {openai_base_url: ..., openai_api_key: ..., openai_model: ...}}
+                                   # set on every responses_api_models server of implementation
+                                   # IMPL, whatever its config says (arena_judge's judge model
+                                   # reads ARENA_JUDGE_* environment variables, falling back to
+                                   # "MISSING"); a model server of another implementation is an
+                                   # error
 
 The config is parsed once offline (GlobalConfigDictParserConfig.offline: no port probing) to
 learn the servers, then again with those values as RUN_CONFIG keys, so they are merged over
@@ -141,7 +143,10 @@ def with_server_settings(initial, settings):
         if server["name"] in hosts:
             values["host"] = hosts.pop(server["name"])
         if server["type"] == "responses_api_models" and upstream:
-            values.update(upstream)
+            if server["impl"] not in upstream:
+                raise SystemExit(f"model server {server['name']} is a {server['impl']}; model_upstream "
+                                 f"says how to point {sorted(upstream)} at the upstream")
+            values.update(upstream[server["impl"]])
         overrides[server["name"]] = {server["type"]: {server["impl"]: values}}
     if hosts:
         raise SystemExit(f"hosts name servers the config does not have: {sorted(hosts)}; "

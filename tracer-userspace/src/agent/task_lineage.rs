@@ -245,12 +245,14 @@ mod tests {
     }
 
     #[test]
-    fn auto_wants_the_judges_only() {
+    fn auto_wants_the_model_servers_and_the_judges() {
         let judge = server("resources_servers", true);
         let plain = server("resources_servers", false);
         let agent = server("responses_api_agents", true);
         let auto = TaskLineageMode::Auto;
         assert!(wanted(auto, Some(&judge)));
+        assert!(wanted(auto, Some(&server("responses_api_models", false))));
+        assert!(!wanted(auto, Some(&server("some_other_servers", true))));
         assert!(!wanted(auto, Some(&plain)));
         assert!(!wanted(auto, Some(&agent)));
         assert!(!wanted(auto, None), "not a Gym server");

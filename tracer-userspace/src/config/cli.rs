@@ -314,8 +314,10 @@ pub struct RunArgs {
     /// inbound request that caused it, decided as the call is written, whatever else is in
     /// flight. Each probed server pays a uprobe hit per task it creates (about 3 µs on the
     /// benchmark's VM, 3 to 10 tasks per request: `cargo xtask bench --only lineage`). auto: the Gym
-    /// servers whose calls carry no evidence of their own — resources servers whose config
-    /// names a model server (LLM judges) — and no other process; on: every traced CPython
+    /// servers whose calls carry no evidence of their own, by their role in the run's config
+    /// — model servers (their upstream calls; only some implementations echo the upstream's
+    /// response id) and resources servers whose config names a model server (LLM judges) —
+    /// and no other process; on: every traced CPython
     /// 3.12 or 3.13 process; off: none. Needs the task-context reads (not with
     /// --no-task-contexts).
     #[arg(

@@ -1,5 +1,5 @@
 //! Values that tie a call to the request that made it, compared in memory only: a session
-//! cookie's payload, a response id the callee echoes. They are credentials or content, so
+//! cookie's payload, a session token header, a response id the callee echoes. They are credentials or content, so
 //! only a keyed hash of them is kept (the key random per agent run), never the value: nothing
 //! here can be exported, logged or reversed, and nothing outlives the requests that carry it.
 
@@ -10,7 +10,8 @@ use std::sync::OnceLock;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Token(u64);
 
-/// Most tokens one request head yields (its session cookies); the rest are ignored.
+/// Most tokens one request head yields (its session cookies and headers); the rest are
+/// ignored.
 pub const MAX_TOKENS_PER_REQUEST: usize = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +20,8 @@ pub enum TokenKind {
     /// and its signature changes with every response, so only the part before the first `.`
     /// names the session.
     Cookie,
+    /// The value of a header that names a session ([`SESSION_TOKEN_HEADER`]).
+    SessionHeader,
     /// The `"id"` a JSON response body starts with (an OpenAI-style response id).
     ResponseId,
 }
@@ -52,6 +55,20 @@ pub fn cookie_tokens(header: &[u8]) -> Vec<Token> {
         })
         .take(MAX_TOKENS_PER_REQUEST)
         .collect()
+}
+
+/// Gym's MCP session token (`nemo_gym/base_resources_server.py`): a signed, rollout-scoped
+/// token that a resources server with `expose_tools_over_mcp` hands out in `/seed_session`'s
+/// answer. The agent's `/run` sends it on its self-call, and the handler of that call sends it
+/// on every MCP request it makes — from whatever thread or event loop its MCP client runs
+/// in — so it ties those calls to the request being served, as a session cookie does.
+pub const SESSION_TOKEN_HEADER: &str = "x-nemo-gym-session-token";
+
+/// The token of a [`SESSION_TOKEN_HEADER`] value; a value too short to name a session names
+/// none.
+pub fn session_header_token(value: &[u8]) -> Option<Token> {
+    let value = value.trim_ascii();
+    (value.len() >= 8).then(|| Token::of(TokenKind::SessionHeader, value))
 }
 
 /// The token of the response id a JSON body starts with (`{"id": "resp_…"`), from the first
@@ -105,10 +122,30 @@ mod tests {
             "cut off"
         );
         assert_ne!(response_id_token(br#"{"id":"resp_0123456780"}"#), token);
-        // A cookie and a response id with the same bytes are different tokens.
+        // A cookie, a session header and a response id with the same bytes are different
+        // tokens.
         assert_ne!(
             Token::of(TokenKind::Cookie, b"resp_0123456789"),
             Token::of(TokenKind::ResponseId, b"resp_0123456789")
         );
+        assert_ne!(
+            session_header_token(b"resp_0123456789"),
+            Some(Token::of(TokenKind::ResponseId, b"resp_0123456789"))
+        );
+    }
+
+    #[test]
+    fn a_session_header_is_named_by_its_whole_value() {
+        let token = session_header_token(b"eyJyb2xsb3V0IjoiMy0xIn0.c2lnbmF0dXJl");
+        assert!(token.is_some());
+        assert_eq!(
+            session_header_token(b" eyJyb2xsb3V0IjoiMy0xIn0.c2lnbmF0dXJl "),
+            token
+        );
+        assert_ne!(
+            session_header_token(b"eyJyb2xsb3V0IjoiMy0yIn0.c2lnbmF0dXJl"),
+            token
+        );
+        assert_eq!(session_header_token(b"short"), None);
     }
 }

@@ -30,9 +30,9 @@ pub struct RequestHead {
     pub user_agent: Option<String>,
     pub traceparent: Option<String>,
     pub expects_continue: bool,
-    /// Session tokens of its `Cookie` headers (hashes, see [`Token`]): evidence of which
-    /// request a call belongs to, never exported.
-    pub cookies: Vec<Token>,
+    /// Session tokens of its `Cookie` headers and its session token header (hashes, see
+    /// [`Token`]): evidence of which request a call belongs to, never exported.
+    pub session_tokens: Vec<Token>,
     /// The head did not fit in the capture: some headers may be missing.
     pub truncated: bool,
 }
@@ -46,7 +46,7 @@ impl RequestHead {
             + optional(&self.host)
             + optional(&self.user_agent)
             + optional(&self.traceparent)
-            + self.cookies.len() * size_of::<Token>()
+            + self.session_tokens.len() * size_of::<Token>()
     }
 }
 
@@ -178,8 +178,8 @@ pub struct RequestStart {
     pub method: String,
     pub path: String,
     pub traceparent: Option<String>,
-    /// The request's session tokens (see [`RequestHead::cookies`]).
-    pub cookies: Vec<Token>,
+    /// The request's session tokens (see [`RequestHead::session_tokens`]).
+    pub session_tokens: Vec<Token>,
     /// For a call (client role): the Python task context its first write ran under, when
     /// the kernel could read it.
     pub context: Option<ContextChain>,

@@ -280,7 +280,7 @@ fn example_exchange(pid: u32, method: &str, path: &str, status: u16, role: Role)
             user_agent: Some("python-httpx/0.28".into()),
             traceparent: None,
             expects_continue: false,
-            cookies: Vec::new(),
+            session_tokens: Vec::new(),
             truncated: false,
         },
         outcome: Outcome::Response(ResponseHead {

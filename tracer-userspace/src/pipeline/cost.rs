@@ -316,7 +316,7 @@ pub fn stitch_ns_per_call(in_flight: u32, rounds: u32) -> f64 {
         method: "POST".into(),
         path,
         traceparent: None,
-        cookies: Vec::new(),
+        session_tokens: Vec::new(),
         context: None,
         lineage: None,
         inbound_socket: None,

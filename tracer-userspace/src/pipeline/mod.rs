@@ -602,7 +602,7 @@ fn sessions_opened(server_type: Option<ServerType>, exchange: &HttpExchange) -> 
     let opened: Vec<Token> = response
         .sessions_set
         .iter()
-        .filter(|token| !exchange.request.cookies.contains(token))
+        .filter(|token| !exchange.request.session_tokens.contains(token))
         .copied()
         .collect();
     (!opened.is_empty()).then_some(opened)
@@ -616,7 +616,7 @@ mod tests {
 
     fn seed(carried: &[u8], set: &[u8]) -> HttpExchange {
         let mut request = testing::request("POST", "/seed_session");
-        request.cookies = cookie_tokens(carried);
+        request.session_tokens = cookie_tokens(carried);
         let response = Outcome::Response(ResponseHead {
             status: 200,
             version_minor: 1,

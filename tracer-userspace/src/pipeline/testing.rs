@@ -27,7 +27,7 @@ pub fn request(method: &str, path: &str) -> RequestHead {
         user_agent: None,
         traceparent: None,
         expects_continue: false,
-        cookies: Vec::new(),
+        session_tokens: Vec::new(),
         truncated: false,
     }
 }
@@ -84,7 +84,7 @@ pub fn start(
         method: method.into(),
         path: path.into(),
         traceparent: None,
-        cookies: Vec::new(),
+        session_tokens: Vec::new(),
         context: None,
         lineage: None,
         inbound_socket: None,

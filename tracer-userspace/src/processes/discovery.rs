@@ -47,14 +47,20 @@ pub struct GymServer {
 }
 
 impl GymServer {
-    /// Whether `--task-lineage auto` probes it: a resources server whose config names a model
-    /// server — an LLM judge, whose calls from `/verify` carry no rollout id, cookie or echoed
-    /// id of their own, the only Gym calls no other evidence places (agents' calls carry
-    /// cookies and bodies' ids, model servers' upstream calls the echoed response id).
+    /// Whether `--task-lineage auto` probes it: a server whose calls to a model carry no
+    /// rollout id, cookie or session of their own, so that only lineage places them under
+    /// the request being served at any concurrency — every model server (its upstream calls
+    /// are placed by an echoed response id only where the implementation echoes it, as
+    /// `openai_model` does and `vllm_model`, `azure_openai_model` and the OpenAI SDK's
+    /// clients do not), and every resources server whose config names a model server (an LLM
+    /// judge called from `/verify`). Decided by the server's role in the run's config, not by
+    /// its implementation's name. Agents' calls carry cookies, sessions and bodies' ids.
     pub fn wants_task_lineage(&self) -> bool {
-        self.names_model_server
-            && self.server_type.as_deref().map(ServerKind::from_config_key)
-                == Some(ServerKind::Known(ServerType::Resources))
+        match self.server_type.as_deref().map(ServerKind::from_config_key) {
+            Some(ServerKind::Known(ServerType::Model)) => true,
+            Some(ServerKind::Known(ServerType::Resources)) => self.names_model_server,
+            _ => false,
+        }
     }
 }
 

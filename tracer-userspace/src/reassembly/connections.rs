@@ -783,7 +783,7 @@ fn request_start(
         method: head.method.clone(),
         path: head.path.clone(),
         traceparent: head.traceparent.clone(),
-        cookies: head.cookies.clone(),
+        session_tokens: head.session_tokens.clone(),
         context: message
             .writer
             .and_then(|writer| writer.chain)
@@ -1618,7 +1618,7 @@ mod evidence_tests {
         };
         assert_eq!(start.context, ContextChain::new(&[3, 2, 1]));
         assert_eq!(
-            start.cookies,
+            start.session_tokens,
             cookie_tokens(b"session=eyJzZXNzaW9u.Z1x2.sig")
         );
         assert_eq!((*span_id, rollout_id.as_str()), (start.span_id, "3-1"));

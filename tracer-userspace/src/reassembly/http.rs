@@ -8,7 +8,9 @@
 
 use thiserror::Error;
 
-use crate::model::evidence::{MAX_TOKENS_PER_REQUEST, Token, cookie_tokens};
+use crate::model::evidence::{
+    MAX_TOKENS_PER_REQUEST, SESSION_TOKEN_HEADER, Token, cookie_tokens, session_header_token,
+};
 use crate::model::exchange::{RequestHead, ResponseHead};
 
 /// Longest message head the parser buffers per direction of a connection; a longer one is
@@ -804,7 +806,7 @@ fn request_head(
     let path = target.split(['?', '#']).next().unwrap_or("").to_string();
     // One pass over the headers; the first of each name counts, as for any header read.
     let (mut host, mut user_agent, mut traceparent, mut expect) = (None, None, None, None);
-    let mut cookies = Vec::new();
+    let mut session_tokens = Vec::new();
     for header in headers {
         let slot = match header.name.len() {
             4 if header.name.eq_ignore_ascii_case("host") => &mut host,
@@ -812,8 +814,14 @@ fn request_head(
             11 if header.name.eq_ignore_ascii_case("traceparent") => &mut traceparent,
             6 if header.name.eq_ignore_ascii_case("expect") => &mut expect,
             6 if header.name.eq_ignore_ascii_case("cookie") => {
-                let room = MAX_TOKENS_PER_REQUEST.saturating_sub(cookies.len());
-                cookies.extend(cookie_tokens(header.value).into_iter().take(room));
+                let room = MAX_TOKENS_PER_REQUEST.saturating_sub(session_tokens.len());
+                session_tokens.extend(cookie_tokens(header.value).into_iter().take(room));
+                continue;
+            }
+            24 if header.name.eq_ignore_ascii_case(SESSION_TOKEN_HEADER) => {
+                if session_tokens.len() < MAX_TOKENS_PER_REQUEST {
+                    session_tokens.extend(session_header_token(header.value));
+                }
                 continue;
             }
             _ => continue,
@@ -838,7 +846,7 @@ fn request_head(
         user_agent: text(user_agent),
         traceparent: text(traceparent),
         expects_continue,
-        cookies,
+        session_tokens,
         truncated,
     }
 }
@@ -992,6 +1000,22 @@ mod tests {
             sessions_set_by("session=canary-5f1d7c-constant; Path=/").is_empty(),
             "an unsigned cookie names no session"
         );
+    }
+
+    /// A request's sessions: its session cookies and Gym's MCP session token header, in
+    /// any case, as one list.
+    #[test]
+    fn a_request_names_its_cookies_and_its_session_token() {
+        let head = b"POST /mcp HTTP/1.1\r\nCookie: session=eyJzZXNzaW9u.Z1x2.sigA\r\n\
+            X-NeMo-Gym-Session-Token: eyJyb2xsb3V0IjoiMy0xIn0.c2ln\r\nContent-Length: 0\r\n\r\n";
+        let HeadParse::Complete(Head::Request(request), _, _) =
+            parse_head(StreamKind::Requests, head)
+        else {
+            panic!("a complete request head");
+        };
+        let mut want = cookie_tokens(b"session=eyJzZXNzaW9u.Z1x3.sigB");
+        want.extend(session_header_token(b"eyJyb2xsb3V0IjoiMy0xIn0.c2ln"));
+        assert_eq!(request.session_tokens, want);
     }
 
     fn t<'a>(

@@ -163,6 +163,13 @@ impl Stitcher {
         }
         let verdict = if node.context.is_some() || node.origin.is_some() {
             self.own_evidence(call, key)
+        } else if let Some(by_session) = self.session_holder(call) {
+            // A thread whose contexts are not read (an MCP client's event loop in a thread of
+            // its own) still names its request by the sessions it carries.
+            match by_session {
+                Ok(parent) => Verdict::One(parent, Evidence::Session),
+                Err(why) => Verdict::Undecided(why),
+            }
         } else {
             let (pid, rollout, hidden) = (node.pid, node.rollout.clone(), node.inbound_hidden);
             match self.choose_caller_without_context(pid, rollout.as_ref(), hidden) {
@@ -198,7 +205,7 @@ impl Stitcher {
         let counter = match how {
             Evidence::Lineage => &mut self.counters.parents_by_lineage,
             Evidence::RolloutId => &mut self.counters.parents_by_rollout_id,
-            Evidence::Cookie => &mut self.counters.parents_by_cookie,
+            Evidence::Session => &mut self.counters.parents_by_session,
             Evidence::TaskContext => &mut self.counters.parents_by_task_context,
             Evidence::ResponseContext => &mut self.counters.parents_by_response_context,
             Evidence::EchoedId => &mut self.counters.parents_by_echoed_id,
@@ -289,16 +296,16 @@ impl Stitcher {
                 .collect();
             narrow(same, Evidence::RolloutId);
         }
-        for token in &node.cookies {
+        for token in &node.session_tokens {
             let holders = self
-                .cookie_holders
+                .session_holders
                 .get(&(node.pid, *token))
                 .into_iter()
                 .flatten()
                 .filter(|x| candidate(x))
                 .copied()
                 .collect();
-            narrow(holders, Evidence::Cookie);
+            narrow(holders, Evidence::Session);
         }
         match survivors.as_deref() {
             Some([one]) => Verdict::One(*one, decided_by),
@@ -321,6 +328,39 @@ impl Stitcher {
                 }
             }
         }
+    }
+
+    /// For a call without a task context: the one in-flight request that carried every
+    /// session the call carries (`Err` where they name several, or one of another rollout
+    /// than the call names), `None` where they name no request in flight.
+    fn session_holder(&self, call: SpanId) -> Option<Result<SpanId, Undecided>> {
+        let node = self.nodes.get(&call)?;
+        let mut survivors: Option<Vec<SpanId>> = None;
+        for token in &node.session_tokens {
+            let holders: Vec<SpanId> = self
+                .session_holders
+                .get(&(node.pid, *token))
+                .into_iter()
+                .flatten()
+                .filter(|x| self.in_flight_at(**x, node.started) && !self.excluded(**x, call, None))
+                .copied()
+                .collect();
+            if holders.is_empty() {
+                continue; // names no request in flight: no information
+            }
+            survivors = Some(match survivors.take() {
+                None => holders,
+                Some(before) => before.into_iter().filter(|x| holders.contains(x)).collect(),
+            });
+        }
+        Some(match survivors?.as_slice() {
+            [one] => match (&node.rollout, self.effective_rollout(*one)) {
+                (Some(named), Some(theirs)) if named != theirs => Err(Undecided::Contradicted),
+                _ => Ok(*one),
+            },
+            [] => Err(Undecided::Contradicted),
+            _ => Err(Undecided::Ambiguous),
+        })
     }
 
     /// Whether `candidate` descends from `call` or from a call of the same handler: a request
@@ -545,19 +585,19 @@ mod tests {
             self.next_port
         }
 
-        /// An inbound request to `pid`, carrying `cookies`.
-        fn inbound(&mut self, pid: u32, path: &str, cookies: &[Token]) -> RequestStart {
+        /// An inbound request to `pid`, carrying `sessions`.
+        fn inbound(&mut self, pid: u32, path: &str, sessions: &[Token]) -> RequestStart {
             let port = self.port();
             let mut start = testing::start(pid, Role::Server, (8000, port), 0, "POST", path);
-            start.cookies = cookies.to_vec();
+            start.session_tokens = sessions.to_vec();
             self.register(start)
         }
 
         /// A call from `pid` made under the task contexts `task` (innermost first).
-        fn call(&mut self, pid: u32, task: &[u64], cookies: &[Token]) -> RequestStart {
+        fn call(&mut self, pid: u32, task: &[u64], sessions: &[Token]) -> RequestStart {
             let port = self.port();
             let mut start = testing::start(pid, Role::Client, (port, 9000), 0, "POST", "/x");
-            start.cookies = cookies.to_vec();
+            start.session_tokens = sessions.to_vec();
             start.context = Some(chain(task));
             self.register(start)
         }
@@ -635,6 +675,40 @@ mod tests {
         assert_eq!(s.parent(&seen), Some(visible.span_id));
     }
 
+    /// Gym's MCP shape: two handlers serve one rollout each, and their MCP calls are written
+    /// from another thread whose task contexts are not read. The session token each carries
+    /// names its handler's request; a call whose token names no request in flight, or
+    /// names two, is left without a parent.
+    #[test]
+    fn a_call_without_a_task_context_is_placed_by_its_session() {
+        let mut s = Scene::new();
+        let (token_a, token_b) = (
+            Token::of(TokenKind::SessionHeader, b"token-of-rollout-a"),
+            Token::of(TokenKind::SessionHeader, b"token-of-rollout-b"),
+        );
+        let handler_a = s.inbound(AGENT, "/v1/responses", &[token_a]);
+        let handler_b = s.inbound(AGENT, "/v1/responses", &[token_b]);
+        let from_thread = |s: &mut Scene, sessions: &[Token]| {
+            let port = s.port();
+            let mut start = testing::start(AGENT, Role::Client, (port, 9000), 0, "POST", "/mcp");
+            start.session_tokens = sessions.to_vec();
+            s.register(start)
+        };
+        let mcp_b = from_thread(&mut s, &[token_b]);
+        let mcp_a = from_thread(&mut s, &[token_a]);
+        assert_eq!(s.parent(&mcp_a), Some(handler_a.span_id));
+        assert_eq!(s.parent(&mcp_b), Some(handler_b.span_id));
+        let both = from_thread(&mut s, &[token_a, token_b]);
+        assert_eq!(s.undecided(&both), Some(Undecided::Contradicted));
+        let unknown = from_thread(&mut s, &[Token::of(TokenKind::SessionHeader, b"another")]);
+        assert_eq!(
+            s.parent(&unknown),
+            None,
+            "two requests in flight, nothing names one"
+        );
+        assert_eq!(s.stitcher.counters.parents_by_session, 2);
+    }
+
     /// Two rollouts of Gym's agent at once, as CAUSALITY.md measured them: /run's handler
     /// (task 0x10 / 0x20) calls seed_session (ids at the end of its body), the agent's own
     /// /v1/responses (the session cookie) and verify; the self-call's handler (0x30 / 0x40)
@@ -686,7 +760,7 @@ mod tests {
         assert_eq!(s.parent(&verify_a), Some(run_a.span_id));
         let counters = s.stitcher.counters;
         assert_eq!(counters.parents_by_rollout_id, 2);
-        assert_eq!(counters.parents_by_cookie, 2);
+        assert_eq!(counters.parents_by_session, 2);
         assert_eq!(counters.parents_by_task_context, 5);
         assert_eq!(counters.task_context_conflicts, 0);
     }

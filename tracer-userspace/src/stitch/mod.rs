@@ -140,8 +140,9 @@ counters! {
         decided parents_by_lineage,
         /// Calls given their parent by the rollout id they name (path prefix or body).
         decided parents_by_rollout_id,
-        /// Calls given their parent by a session cookie the request carried too.
-        decided parents_by_cookie,
+        /// Calls given their parent by a session the request carried too. A session cookie, or
+        /// Gym's MCP session token header.
+        decided parents_by_session,
         /// Calls given their parent by their handler task's context. Shared with a call of the same
         /// handler that other evidence placed.
         decided parents_by_task_context,
@@ -260,7 +261,7 @@ enum Undecided {
 enum Evidence {
     Lineage,
     RolloutId,
-    Cookie,
+    Session,
     TaskContext,
     ResponseContext,
     EchoedId,
@@ -278,7 +279,7 @@ struct Node {
     started: u64,
     ended: Option<u64>,
     /// Inbound: the session tokens its request carried; outbound: the ones the call carries.
-    cookies: Vec<Token>,
+    session_tokens: Vec<Token>,
     /// Outbound: the task context of its first write (boxed: most requests have none, and
     /// every request in the graph pays the field).
     context: Option<Box<ContextChain>>,
@@ -411,7 +412,7 @@ pub struct Stitcher {
     /// In-graph inbound requests by where they arrived (`--task-lineage` names them so).
     inbound_sockets: HashMap<(u32, InboundSocket), SpanId>,
     /// In-flight inbound requests per (process, session token they carried).
-    cookie_holders: HashMap<(u32, Token), Vec<SpanId>>,
+    session_holders: HashMap<(u32, Token), Vec<SpanId>>,
     /// Calls per (process, id their response started with), while they are in the graph.
     echoed: HashMap<(u32, Token), SpanId>,
     /// Per (process, session token its responses opened): the rollout of the request it was
@@ -503,7 +504,7 @@ impl Stitcher {
             tails: LoopTails::default(),
             groups: HashMap::new(),
             inbound_sockets: HashMap::new(),
-            cookie_holders: HashMap::new(),
+            session_holders: HashMap::new(),
             echoed: HashMap::new(),
             sessions: HashMap::new(),
             session_expiry: VecDeque::new(),
@@ -546,7 +547,7 @@ impl Stitcher {
             role: start.role,
             started: self.seq,
             ended: None,
-            cookies: start.cookies.clone(),
+            session_tokens: start.session_tokens.clone(),
             context: start.context.map(Box::new),
             origin: None,
             undecided: None,
@@ -668,7 +669,7 @@ impl Stitcher {
         };
         let (pid, started) = (node.pid, node.started);
         if node.rollout.is_none() {
-            let rollout = self.session_rollout(pid, &start.cookies, now);
+            let rollout = self.session_rollout(pid, &start.session_tokens, now);
             if let Some(node) = self.nodes.get_mut(&id) {
                 node.rollout = rollout;
             }
@@ -678,8 +679,8 @@ impl Stitcher {
         if let Some(socket) = start.inbound_socket {
             self.inbound_sockets.insert((pid, socket), id);
         }
-        for token in &start.cookies {
-            self.cookie_holders
+        for token in &start.session_tokens {
+            self.session_holders
                 .entry((pid, *token))
                 .or_default()
                 .push(id);
@@ -729,9 +730,14 @@ impl Stitcher {
 
     /// The rollout the request's sessions were opened for, when they name exactly one (each
     /// session it names stays another [`SESSION_LINGER`]).
-    fn session_rollout(&mut self, pid: u32, cookies: &[Token], now: Instant) -> Option<RolloutId> {
+    fn session_rollout(
+        &mut self,
+        pid: u32,
+        session_tokens: &[Token],
+        now: Instant,
+    ) -> Option<RolloutId> {
         let mut named: Option<RolloutId> = None;
-        for token in cookies {
+        for token in session_tokens {
             let Some(Session::Rollout(rollout, last)) = self.sessions.get_mut(&(pid, *token))
             else {
                 continue;
@@ -925,7 +931,7 @@ impl Stitcher {
         self.seq += 1;
         node.ended = Some(self.seq);
         let (pid, role, started) = (node.pid, node.role, node.started);
-        let cookies = std::mem::take(&mut node.cookies);
+        let sessions = std::mem::take(&mut node.session_tokens);
         self.withdraw_traces(request);
         if role == Role::Server {
             self.unindex_rollout(request);
@@ -939,11 +945,11 @@ impl Stitcher {
             }
             self.close_evidence(pid);
         }
-        for token in cookies {
-            if let Some(list) = self.cookie_holders.get_mut(&(pid, token)) {
+        for token in sessions {
+            if let Some(list) = self.session_holders.get_mut(&(pid, token)) {
                 list.retain(|id| *id != request);
                 if list.is_empty() {
-                    self.cookie_holders.remove(&(pid, token));
+                    self.session_holders.remove(&(pid, token));
                 }
             }
         }
@@ -1739,7 +1745,7 @@ mod tests {
         host_b.sessions_set(seed.span_id, &[session], now);
         export(&mut host_b, &seed, SpanKind::Server);
         let tool = RequestStart {
-            cookies: vec![session],
+            session_tokens: vec![session],
             ..between_hosts(MODEL, Role::Server, 900, HOST_A, HOST_B)
         };
         host_b.start(&tool, inbound_facts(None, true), now);
@@ -1759,7 +1765,7 @@ mod tests {
         host_b.sessions_set(other.span_id, &[session], now);
         assert_eq!(host_b.counters.sessions_conflicting, 1);
         let later = RequestStart {
-            cookies: vec![session],
+            session_tokens: vec![session],
             ..between_hosts(MODEL, Role::Server, 3000, HOST_A, HOST_B)
         };
         host_b.start(&later, inbound_facts(None, true), now);
