@@ -38,9 +38,12 @@ AT_A_TIME = 100
 CALLS_PER_REQUEST = 2
 UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_no_request_in_flight", "parents_contradicted"]
 DECIDED = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_session", "parents_by_task_context",
-           "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting"]
+           "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting",
+           "parents_by_spawn"]
 EVIDENCE = ["parents_by_lineage", "parents_by_rollout_id", "parents_by_session", "parents_by_task_context",
             "parents_by_echoed_id", "parents_by_response_context", "parents_by_only_inbound", "parents_by_nesting",
+            "parents_by_spawn", "processes_spawned_in_requests", "processes_spawned_outside_requests",
+            "lineage_roots_without_request",
             *UNDECIDED, "task_context_conflicts", "task_context_regroups", "cross_process_links",
             "spans_flushed_unmatched", "events_lost_in_kernel", "python_runtimes_read", "python_threads_registered",
             "context_chains_read", "context_chains_empty", "context_thread_unknown", "context_reads_failed",
@@ -58,6 +61,9 @@ KINDS = [
     pytest.param("plain", "servers.causality_app:app", "off", True, id="plain"),
     pytest.param("middleware", "servers.causality_app:middleware_app", "off", False, id="middleware"),
     pytest.param("gather", "servers.causality_app:app", "off", False, id="gather"),
+    # Each call made by a `curl` process the handler spawned: the spawn's lineage names the
+    # request (parents_by_spawn).
+    pytest.param("spawn", "servers.causality_app:app", "on", True, id="spawn-lineage"),
 ]
 
 
@@ -85,11 +91,15 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
 
     drive(front.port, kind)
 
-    def spans_of(pid, span_kind):
-        return [s for s in agent.spans() if s["resource"].get("process.pid") == pid and s["kind"] == span_kind]
+    def side(span):
+        """The leaf, or the front (with the processes it spawned)."""
+        return "leaf" if span["resource"].get("process.pid") == leaf.pid else "front"
 
-    want = {(front.pid, "SERVER"): REQUESTS, (front.pid, "CLIENT"): REQUESTS * CALLS_PER_REQUEST,
-            (leaf.pid, "SERVER"): REQUESTS * CALLS_PER_REQUEST}
+    def spans_of(which, span_kind):
+        return [s for s in agent.spans() if side(s) == which and s["kind"] == span_kind]
+
+    want = {("front", "SERVER"): REQUESTS, ("front", "CLIENT"): REQUESTS * CALLS_PER_REQUEST,
+            ("leaf", "SERVER"): REQUESTS * CALLS_PER_REQUEST}
     wait_until(lambda: all(len(spans_of(*key)) >= n for key, n in want.items()), 20,
                lambda: f"spans {want}, have { {key: len(spans_of(*key)) for key in want} }")
     time.sleep(1.0)  # the stitch delay, and room for a span too many
@@ -100,18 +110,18 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
 
     spans = agent.spans()
     by_key = spans_by_key(spans)
-    counts = collections.Counter((s["resource"].get("process.pid"), s["kind"]) for s in spans)
+    counts = collections.Counter((side(s), s["kind"]) for s in spans)
     assert counts == want, f"{counts}\n{evidence}"
 
     # The truth: request n's SERVER span, and which leaf call each CLIENT span is.
     inbound = {}
-    for span in spans_of(front.pid, "SERVER"):
+    for span in spans_of("front", "SERVER"):
         match = re.fullmatch(rf"/{kind}/(\d+)", span["attributes"]["url.path"])
         assert match and span["attributes"]["http.response.status_code"] == 200, span
         inbound[int(match.group(1))] = span
     assert sorted(inbound) == list(range(REQUESTS))
     clients = {}
-    for span in spans_of(front.pid, "CLIENT"):
+    for span in spans_of("front", "CLIENT"):
         match = LEAF_PATH.match(path_of_url(span["attributes"]["url.full"]))
         assert match, span
         clients[(int(match.group(1)), int(match.group(2)))] = span
@@ -129,7 +139,7 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
         elif parent != span_key(inbound[n]):
             wrong.append(f"/leaf/{n}/{i}: parent right, trace {span['trace_id']} vs {inbound[n]['trace_id']}")
     wrong_leaves = []
-    for span in spans_of(leaf.pid, "SERVER"):
+    for span in spans_of("leaf", "SERVER"):
         path = span["attributes"]["url.path"]
         match = LEAF_PATH.match(path)
         assert match, span
@@ -184,9 +194,24 @@ def test_calls_hang_under_the_request_that_made_them(server_factory, agents, kin
     if lineage == "on":
         # Both servers probed; every call decided by lineage; every request's root born for
         # it (the leaf's and the front's requests, and each server's route harvest).
-        assert summary["lineage_processes"] == 2 and summary["lineage_processes_off"] == 0, context
-        assert summary["parents_by_lineage"] == calls, context
-        assert summary["lineage_request_roots"] == REQUESTS + calls + 2, context
+        if kind == "spawn":
+            # The curl processes are traced too: those a rescan met are not CPython (each counted
+            # once, as lineage off), and their calls are placed by the spawns' lineage.
+            assert summary["lineage_processes"] == 2, context
+            assert summary["lineage_processes_off"] <= summary["processes_spawned_in_requests"], context
+        else:
+            assert summary["lineage_processes"] == 2 and summary["lineage_processes_off"] == 0, context
+        if kind == "spawn":
+            assert (summary["parents_by_spawn"], summary["parents_by_lineage"]) == (calls, 0), context
+            assert summary["processes_spawned_in_requests"] == calls, context
+        else:
+            assert summary["parents_by_lineage"] == calls, context
+        roots = summary["lineage_request_roots"]
+        if kind == "spawn":
+            # The loop also reads the children's pipes: a root created right after such a
+            # read is born without its request, counted, and its spawns wait for its response.
+            roots += summary["lineage_roots_without_request"]
+        assert roots == REQUESTS + calls + 2, context
         assert summary["lineage_conflicts"] == 0 and summary["lineage_creator_unseen"] == 0, context
     else:
         assert summary["lineage_processes"] == 0 and summary["parents_by_lineage"] == 0, context

@@ -56,6 +56,10 @@ pub enum EventKind {
     TaskContext = 7,
     /// Plaintext a traced process passed to or got from OpenSSL (see [`TlsDataHeader`]).
     TlsData = 8,
+    /// The contextvars chain of the Python task that is forking a process (a
+    /// [`TaskContextEvent`] whose `conn_id` is the child's pid, `fd` -1); it precedes the
+    /// fork's [`EventKind::ProcessFork`] record. Only for a thread user space registered.
+    SpawnContext = 9,
 }
 
 impl EventKind {
@@ -69,6 +73,7 @@ impl EventKind {
             6 => Some(Self::ProcessExec),
             7 => Some(Self::TaskContext),
             8 => Some(Self::TlsData),
+            9 => Some(Self::SpawnContext),
             _ => None,
         }
     }

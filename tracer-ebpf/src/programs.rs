@@ -596,6 +596,11 @@ pub fn new_task(ctx: TracePointContext) -> u32 {
         return 0;
     }
     mark_child(child_pid, true);
+    // A Python server forking (a CLI agent, a verifier, a sandbox): the task that forks says
+    // which request the child works for. Other processes' forks pay the one lookup.
+    if python_thread(pid_tgid).is_some() {
+        report_task_context(EventKind::SpawnContext, pid_tgid, -1, u64::from(child_pid));
+    }
     emit(&ProcessForkEvent {
         header: header(EventKind::ProcessFork, pid_tgid, -1, 0),
         child_pid,
@@ -960,7 +965,7 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) -> LastRead {
         if message_start {
             *budget = capture_bytes();
             if !reading {
-                report_task_context(pid_tgid, call.fd, socket.conn_id);
+                report_task_context(EventKind::TaskContext, pid_tgid, call.fd, socket.conn_id);
             }
         }
         // One byte short of the maximum, so that every length fits the mask.
@@ -1164,7 +1169,7 @@ fn on_tls_transfer(pid_tgid: u64, call: &PendingTlsCall, moved: u64) {
         if message_start {
             *slot = capture_bytes();
             if !reading {
-                report_task_context(pid_tgid, -1, call.ssl);
+                report_task_context(EventKind::TaskContext, pid_tgid, -1, call.ssl);
             }
         }
         let want = moved.min(*slot as u64).min(CAPTURE_MASK as u64);
@@ -1285,7 +1290,7 @@ pub(crate) fn read_context_chain(
 /// inlined, its locals would add to those of the exit program, whose stack and `on_open`'s
 /// together must fit the verifier's 512 bytes.
 #[inline(never)]
-fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
+fn report_task_context(kind: EventKind, pid_tgid: u64, fd: i32, conn_id: u64) {
     let Some(thread) = python_thread(pid_tgid) else {
         count_at(&CONTEXT_READS, CONTEXT_THREAD_UNKNOWN);
         return;
@@ -1302,7 +1307,7 @@ fn report_task_context(pid_tgid: u64, fd: i32, conn_id: u64) {
     // it is submitted; every field is written before the submit. The chain is read straight
     // into it: the verifier counts every byte of stack.
     unsafe {
-        (*record).header = header(EventKind::TaskContext, pid_tgid, fd, conn_id);
+        (*record).header = header(kind, pid_tgid, fd, conn_id);
         (*record).chain = [0; MAX_CONTEXT_DEPTH];
         (*record).task = 0;
         (*record).lineage = TaskLineage::default();

@@ -7,6 +7,8 @@ makes the parent of each call. The request number `n` is a path segment all the 
 - `app`: `GET /plain/{n}` (the two calls one after the other), `GET /gather/{n}` (the two
   calls at once, `asyncio.gather`: each in a task of its own) and `GET /leaf/{n}/{i}` (the
   leaf: answers after LEAF_SECONDS);
+- `app`: `GET /spawn/{n}`: the two calls made by two `curl` processes the handler runs one
+  after the other (`asyncio.create_subprocess_exec`, as Gym's codex_agent runs its CLI);
 - `middleware_app`: `GET /middleware/{n}` (the two calls one after the other) behind an
   `@app.middleware("http")` pass-through (Starlette's BaseHTTPMiddleware: the handler runs
   in a task of its own, the response is written by the middleware's).
@@ -53,6 +55,21 @@ async def plain(n: int):
 @app.get("/gather/{n}")
 async def gather(n: int):
     return {"n": n, "leaves": list(await asyncio.gather(call(n, 0), call(n, 1)))}
+
+
+async def curl(n, i):
+    process = await asyncio.create_subprocess_exec(
+        "curl", "--silent", "--fail", "--max-time", "30", f"{DOWNSTREAM}/leaf/{n}/{i}",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"curl /leaf/{n}/{i} exited {process.returncode}")
+    return out.decode()
+
+
+@app.get("/spawn/{n}")
+async def spawn(n: int):
+    return {"n": n, "leaves": [await curl(n, 0), await curl(n, 1)]}
 
 
 @app.get("/leaf/{n}/{i}")

@@ -97,6 +97,13 @@ pub enum KernelEvent<'a> {
     /// The Python task context under which the next write on this socket starts a message
     /// (`fd` -1 and `conn_id` the `SSL*`: the next TLS write of that `SSL*`).
     TaskContext(TaskContext),
+    /// The Python task context under which `pid` forked `child`; its [`KernelEvent::ProcessFork`]
+    /// follows.
+    SpawnContext {
+        pid: u32,
+        child: u32,
+        writer: WriterTask,
+    },
     TlsData(TlsTransfer<'a>),
 }
 
@@ -110,6 +117,20 @@ pub struct TaskContext {
     pub conn_id: u64,
     pub timestamp_ns: u64,
     pub writer: WriterTask,
+}
+
+/// The chain and lineage of a [`TaskContextEvent`].
+fn writer_task(bytes: &[u8]) -> Result<WriterTask, DecodeError> {
+    let event: TaskContextEvent = read_struct(bytes)?;
+    let depth = usize::try_from(event.depth).unwrap_or(usize::MAX);
+    let links = event
+        .chain
+        .get(..depth)
+        .ok_or(DecodeError::BadField("depth"))?;
+    Ok(WriterTask {
+        chain: ContextChain::new(links),
+        lineage: lineage(event.writer, &event.lineage)?,
+    })
 }
 
 /// The writer's lineage, as the kernel's `WRITER_*` and `LINEAGE_*` say.
@@ -266,25 +287,19 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             pid: header.tgid,
             timestamp_ns: header.timestamp_ns,
         },
-        EventKind::TaskContext => {
-            let event: TaskContextEvent = read_struct(bytes)?;
-            let depth = usize::try_from(event.depth).unwrap_or(usize::MAX);
-            let links = event
-                .chain
-                .get(..depth)
-                .ok_or(DecodeError::BadField("depth"))?;
-            KernelEvent::TaskContext(TaskContext {
-                pid: header.tgid,
-                tid: header.tid,
-                fd: header.fd,
-                conn_id: header.conn_id,
-                timestamp_ns: header.timestamp_ns,
-                writer: WriterTask {
-                    chain: ContextChain::new(links),
-                    lineage: lineage(event.writer, &event.lineage)?,
-                },
-            })
-        }
+        EventKind::TaskContext => KernelEvent::TaskContext(TaskContext {
+            pid: header.tgid,
+            tid: header.tid,
+            fd: header.fd,
+            conn_id: header.conn_id,
+            timestamp_ns: header.timestamp_ns,
+            writer: writer_task(bytes)?,
+        }),
+        EventKind::SpawnContext => KernelEvent::SpawnContext {
+            pid: header.tgid,
+            child: u32::try_from(header.conn_id).map_err(|_| DecodeError::BadField("child"))?,
+            writer: writer_task(bytes)?,
+        },
         EventKind::ProcessFork => {
             let fork: ProcessForkEvent = read_struct(bytes)?;
             KernelEvent::ProcessFork {

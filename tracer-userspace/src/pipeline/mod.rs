@@ -197,7 +197,15 @@ impl<M: RequestMetrics> Pipeline<M> {
                 self.output.lifecycle.push(Lifecycle::Execd(pid));
             }
             // Adopted at once: the child's own records may follow in this same batch.
-            KernelEvent::ProcessFork { parent, child } => self.adopt(parent, child),
+            KernelEvent::ProcessFork { parent, child } => {
+                self.adopt(parent, child);
+                self.stitcher.forked(parent, child);
+            }
+            KernelEvent::SpawnContext {
+                pid,
+                child,
+                ref writer,
+            } => self.stitcher.spawned(pid, child, writer),
             _ => {}
         }
         match &event {

@@ -405,7 +405,9 @@ impl ConnectionTable {
             KernelEvent::Data(data) => self.data(data, false, counters, exchanges, actions),
             // The pipeline ties TLS records to their connection and hands them on as
             // [`ConnectionTable::apply_plaintext`] and task contexts with the socket's fd.
-            KernelEvent::ProcessFork { .. } | KernelEvent::TlsData(_) => {}
+            KernelEvent::ProcessFork { .. }
+            | KernelEvent::SpawnContext { .. }
+            | KernelEvent::TlsData(_) => {}
             KernelEvent::TaskContext(context) => {
                 let id = SocketId {
                     pid: context.pid,

@@ -81,7 +81,7 @@ impl Stitcher {
     }
 
     /// Whether `request` was in flight when the graph's clock read `at`.
-    fn in_flight_at(&self, request: SpanId, at: u64) -> bool {
+    pub(super) fn in_flight_at(&self, request: SpanId, at: u64) -> bool {
         self.nodes
             .get(&request)
             .is_some_and(|n| n.started < at && n.ended.is_none_or(|ended| ended > at))
@@ -143,6 +143,26 @@ impl Stitcher {
         if node.role != Role::Client || node.parent != Parent::None {
             return;
         }
+        // A process with no request of its own in flight that a server spawned for one (a CLI
+        // agent's model calls) works for that request.
+        if !self.inbound.contains_key(&node.pid) {
+            if let Some(spawner) = self.spawner_of(node.pid, node.started) {
+                self.set_parent(call, spawner, Evidence::Spawn);
+                return;
+            }
+            if self.await_spawner(call) {
+                return;
+            }
+        }
+        self.place_by_evidence(call);
+    }
+
+    /// [`Stitcher::place_call`] for a call of a process that serves requests, or that no
+    /// request spawned.
+    fn place_by_evidence(&mut self, call: SpanId) {
+        let Some(node) = self.nodes.get(&call) else {
+            return;
+        };
         let started = node.started;
         let key = self.group_key(node);
         if let Some(key) = key
@@ -190,7 +210,7 @@ impl Stitcher {
         }
     }
 
-    fn set_parent(&mut self, call: SpanId, parent: SpanId, how: Evidence) {
+    pub(super) fn set_parent(&mut self, call: SpanId, parent: SpanId, how: Evidence) {
         // A span of the call's (or below it) already went out in a trace of its own: the
         // edge came too late, and drawing it would name a parent in another trace.
         let fixed = self.nodes.get(&call).and_then(|node| node.trace);
@@ -211,6 +231,7 @@ impl Stitcher {
             Evidence::EchoedId => &mut self.counters.parents_by_echoed_id,
             Evidence::OnlyInbound => &mut self.counters.parents_by_only_inbound,
             Evidence::Nesting => &mut self.counters.parents_by_nesting,
+            Evidence::Spawn => &mut self.counters.parents_by_spawn,
         };
         *counter += 1;
     }
@@ -243,6 +264,9 @@ impl Stitcher {
             if self.placeable_under(owner, member, key) {
                 self.set_parent(member, owner, how);
             }
+        }
+        if let Some((pid, key)) = key {
+            self.spawner_bound(pid, key);
         }
         if let Some(key) = key {
             self.publish_trace(key, owner);
@@ -497,6 +521,7 @@ impl Stitcher {
     /// process may reuse its pid and addresses). Its calls' groups go as the calls leave the graph.
     pub fn forget_process(&mut self, pid: u32) {
         self.process_gone(pid);
+        self.forget_spawn(pid);
         self.tails.forget(pid);
         self.withdraw_process(pid);
         self.sessions.retain(|(owner, _), _| *owner != pid);
@@ -707,6 +732,47 @@ mod tests {
             "two requests in flight, nothing names one"
         );
         assert_eq!(s.stitcher.counters.parents_by_session, 2);
+    }
+
+    /// A handler that placed a call spawns a CLI (pid 50), which spawns a helper (pid 51):
+    /// their calls hang under the handler's request, whatever else is in flight. A process
+    /// spawned outside any request places its calls as any other process.
+    #[test]
+    fn a_spawned_process_works_for_the_request_that_spawned_it() {
+        let mut s = Scene::new();
+        let run_a = s.inbound(AGENT, "/run", &[]);
+        let run_b = s.inbound(AGENT, "/run", &[]);
+        s.rollout(&run_a, "1-0");
+        s.rollout(&run_b, "2-0");
+        let seed_a = s.call(AGENT, &[0x1, 0x10], &[]);
+        s.rollout(&seed_a, "1-0");
+        assert_eq!(s.parent(&seed_a), Some(run_a.span_id));
+        s.stitcher
+            .response_writer(run_b.span_id, writer(chain(&[0x50])));
+        s.stitcher.spawned(AGENT, 50, &writer(chain(&[0x10])));
+        s.stitcher.forked(50, 51);
+        s.stitcher.forked(AGENT, 60); // a worker started by a plain fork
+        let from = |s: &mut Scene, pid: u32| {
+            let port = s.port();
+            let start = testing::start(pid, Role::Client, (port, 9000), 0, "POST", "/v1/responses");
+            s.register(start)
+        };
+        let (cli, helper, worker) = (from(&mut s, 50), from(&mut s, 51), from(&mut s, 60));
+        assert_eq!(s.parent(&cli), Some(run_a.span_id));
+        assert_eq!(s.parent(&helper), Some(run_a.span_id));
+        assert_eq!(s.parent(&worker), None);
+        assert_eq!(s.undecided(&worker), Some(Undecided::NoInbound));
+        // Spawned by the other handler before any call of its was placed: its calls wait
+        // until one is.
+        s.stitcher.spawned(AGENT, 70, &writer(chain(&[0x20])));
+        let early = from(&mut s, 70);
+        assert_eq!(s.parent(&early), None);
+        let seed_b = s.call(AGENT, &[0x2, 0x20], &[]);
+        s.rollout(&seed_b, "2-0");
+        assert_eq!(s.parent(&seed_b), Some(run_b.span_id));
+        assert_eq!(s.parent(&early), Some(run_b.span_id));
+        assert_eq!(s.stitcher.counters.parents_by_spawn, 3);
+        assert_eq!(s.stitcher.counters.processes_spawned_in_requests, 2);
     }
 
     /// Two rollouts of Gym's agent at once, as CAUSALITY.md measured them: /run's handler

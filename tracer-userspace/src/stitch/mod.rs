@@ -29,6 +29,7 @@ pub mod injection;
 mod lineage;
 mod rollouts;
 mod settle;
+mod spawns;
 
 use crate::model::counters::counters;
 use std::collections::{BTreeMap, VecDeque};
@@ -158,6 +159,16 @@ counters! {
         /// Calls given their parent by nesting: the innermost request in flight. Only in processes
         /// without task contexts, when the requests in flight are nested.
         decided parents_by_nesting,
+        /// Calls of a process a traced server spawned, given the request it was spawned for. A CLI
+        /// agent, a verifier or a sandbox forked while a handler served the request, and their
+        /// descendants.
+        decided parents_by_spawn,
+        /// Processes a traced Python server forked while serving a request. Their calls hang under
+        /// it (`parents_by_spawn`).
+        traced processes_spawned_in_requests,
+        /// Processes a traced Python server forked outside any request the evidence names. Workers
+        /// and helpers started at startup; their own calls are placed by their own requests.
+        note processes_spawned_outside_requests,
         /// Handler tasks whose calls' evidence named a second inbound request. The task keeps the
         /// first; the calls its context placed stay as they were.
         note task_context_conflicts,
@@ -267,6 +278,7 @@ enum Evidence {
     EchoedId,
     OnlyInbound,
     Nesting,
+    Spawn,
 }
 
 /// One request in the graph.
@@ -427,6 +439,8 @@ pub struct Stitcher {
     injections: Vec<injection::TraceInjection>,
     /// The shared call ids given out lately ([`call_ids`]).
     shared_ids: SharedIds,
+    /// Processes traced servers spawned, and the requests they work for ([`spawns`]).
+    spawns: spawns::Spawns,
     pub counters: StitchCounters,
 }
 
@@ -512,6 +526,7 @@ impl Stitcher {
             published_by_owner: HashMap::new(),
             injections: Vec::new(),
             shared_ids: SharedIds::new(config.max_nodes),
+            spawns: spawns::Spawns::default(),
             counters: StitchCounters::default(),
         }
     }

@@ -210,10 +210,12 @@ impl Stitcher {
         let Some(awaiting) = node.awaiting.take() else {
             return;
         };
+        let (own, started) = (node.pid, node.started);
+        let pid = self.evidence_pid(request, own);
         if awaiting == Awaiting::Evidence
-            && let Some(open) = self.open_calls.get_mut(&node.pid)
+            && let Some(open) = self.open_calls.get_mut(&pid)
         {
-            open.remove(&node.started);
+            open.remove(&started);
         }
         self.wake(request);
         self.maybe_retire(request);
@@ -261,6 +263,7 @@ impl Stitcher {
             if let Some(node) = self.nodes.get_mut(&call) {
                 node.awaiting = None;
             }
+            self.evidence_pid(call, pid);
             self.wake(call);
             self.maybe_retire(call);
         }
