@@ -771,6 +771,7 @@ mod tests {
         s.rollout(&seed_b, "2-0");
         assert_eq!(s.parent(&seed_b), Some(run_b.span_id));
         assert_eq!(s.parent(&early), Some(run_b.span_id));
+        assert!(s.stitcher.spawns.is_idle(), "nothing waits any more");
         assert_eq!(s.stitcher.counters.parents_by_spawn, 3);
         assert_eq!(s.stitcher.counters.processes_spawned_in_requests, 2);
     }

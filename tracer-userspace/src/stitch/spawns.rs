@@ -38,8 +38,16 @@ pub(super) struct Spawns {
     /// Per group, the calls waiting for it (while a request of its process is in flight:
     /// they are among that process's open calls, see [`Stitcher::await_spawner`]).
     waiting: HashMap<(u32, GroupKey), Vec<SpanId>>,
-    /// The process among whose open calls each waiting call is.
-    waiting_in: HashMap<SpanId, u32>,
+    /// The group each waiting call waits for (its process's open calls hold it).
+    waiting_in: HashMap<SpanId, (u32, GroupKey)>,
+}
+
+impl Spawns {
+    /// Whether no call waits for its spawner.
+    #[cfg(test)]
+    pub(super) fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.waiting_in.is_empty()
+    }
 }
 
 impl Stitcher {
@@ -150,13 +158,23 @@ impl Stitcher {
             .entry((owner_pid, key))
             .or_default()
             .push(call);
-        self.spawns.waiting_in.insert(call, owner_pid);
+        self.spawns.waiting_in.insert(call, (owner_pid, key));
         true
     }
 
-    /// The process among whose open calls `call` waits: its spawner's, or its own.
+    /// The process among whose open calls `call` waits (its spawner's, or its own), as it
+    /// stops waiting.
     pub(super) fn evidence_pid(&mut self, call: SpanId, own: u32) -> u32 {
-        self.spawns.waiting_in.remove(&call).unwrap_or(own)
+        let Some(group) = self.spawns.waiting_in.remove(&call) else {
+            return own;
+        };
+        if let Some(calls) = self.spawns.waiting.get_mut(&group) {
+            calls.retain(|waiting| *waiting != call);
+            if calls.is_empty() {
+                self.spawns.waiting.remove(&group);
+            }
+        }
+        group.0
     }
 
     /// The group `key` of `pid` was bound: the calls of the processes spawned under it hang
@@ -165,6 +183,7 @@ impl Stitcher {
         let Some(owner) = self.groups.get(&(pid, key)).and_then(|group| group.owner()) else {
             return;
         };
+        // (Each call leaves `waiting_in` as it settles, or as its wait closes.)
         for call in self.spawns.waiting.remove(&(pid, key)).unwrap_or_default() {
             let Some(node) = self.nodes.get(&call) else {
                 continue;
