@@ -265,10 +265,8 @@ impl Stitcher {
                 self.set_parent(member, owner, how);
             }
         }
-        if let Some((pid, key)) = key {
-            self.spawner_bound(pid, key);
-        }
         if let Some(key) = key {
+            self.spawner_bound(key.0, key.1);
             self.publish_trace(key, owner);
         }
     }
@@ -320,15 +318,7 @@ impl Stitcher {
                 .collect();
             narrow(same, Evidence::RolloutId);
         }
-        for token in &node.session_tokens {
-            let holders = self
-                .session_holders
-                .get(&(node.pid, *token))
-                .into_iter()
-                .flatten()
-                .filter(|x| candidate(x))
-                .copied()
-                .collect();
+        if let Some(holders) = self.session_holders_of(call, key) {
             narrow(holders, Evidence::Session);
         }
         match survivors.as_deref() {
@@ -354,10 +344,14 @@ impl Stitcher {
         }
     }
 
-    /// For a call without a task context: the one in-flight request that carried every
-    /// session the call carries (`Err` where they name several, or one of another rollout
-    /// than the call names), `None` where they name no request in flight.
-    fn session_holder(&self, call: SpanId) -> Option<Result<SpanId, Undecided>> {
+    /// The candidate requests (in flight at the call's start, not caused by its handler) that
+    /// carried every session the call carries that any of them carried; `None` where its
+    /// sessions name no candidate.
+    fn session_holders_of(
+        &self,
+        call: SpanId,
+        key: Option<(u32, GroupKey)>,
+    ) -> Option<Vec<SpanId>> {
         let node = self.nodes.get(&call)?;
         let mut survivors: Option<Vec<SpanId>> = None;
         for token in &node.session_tokens {
@@ -366,7 +360,7 @@ impl Stitcher {
                 .get(&(node.pid, *token))
                 .into_iter()
                 .flatten()
-                .filter(|x| self.in_flight_at(**x, node.started) && !self.excluded(**x, call, None))
+                .filter(|x| self.in_flight_at(**x, node.started) && !self.excluded(**x, call, key))
                 .copied()
                 .collect();
             if holders.is_empty() {
@@ -377,7 +371,15 @@ impl Stitcher {
                 Some(before) => before.into_iter().filter(|x| holders.contains(x)).collect(),
             });
         }
-        Some(match survivors?.as_slice() {
+        survivors
+    }
+
+    /// For a call without a task context: the one in-flight request that carried every
+    /// session the call carries (`Err` where they name several, or one of another rollout
+    /// than the call names), `None` where they name no request in flight.
+    fn session_holder(&self, call: SpanId) -> Option<Result<SpanId, Undecided>> {
+        let node = self.nodes.get(&call)?;
+        Some(match self.session_holders_of(call, None)?.as_slice() {
             [one] => match (&node.rollout, self.effective_rollout(*one)) {
                 (Some(named), Some(theirs)) if named != theirs => Err(Undecided::Contradicted),
                 _ => Ok(*one),
