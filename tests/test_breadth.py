@@ -13,6 +13,11 @@ graph is another one:
   its lineage are not the writer's. What ties its calls to the rollout is the session token Gym
   mints for it (`X-NeMo-Gym-Session-Token`), which the handler's request carried too.
 
+- codex_agent (opt-in, GYM_CODEX_SHAPE=1): environments/codex_math's servers with the agent's
+  model calls made by the `codex` CLI it spawns per rollout, through Gym's model server
+  (tests/support/real_gym/configs/codex_math_model_server.yaml). Each rollout spawns a few
+  hundred processes (the CLI's shell snapshot, lsb_release, git, ...).
+
 The oracle for which requests a rollout makes is the servers' own access logs (uvicorn's, one
 line per request): the rollout driven alone first makes exactly the requests its trace must
 hold, and the 64 driven at once make 64 times those.
@@ -20,6 +25,8 @@ hold, and the 64 driven at once make 64 times those.
 
 import collections
 import difflib
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -40,6 +47,9 @@ COUNTERS = [
     "parents_no_evidence", "parents_contradicted", "parents_no_request_in_flight", "task_context_conflicts",
     "cross_process_links", "events_lost_in_kernel", "lineage_processes",
 ]
+# How the processes a handler spawns are counted (printed; asserted for the codex shape).
+SPAWN_COUNTERS = ["parents_by_spawn", "processes_spawned_in_requests", "processes_spawned_outside_requests",
+                  "forks_followed", "processes_execd", "fork_threads_ignored", "forks_unfollowed_filter_full"]
 UNDECIDED = ["parents_ambiguous", "parents_no_evidence", "parents_contradicted", "parents_no_request_in_flight",
              "events_lost_in_kernel"]
 
@@ -84,9 +94,9 @@ def expected_tree(run, mcp_requests):
     ])])
 
 
-def trace_problems(spans, rollout_ids, want, by_pid):
+def trace_problems(spans, rollout_ids, want, by_pid, open_end=None):
     """Each rollout's trace exactly `want`, no span outside the rollouts' traces, every span
-    within its parent's time."""
+    within its parent's time (`open_end`: see containment_problems)."""
     by_trace = collections.defaultdict(list)
     for span in spans:
         by_trace[span["trace_id"]].append(span)
@@ -102,7 +112,7 @@ def trace_problems(spans, rollout_ids, want, by_pid):
     if strays:
         problems.append(f"{sum(map(len, strays.values()))} spans in no rollout's trace:\n" + "\n".join(
             "\n".join(render_shapes(tree_shape(members, by_pid))) for members in strays.values()))
-    problems += containment_problems(spans)[:20]
+    problems += containment_problems(spans, open_end=open_end)[:20]
     return problems
 
 
@@ -154,3 +164,115 @@ def test_mcp_calls_from_a_background_loop_hang_under_their_rollout(mcp_gym, trac
     assert not problems, "\n".join(problems[:10]) + "\n\nexpected:\n" + "\n".join(render_shapes([canonical(want)]))
     assert len(spans) == total
     assert {name: summary.get(name) for name in UNDECIDED} == {name: 0 for name in UNDECIDED}
+
+
+
+CODEX_CONFIG = Path(__file__).resolve().parent / "support" / "real_gym" / "configs" / "codex_math_model_server.yaml"
+CODEX = "codex"  # the CLI's native binary (the npm shim `codex` runs it): its spans' executable name
+
+
+@pytest.fixture
+def codex_gym():
+    # Opt-in (issue #46 item 3 is not done): at 64 in flight 2-3 of 65 rollouts still lose
+    # their CLI's model calls (`callers_unseen`; pids wrap within the batch), and the streamed
+    # answers end after their CLIENT parent (item 4). Run with GYM_CODEX_SHAPE=1 and the CLI
+    # on PATH (`npm install --prefix DIR @openai/codex@0.144.4`, DIR/node_modules/.bin).
+    if os.environ.get("GYM_CODEX_SHAPE") != "1":
+        pytest.skip("the codex_agent shape is opt-in: GYM_CODEX_SHAPE=1 with `codex` 0.144.4 on PATH")
+    if shutil.which("codex") is None:
+        pytest.fail("GYM_CODEX_SHAPE=1 but no `codex` on PATH: npm install @openai/codex@0.144.4", pytrace=False)
+    run = RealGymRun(gym_venv(), access_log=True, config_path=CODEX_CONFIG, upstream_delay_s=UPSTREAM_DELAY_S)
+    try:
+        yield run.start()
+    finally:
+        run.stop()
+
+
+def codex_tree(run, model_calls):
+    """One codex rollout as the agent's code makes it (responses_api_agents/codex_agent/app.py):
+    /run seeds the session, spawns `codex exec` (whose model calls, streamed /v1/responses to
+    Gym's model server, hang under the rollout that spawned it) and verifies."""
+    agent, resources, model = run.agent, run.resources, run.policy_model
+    model_call = ("HTTP POST", CODEX, [("POST /v1/responses", model, [("gym.model.responses", model, [
+        ("HTTP POST", model, [])])])])
+    return ("POST /run", agent, [("gym.rollout", agent, [
+        ("HTTP POST", agent, [("POST /seed_session", resources, [])]),
+        *[model_call] * model_calls,
+        ("HTTP POST", agent, [("POST /verify", resources, [("gym.verify", resources, [])])]),
+    ])])
+
+
+def test_codex_cli_calls_hang_under_the_rollout_that_spawned_it(codex_gym, tracer):
+    """codex_agent runs the `codex` CLI (@openai/codex from npm: a node shim and its native
+    binary) per rollout; the CLI's model calls hang under the /run that spawned it, one trace per
+    rollout at 64 in flight, and the hundreds of processes each rollout spawns (the CLI's own
+    helpers) lose no kernel event."""
+    run = codex_gym
+    servers = {pid: name for name, pid in run.pids.items()}
+    agent = tracer()
+    for name, pid in run.pids.items():
+        agent.wait_for_stderr(f"attached pid {pid} as {name} ({run.server_type(name)})", timeout=30)
+        agent.wait_for_routes(pid, timeout=30)
+
+    before = access_log_lengths(run)
+    solo = run.drive_rollout(AT_ONCE, 0, row_index=0, timeout=120)
+    assert solo.get("reward") is not None, solo
+    solo_requests = wait_until(lambda: access_log_since(run, before) or None, 10, "the solo rollout's requests")
+    model_calls = solo_requests[(run.policy_model, "POST", "/v1/responses")]
+    assert model_calls >= 1, solo_requests
+    want = codex_tree(run, model_calls)
+
+    before_batch = access_log_lengths(run)
+    results = run.drive_rollouts(AT_ONCE, AT_ONCE)
+    failed = [r for r in results if r["status"] != 200]
+    assert not failed, failed[:3]
+    batch = wait_until(lambda: (lambda seen: seen if sum(seen.values()) >= AT_ONCE * sum(solo_requests.values())
+                                else None)(access_log_since(run, before_batch)), 30, "the batch's requests")
+    assert batch == collections.Counter({k: AT_ONCE * n for k, n in solo_requests.items()}), (batch, solo_requests)
+
+    rollout_ids = [f"{AT_ONCE}-0"] + [f"{r['task_index']}-{r['rollout_index']}" for r in results]
+    assert len(set(rollout_ids)) == AT_ONCE + 1
+    total = tree_size(want) * len(rollout_ids)
+
+    def ours():
+        return [s for s in agent.spans() if (s["resource"].get("process.pid") in servers
+                                             or s["resource"].get("process.executable.name") == CODEX)
+                and not harvest(s["attributes"].get("http.request.method"), s["attributes"].get("url.path"))]
+
+    try:
+        wait_until(lambda: len(ours()) >= total, 30, f"{total} spans", interval=0.5)
+    except AssertionError:
+        pass  # the checks below say what is missing
+    time.sleep(1.0)
+    agent.stop()
+    assert agent.returncode == 0, agent.stderr()[-5000:]
+    spans, summary = ours(), agent.summary()
+    by_pid = dict(servers)
+    cli_pids = collections.defaultdict(set)  # trace -> the pids its CLI spans came from
+    for span in spans:
+        pid = span["resource"].get("process.pid")
+        if pid not in servers:
+            by_pid[pid] = CODEX
+            cli_pids[span["trace_id"]].add(pid)
+    print(f"\n[codex] {len(spans)} spans, {len(rollout_ids)} rollouts x {tree_size(want)}; model calls per "
+          f"rollout {model_calls}")
+    for name in COUNTERS + SPAWN_COUNTERS:
+        print(f"  {name} = {summary.get(name)}")
+    # The CLI reads Gym's model server's answer as server-sent events and stops at the last
+    # event; the server writes the stream's end later, when its saturated loop gets to it (up
+    # to seconds at 64 in flight): that SERVER span ends after its CLIENT parent (issue #46
+    # item 4, open). Only its start is checked; how many end late is printed.
+    def streamed(span, parent):
+        return span["kind"] == "SERVER" and by_pid.get(parent["resource"].get("process.pid")) == CODEX
+
+    late = [s for s in containment_problems(spans) if "SERVER POST /v1/responses" in s]
+    print(f"  streamed answers ending after their CLIENT parent: {len(late)} of {model_calls * len(rollout_ids)}")
+    problems = trace_problems(spans, rollout_ids, want, by_pid, open_end=streamed)
+    assert not problems, "\n".join(problems[:10]) + "\n\nexpected:\n" + "\n".join(render_shapes([canonical(want)]))
+    assert len(spans) == total
+    # Each rollout's CLI is a process of its own.
+    assert sorted(map(len, cli_pids.values())) == [1] * len(rollout_ids), cli_pids
+    assert len(set().union(*cli_pids.values())) == len(rollout_ids)
+    assert {name: summary.get(name) for name in UNDECIDED} == {name: 0 for name in UNDECIDED}
+    assert summary["processes_spawned_in_requests"] == len(rollout_ids)
+    assert summary["parents_by_spawn"] == model_calls * len(rollout_ids)

@@ -33,7 +33,8 @@
 //!   process enters the filter.
 //! - `process_exit`, `process_exec`: the PID filter; `process_exit` then deletes the exiting
 //!   thread's `PYTHON_THREADS` and `PENDING_CALLS` entries (two hash deletes per thread exit
-//!   of a traced process).
+//!   of a traced process), and at a process's end its `TRACED_PIDS` entry if the kernel added
+//!   it (a followed child).
 //! - `ssl_write`, `ssl_write_ex`, `ssl_read`, `ssl_read_ex` (uprobes on OpenSSL, hit by
 //!   every process that maps the library file): the PID filter; a traced call's arguments
 //!   are remembered in `TLS_CALLS`. `ssl_return` (their uretprobe): the thread's `TLS_CALLS`
@@ -170,6 +171,10 @@ static LOST_EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// New threads of traced processes, kept out of the PID filter, per CPU.
 #[map]
 static THREADS_IGNORED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// New processes of traced processes the full PID filter could not take, per CPU.
+#[map]
+static FORKS_UNFOLLOWED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Connections and transfers of traced processes the kernel did not follow, per CPU, by
 /// reason (`UNTRACKED_*`).
@@ -592,7 +597,7 @@ pub fn new_task(ctx: TracePointContext) -> u32 {
     }
     let child_pid = child_pid as u32;
     if TRACED_PIDS.insert(&child_pid, &TRACED_AS_CHILD, 0).is_err() {
-        count_lost();
+        count(&FORKS_UNFOLLOWED);
         return 0;
     }
     mark_child(child_pid, true);
@@ -634,6 +639,13 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
     };
     if process_ends {
         mark_child(tgid, false);
+        // A child the kernel added leaves the filter with its process, not when user space
+        // reads the exit: a CLI that spawns hundreds of helpers a second on a busy host gets
+        // ahead of the agent, and the filter must not fill with processes already gone.
+        // SAFETY: the value is copied out at once.
+        if unsafe { TRACED_PIDS.get(&tgid) }.copied() == Some(TRACED_AS_CHILD) {
+            let _ = TRACED_PIDS.remove(&tgid);
+        }
         emit(&header(EventKind::ProcessExit, pid_tgid, -1, 0));
     }
     0

@@ -9,7 +9,7 @@ use anyhow::Result;
 use tracer_abi::PythonThread;
 
 use crate::kernel::loader::LoadedProbes;
-use crate::processes::python::{self, ProcessMemory, PythonRuntime, RuntimeOff};
+use crate::processes::python::{self, NotPythonFiles, ProcessMemory, PythonRuntime, RuntimeOff};
 
 /// How often thread states are re-read.
 pub const RESCAN_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
@@ -68,14 +68,15 @@ pub struct ContextReads {
     processes: HashMap<u32, State>,
     /// `--no-task-contexts`: no process is inspected, no thread registered.
     disabled: bool,
+    not_python: NotPythonFiles,
     pub counters: ContextReadCounters,
 }
 
 /// The kernel's entries for one process, read now.
 type Found = Result<(PythonRuntime, Vec<(u32, PythonThread)>), RuntimeOff>;
 
-fn inspect_now(pid: u32) -> Found {
-    let runtime = python::inspect(pid)?;
+fn inspect_now(pid: u32, not_python: &mut NotPythonFiles) -> Found {
+    let runtime = python::inspect_remembering(pid, not_python)?;
     let threads = rescan_now(pid, &runtime)?;
     Ok((runtime, threads))
 }
@@ -137,7 +138,8 @@ impl ContextReads {
             return;
         }
         self.processes.insert(pid, State::Trying { attempts: 0 });
-        self.apply_inspection(pid, inspect_now(pid), map);
+        let found = inspect_now(pid, &mut self.not_python);
+        self.apply_inspection(pid, found, map);
     }
 
     /// Every `RESCAN_INTERVAL`: processes not decided yet are inspected again, and the
@@ -150,7 +152,10 @@ impl ContextReads {
         for pid in traced {
             match self.processes.get(&pid) {
                 None => self.attach(pid, map),
-                Some(State::Trying { .. }) => self.apply_inspection(pid, inspect_now(pid), map),
+                Some(State::Trying { .. }) => {
+                    let found = inspect_now(pid, &mut self.not_python);
+                    self.apply_inspection(pid, found, map);
+                }
                 Some(State::On { runtime, .. }) => {
                     let found = rescan_now(pid, runtime);
                     self.apply_rescan(pid, found, map);

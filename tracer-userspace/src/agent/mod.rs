@@ -29,8 +29,10 @@ use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
 use crate::ops::exit_summary::{self, Verdict};
 use crate::ops::health::{Gauges, Health};
 use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
+use crate::processes::TracedProcess;
 use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
+use crate::processes::identity::parent_pid;
 use crate::report::RunReport;
 use crate::signals::metrics::Metrics;
 use crate::stitch::GroupKey;
@@ -449,7 +451,15 @@ impl Agent {
             tracing::warn!(pid, "pid {pid}: {error}");
         }
         for (pid, server) in found.started {
-            if self.pipeline.processes.contains(pid) {
+            // A traced server's descendant inherits its environment: it is followed from its
+            // fork record (adopted, or counted as unfollowed), not attached as a server. The
+            // record may still be on the ring, so the kernel's filter is asked too.
+            if self.pipeline.processes.contains(pid)
+                || probes.follows_as_child(pid)
+                || parent_pid(pid).is_some_and(|parent| {
+                    self.pipeline.processes.contains(parent) || probes.follows_as_child(parent)
+                })
+            {
                 continue;
             }
             let name = server.name.clone();
@@ -490,14 +500,22 @@ impl Agent {
 
     /// A traced process exited: stop filtering it and free what was kept for it.
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
-        probes.untrace_pid(pid);
+        probes.untrace_exited_pid(pid);
         self.task_lineage.forget(pid, probes);
         self.context_reads.forget(pid, probes);
         self.tls_probes.forget(pid, probes);
-        self.kernel_entries_swept += probes.forget_process(pid);
+        let logged = self
+            .pipeline
+            .processes
+            .get(pid)
+            .is_some_and(TracedProcess::is_logged);
         if self.pipeline.forget(pid) {
             self.counters.processes_exited += 1;
-            tracing::info!(pid, "pid {pid} exited");
+            if logged {
+                tracing::info!(pid, "pid {pid} exited");
+            } else {
+                tracing::debug!(pid, "pid {pid} exited");
+            }
         }
     }
 
@@ -508,6 +526,7 @@ impl Agent {
             host: HostCounters {
                 events_lost_in_kernel: events_lost_by_cpu.iter().sum(),
                 fork_threads_ignored: kernel.threads_ignored,
+                forks_unfollowed_filter_full: kernel.forks_unfollowed,
                 sockets_untracked_map_full: kernel.sockets_untracked_map_full,
                 transfers_on_unknown_sockets: kernel.transfers_on_unknown_sockets,
                 socket_calls_untracked_map_full: kernel.socket_calls_untracked_map_full,
@@ -777,17 +796,28 @@ fn lost_by_cpu(lost: &[u64]) -> String {
 }
 
 fn log_exec(pid: u32, pipeline: &Pipeline<Metrics>) {
+    let Some(process) = pipeline.processes.get(pid) else {
+        return;
+    };
+    let level_enabled = if process.is_logged() {
+        tracing::enabled!(tracing::Level::INFO)
+    } else {
+        tracing::enabled!(tracing::Level::DEBUG)
+    };
+    if !level_enabled {
+        return;
+    }
     let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    let labels = pipeline
-        .processes
-        .get(pid)
-        .map(|process| process.identity.labels.to_string())
-        .unwrap_or_default();
-    tracing::info!(
-        pid,
-        "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {labels}",
+    let message = format!(
+        "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {}",
         program.trim_end(),
+        process.identity.labels
     );
+    if process.is_logged() {
+        tracing::info!(pid, "{message}");
+    } else {
+        tracing::debug!(pid, "{message}");
+    }
 }
 
 /// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.

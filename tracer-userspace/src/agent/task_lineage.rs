@@ -13,6 +13,7 @@ use super::context_reads::RuntimeView;
 use crate::config::cli::TaskLineageMode;
 use crate::kernel::loader::LoadedProbes;
 use crate::processes::discovery::GymServer;
+use crate::processes::identity::parent_pid;
 use crate::processes::python::PythonRuntime;
 use crate::processes::python::asyncio::{LineageOff, TASK_INIT_SYMBOL, asyncio_site};
 use crate::processes::tls_library::path_in_process;
@@ -220,13 +221,6 @@ fn probe<L>(
         .attach_task_probe(pid, site.layout, &file, TASK_INIT_SYMBOL)
         .map_err(|error| LineageOff::Attach(format!("{error:#}")))?;
     Ok((link, site.path.display().to_string()))
-}
-
-/// The parent of `pid`, from `/proc/PID/stat` (the field after the parenthesised name).
-fn parent_pid(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, after_name) = stat.rsplit_once(')')?;
-    after_name.split_whitespace().nth(1)?.parse().ok()
 }
 
 #[cfg(test)]

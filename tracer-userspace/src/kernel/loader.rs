@@ -115,6 +115,8 @@ pub struct KernelCounters {
     pub events_lost_by_cpu: Vec<u64>,
     /// New threads of traced processes that the fork program kept out of the PID filter.
     pub threads_ignored: u64,
+    /// New processes of traced processes that the full PID filter could not take.
+    pub forks_unfollowed: u64,
     /// Connections opened while the socket map was full (`--max-connections`).
     pub sockets_untracked_map_full: u64,
     /// Transfers that moved bytes on TCP sockets the kernel does not know.
@@ -1085,6 +1087,25 @@ impl LoadedProbes {
             .with_context(|| format!("adding pid {pid} to the PID filter's bitmap"))
     }
 
+    /// Whether the kernel follows `pid` as a traced process's child (its fork record is on
+    /// the ring, or was read).
+    pub fn follows_as_child(&mut self, pid: u32) -> bool {
+        self.traced_pids()
+            .is_ok_and(|map| map.get(&pid, 0).ok() == Some(tracer_abi::TRACED_AS_CHILD))
+    }
+
+    /// A traced process exited: its filter entry goes, unless the kernel added it (a
+    /// followed child, removed by the kernel at its exit): by the time user space reads the
+    /// exit, its pid may already belong to a new child.
+    pub fn untrace_exited_pid(&mut self, pid: u32) {
+        let _ = self.set_user_pid_bit(pid, false);
+        if let Ok(mut map) = self.traced_pids()
+            && map.get(&pid, 0).ok() == Some(tracer_abi::TRACED_BY_USER)
+        {
+            let _ = map.remove(&pid);
+        }
+    }
+
     pub fn untrace_pid(&mut self, pid: u32) {
         let _ = self.set_user_pid_bit(pid, false);
         if let Ok(mut map) = self.traced_pids() {
@@ -1164,15 +1185,11 @@ impl LoadedProbes {
         }
     }
 
-    /// Deletes the kernel's entries of process `pid`: a process that dies (or is killed) does
-    /// not call close() on its sockets, and nothing evicts them from the plain hash maps.
-    /// Returns how many were deleted.
-    pub fn forget_process(&mut self, pid: u32) -> u64 {
-        self.sweep(|tgid, _| tgid != pid)
-    }
-
     /// Deletes the kernel's entries of processes no longer in the PID filter and of threads
-    /// that are gone, in case an exit record was lost. Returns how many were deleted.
+    /// that are gone. A process that dies (or is killed) does not call close() on its
+    /// sockets, and nothing evicts them from the plain hash maps: user space untracks the
+    /// sockets it knew at the exit record, and this finds the rest (sockets kept as not HTTP,
+    /// entries of a process whose exit record was lost). Returns how many were deleted.
     pub fn sweep_gone(&mut self) -> u64 {
         let traced: std::collections::HashSet<u32> = match self.traced_pids() {
             Ok(map) => map.keys().filter_map(Result::ok).collect(),
@@ -1223,6 +1240,7 @@ impl LoadedProbes {
         KernelCounters {
             events_lost_by_cpu: self.per_cpu_slot("LOST_EVENTS", 0),
             threads_ignored: self.per_cpu_slot("THREADS_IGNORED", 0).iter().sum(),
+            forks_unfollowed: self.per_cpu_slot("FORKS_UNFOLLOWED", 0).iter().sum(),
             sockets_untracked_map_full: reason(UNTRACKED_SOCKET_MAP_FULL),
             transfers_on_unknown_sockets: reason(UNTRACKED_UNKNOWN_SOCKET_TRANSFER),
             socket_calls_untracked_map_full: reason(UNTRACKED_PENDING_CALLS_FULL),

@@ -51,12 +51,15 @@ counters! {
     pub struct HostCounters {
         /// Records the kernel could not put on the full ring buffer, summed over CPUs. The requests
         /// and connections they carried are missing or cut short: raise `--ring-buffer-bytes`
-        /// (`events_lost_by_cpu` shows whether one CPU loses alone). Forked children the full PID
-        /// filter could not take are counted here too.
+        /// (`events_lost_by_cpu` shows whether one CPU loses alone).
         lost events_lost_in_kernel,
         /// Threads started by traced processes (followed through their process). Not a loss: only
         /// new processes take an entry in the PID filter.
         note fork_threads_ignored,
+        /// Processes started by traced processes that the full PID filter (8192 processes,
+        /// `MAX_TRACED_PIDS`, children included) could not take. They and their children are not
+        /// traced: their calls are missing.
+        lost forks_unfollowed_filter_full,
         /// Processes `--discover` skipped because it could not read their environment. A Gym server
         /// among them is not traced: grant `CAP_SYS_PTRACE` and `CAP_DAC_READ_SEARCH` and run the
         /// agent in the host's PID namespace (`gym-tracer doctor` checks both). Other processes

@@ -257,6 +257,10 @@ impl<M: RequestMetrics> Pipeline<M> {
                 .apply(&event, &mut self.exchanges, &mut self.actions),
         }
         self.after_table(now, observer);
+        // After the requests the exec cut off are ended under the old program's identity.
+        if let KernelEvent::ProcessExec { pid, .. } = event {
+            self.processes.execd(pid);
+        }
     }
 
     /// TLS records whose connection just became known, in the order they were reported.
@@ -584,12 +588,15 @@ impl<M: RequestMetrics> Pipeline<M> {
         match self.processes.adopt_child(parent, child) {
             Some(process) => {
                 self.counters.forks_followed += 1;
-                tracing::info!(
-                    pid = child,
-                    parent,
+                let message = format_args!(
                     "attached pid {child} as {} (child of pid {parent})",
                     process.identity.labels
                 );
+                if process.is_logged() {
+                    tracing::info!(pid = child, parent, "{message}");
+                } else {
+                    tracing::debug!(pid = child, parent, "{message}");
+                }
             }
             None => self.output.lifecycle.push(Lifecycle::NotAdopted(child)),
         }

@@ -24,6 +24,13 @@ fn read_trimmed(path: String) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// The parent of `pid`, from `/proc/PID/stat` (the field after the parenthesised name).
+pub(crate) fn parent_pid(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, after_name) = stat.rsplit_once(')')?;
+    after_name.split_whitespace().nth(1)?.parse().ok()
+}
+
 pub(crate) fn host_name() -> String {
     read_trimmed("/proc/sys/kernel/hostname".into()).unwrap_or_else(|| "unknown".into())
 }

@@ -16,6 +16,8 @@ pub struct TracedProcess {
     /// The process that was attached: itself, or the ancestor it was forked from. Routes
     /// harvested from a server apply to all of its worker processes.
     pub root: u32,
+    /// The traced process it was forked from; none for an attached one.
+    pub parent: Option<u32>,
     /// From the labels, or inferred from the harvested routes.
     /// From its labels, else inferred from its harvested routes; never for a kind the
     /// labels name that is none of Gym's three.
@@ -24,6 +26,13 @@ pub struct TracedProcess {
 }
 
 impl TracedProcess {
+    /// A server or a process it forked itself (uvicorn's workers, a verifier's fork): their
+    /// starts and ends are logged at info level. Deeper descendants (a CLI agent's helpers,
+    /// hundreds per rollout) are counted and logged at debug level.
+    pub fn is_logged(&self) -> bool {
+        self.parent.is_none_or(|parent| parent == self.root)
+    }
+
     /// Its labels name a kind of server that is none of Gym's three: no `gym.*` spans.
     pub fn is_other_kind(&self) -> bool {
         matches!(self.identity.labels.server_kind, Some(ServerKind::Other(_)))
@@ -79,6 +88,7 @@ impl ProcessTable {
         self.processes.entry(pid).insert_entry(TracedProcess {
             identity: Arc::new(identity),
             root: pid,
+            parent: None,
             server_type,
             namer: RouteNamer::new(table),
         });
@@ -98,11 +108,31 @@ impl ProcessTable {
         let process = TracedProcess {
             identity: Arc::new(identity),
             root: parent_process.root,
+            parent: Some(parent),
             server_type: parent_process.server_type,
             namer: parent_process.namer.clone(),
         };
         self.processes.insert(child, process);
         self.processes.get(&child)
+    }
+
+    /// `pid` exec'd a new program. A followed child's resource names the new executable (a
+    /// CLI's npm shim forks, and the child execs the CLI's binary: the spans are the
+    /// binary's); an attached process keeps the identity it was attached under.
+    pub fn execd(&mut self, pid: u32) {
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return;
+        };
+        if process.parent.is_none() {
+            return;
+        }
+        let identity = ServiceIdentity::of_process(
+            pid,
+            process.identity.labels.clone(),
+            &self.agent,
+            process.parent,
+        );
+        process.identity = Arc::new(identity);
     }
 
     pub fn remove(&mut self, pid: u32) -> Option<TracedProcess> {

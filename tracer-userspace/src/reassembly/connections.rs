@@ -434,30 +434,28 @@ impl ConnectionTable {
                     AbortReason::ProcessExited,
                     counters,
                     exchanges,
+                    actions,
                 );
             }
             KernelEvent::ProcessExec { pid, timestamp_ns } => {
-                // The kernel still holds the sockets it knew; they are gone (or, if one was
-                // not close-on-exec, belong to a program whose messages start anew).
-                for id in self.connections.keys().filter(|id| id.pid == *pid) {
-                    actions.push(TableAction::Untrack {
-                        id: *id,
-                        conn_id: self.connections[id].conn_id,
-                        not_http: false,
-                    });
-                }
                 self.end_process(
                     *pid,
                     *timestamp_ns,
                     AbortReason::ProcessExec,
                     counters,
                     exchanges,
+                    actions,
                 );
             }
         }
     }
 
-    /// Ends every connection of a process that exited or exec'd.
+    /// Ends every connection of a process that exited or exec'd. The kernel still holds the
+    /// sockets it knew: they are gone (or, after an exec, if one was not close-on-exec, belong
+    /// to a program whose messages start anew), so each is untracked by its key. That is the
+    /// whole of an exit's kernel cleanup: a walk of the kernel's socket map per exit stalled
+    /// the agent behind a CLI that spawns hundreds of processes per rollout (the periodic
+    /// sweep finds what a lost record left).
     fn end_process(
         &mut self,
         pid: u32,
@@ -465,6 +463,7 @@ impl ConnectionTable {
         reason: AbortReason,
         counters: &mut ReassemblyCounters,
         exchanges: &mut Vec<HttpExchange>,
+        actions: &mut Vec<TableAction>,
     ) {
         let ids: Vec<SocketId> = self
             .connections
@@ -473,6 +472,11 @@ impl ConnectionTable {
             .copied()
             .collect();
         for id in ids {
+            actions.push(TableAction::Untrack {
+                id,
+                conn_id: self.connections[&id].conn_id,
+                not_http: false,
+            });
             if let Some(connection) = self.remove(&id) {
                 self.ended_opaque.extend(finish(
                     id.pid,
@@ -1192,14 +1196,18 @@ mod tests {
 
     #[test]
     fn process_exit_aborts_in_flight_requests() {
-        let (exchanges, _, _) = run(&[
+        let (exchanges, _, actions) = run(&[
             open(5, 100, Role::Server),
+            open(6, 101, Role::Server),
             data(5, 100, Direction::Read, 110, GET),
             KernelEvent::ProcessExit {
                 pid: 7,
                 timestamp_ns: 500,
             },
         ]);
+        // The kernel still holds both sockets: each is untracked by its key (no walk of the
+        // kernel's map per exit).
+        assert_eq!(untracked(&actions), [5, 6]);
         assert_eq!(exchanges.len(), 1);
         assert_eq!(
             exchanges[0].outcome,

@@ -17,6 +17,7 @@ mod memory;
 mod real_interpreters;
 mod threads;
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 pub use layout::{ContextOffsets, PythonVersion, WalkOffsets};
@@ -146,8 +147,45 @@ impl RuntimeOff {
     }
 }
 
+/// Executables already found to hold no CPython runtime, by file identity. Telling a static
+/// executable from a static Python means reading its whole ELF file, and a CLI agent's
+/// helpers run the same few programs hundreds of times per rollout (the Codex CLI's binary is
+/// ~300 MB): each file is read once. A file's identity includes its size and modification
+/// time, so a file rewritten in place is read again.
+#[derive(Debug, Default)]
+pub struct NotPythonFiles(HashSet<FileIdentity>);
+
+/// Device, inode, size, modification time (seconds, nanoseconds).
+type FileIdentity = (u64, u64, u64, i64, i64);
+
+/// Past this many distinct executables the set starts over (a cache: forgetting costs a read).
+const MAX_NOT_PYTHON_FILES: usize = 4096;
+
+impl NotPythonFiles {
+    fn identity(path: &Path) -> Option<FileIdentity> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some((m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
+    }
+
+    fn remember(&mut self, file: FileIdentity) {
+        if self.0.len() >= MAX_NOT_PYTHON_FILES {
+            self.0.clear();
+        }
+        self.0.insert(file);
+    }
+}
+
 /// Finds and checks the CPython runtime of process `pid`.
 pub fn inspect(pid: u32) -> Result<PythonRuntime, RuntimeOff> {
+    inspect_remembering(pid, &mut NotPythonFiles::default())
+}
+
+/// [`inspect`], skipping (and adding to `not_python`) executables known to hold no runtime.
+pub fn inspect_remembering(
+    pid: u32,
+    not_python: &mut NotPythonFiles,
+) -> Result<PythonRuntime, RuntimeOff> {
     let proc = PathBuf::from(format!("/proc/{pid}"));
     let maps =
         std::fs::read_to_string(proc.join("maps")).map_err(|_| RuntimeOff::Unreadable(pid))?;
@@ -156,12 +194,23 @@ pub fn inspect(pid: u32) -> Result<PythonRuntime, RuntimeOff> {
         MapsProblem::SeveralLibpythons => RuntimeOff::SeveralLibpythons,
         MapsProblem::NoExecutable => RuntimeOff::NotPython,
     })?;
-    let memory = ProcessMemory::new(pid).ok_or(RuntimeOff::Unreadable(pid))?;
     // Through the process's root, so a containerised process's own files are read.
+    let in_root = |path: &Path| {
+        proc.join("root")
+            .join(path.strip_prefix("/").unwrap_or(path))
+    };
+    // Only an executable can be no Python at all: a mapped libpython without the runtime
+    // symbol is a stripped library, reported as such.
+    let executable = match &interpreter {
+        Interpreter::Executable { path, .. } => NotPythonFiles::identity(&in_root(path)),
+        Interpreter::Shared { .. } => None,
+    };
+    if executable.is_some_and(|file| not_python.0.contains(&file)) {
+        return Err(RuntimeOff::NotPython);
+    }
+    let memory = ProcessMemory::new(pid).ok_or(RuntimeOff::Unreadable(pid))?;
     let read_elf = |path: &Path| -> Result<Vec<u8>, RuntimeOff> {
-        let in_root = proc
-            .join("root")
-            .join(path.strip_prefix("/").unwrap_or(path));
+        let in_root = in_root(path);
         let too_big = std::fs::metadata(&in_root).map_or(true, |m| m.len() > MAX_ELF_BYTES);
         let bytes = if too_big {
             None
@@ -173,7 +222,11 @@ pub fn inspect(pid: u32) -> Result<PythonRuntime, RuntimeOff> {
             problem: format!("unreadable or over {MAX_ELF_BYTES} bytes"),
         })
     };
-    inspect_interpreter(&interpreter, read_elf, &memory)
+    let found = inspect_interpreter(&interpreter, read_elf, &memory);
+    if let (Err(RuntimeOff::NotPython), Some(file)) = (&found, executable) {
+        not_python.remember(file);
+    }
+    found
 }
 
 /// The checks of [`inspect`], on any source of files and memory.

@@ -229,3 +229,23 @@ fn an_interpreter_this_build_does_not_know_is_reported_not_misread() {
 fn a_process_without_python_is_not_python() {
     assert_eq!(inspect(std::process::id()), Err(RuntimeOff::NotPython));
 }
+
+#[test]
+fn an_executable_without_python_is_read_once() {
+    let mut not_python = NotPythonFiles::default();
+    let pid = std::process::id();
+    assert_eq!(
+        inspect_remembering(pid, &mut not_python),
+        Err(RuntimeOff::NotPython)
+    );
+    assert_eq!(
+        not_python.0.len(),
+        1,
+        "this test binary's file is remembered"
+    );
+    assert_eq!(
+        inspect_remembering(pid, &mut not_python),
+        Err(RuntimeOff::NotPython)
+    );
+    assert_eq!(not_python.0.len(), 1);
+}
