@@ -13,7 +13,7 @@ graph is another one:
   its lineage are not the writer's. What ties its calls to the rollout is the session token Gym
   mints for it (`X-NeMo-Gym-Session-Token`), which the handler's request carried too.
 
-- codex_agent (opt-in, GYM_CODEX_SHAPE=1): environments/codex_math's servers with the agent's
+- codex_agent: environments/codex_math's servers with the agent's
   model calls made by the `codex` CLI it spawns per rollout, through Gym's model server
   (tests/support/real_gym/configs/codex_math_model_server.yaml). Each rollout spawns a few
   hundred processes (the CLI's shell snapshot, lsb_release, git, ...).
@@ -26,14 +26,13 @@ hold, and the 64 driven at once make 64 times those.
 import collections
 import difflib
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from gym_expect import containment_problems, rollout_trace_id
-from harness import wait_until
+from harness import ROOT, wait_until
 from real_gym.launch import RealGymRun
 from test_real_gym import canonical, gym_venv, harvest, render_shapes, tree_shape, tree_size
 
@@ -171,17 +170,20 @@ CODEX_CONFIG = Path(__file__).resolve().parent / "support" / "real_gym" / "confi
 CODEX = "codex"  # the CLI's native binary (the npm shim `codex` runs it): its spans' executable name
 
 
+def codex_cli():
+    """The directory `cargo xtask setup` installs the `codex` CLI's npm shim in."""
+    path = Path(os.environ.get("GYM_CODEX_CLI") or ROOT / "target" / "codex-cli" / "node_modules" / ".bin")
+    if not (path / "codex").exists():
+        pytest.fail(f"no `codex` CLI in {path}: run `cargo xtask setup` (npm install @openai/codex@0.144.4)",
+                    pytrace=False)
+    return path
+
+
 @pytest.fixture
 def codex_gym():
-    # Opt-in (issue #46 item 3 is not done): at 64 in flight 2-3 of 65 rollouts still lose
-    # their CLI's model calls (`callers_unseen`; pids wrap within the batch), and the streamed
-    # answers end after their CLIENT parent (item 4). Run with GYM_CODEX_SHAPE=1 and the CLI
-    # on PATH (`npm install --prefix DIR @openai/codex@0.144.4`, DIR/node_modules/.bin).
-    if os.environ.get("GYM_CODEX_SHAPE") != "1":
-        pytest.skip("the codex_agent shape is opt-in: GYM_CODEX_SHAPE=1 with `codex` 0.144.4 on PATH")
-    if shutil.which("codex") is None:
-        pytest.fail("GYM_CODEX_SHAPE=1 but no `codex` on PATH: npm install @openai/codex@0.144.4", pytrace=False)
-    run = RealGymRun(gym_venv(), access_log=True, config_path=CODEX_CONFIG, upstream_delay_s=UPSTREAM_DELAY_S)
+    venv, cli = gym_venv(), codex_cli()
+    run = RealGymRun(venv, access_log=True, config_path=CODEX_CONFIG, upstream_delay_s=UPSTREAM_DELAY_S,
+                     extra_path=[cli])
     try:
         yield run.start()
     finally:

@@ -81,6 +81,11 @@ impl Ctx {
         self.root.join("target/gym-venv")
     }
 
+    /// Where `cargo xtask setup` installs the `codex` CLI (npm prefix).
+    pub(crate) fn codex_cli(&self) -> PathBuf {
+        self.root.join("target/codex-cli")
+    }
+
     /// The venv Arize Phoenix runs from (tests/support/phoenix).
     pub(crate) fn phoenix_venv(&self) -> PathBuf {
         self.root.join("target/phoenix-venv")

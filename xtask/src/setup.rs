@@ -94,6 +94,7 @@ pub(crate) fn environment(ctx: &Ctx, gym_venv: bool) -> Result<()> {
     }
     if gym_venv {
         venv::ensure_gym_venv(ctx)?;
+        ensure_codex_cli(ctx)?;
     } else {
         println!("xtask: skipping the real-Gym venv (target/gym-venv)");
     }
@@ -214,6 +215,40 @@ fn ensure_system_tool(ctx: &Ctx, tool: &str, package: &str) -> Result<()> {
             &format!("installing {package} failed: install {tool} yourself and retry"),
         )?;
     }
+    Ok(())
+}
+
+/// The `codex` CLI codex_agent spawns per rollout (tests/test_breadth.py), at the version
+/// its package config pins (`codex_version`), in target/codex-cli from npm (as root, npm
+/// from apt when missing). About 340 MB, most of it the CLI's native binary.
+fn ensure_codex_cli(ctx: &Ctx) -> Result<()> {
+    const PACKAGE: &str = "@openai/codex@0.144.4";
+    let prefix = ctx.codex_cli();
+    let stamp = prefix.join(".package-stamp");
+    if prefix.join("node_modules/.bin/codex").exists()
+        && fs::read_to_string(&stamp).ok().as_deref() == Some(PACKAGE)
+    {
+        println!("xtask: the codex CLI is up to date");
+        return Ok(());
+    }
+    if !on_path(ctx, "npm") {
+        if !is_root() {
+            bail!(
+                "npm is not on PATH: install Node.js and npm (the codex_agent test runs the                  `codex` CLI from npm), or run `cargo xtask setup --no-gym-venv`"
+            );
+        }
+        ensure_system_tool(ctx, "npm", "npm")?;
+    }
+    println!("xtask: installing {PACKAGE} into {}", prefix.display());
+    fs::create_dir_all(&prefix)?;
+    run_checked(
+        ctx.cmd("npm")
+            .args(["install", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&prefix)
+            .arg(PACKAGE),
+        &format!("npm install {PACKAGE} failed: check network access to the npm registry"),
+    )?;
+    fs::write(&stamp, PACKAGE)?;
     Ok(())
 }
 

@@ -219,6 +219,7 @@ fn pytest(
         cmd.env("GYM_REAL_VENV_SKIPPED", "cargo xtask test --no-gym-venv");
     } else {
         cmd.env("GYM_REAL_VENV", ctx.gym_venv())
+            .env("GYM_CODEX_CLI", ctx.codex_cli().join("node_modules/.bin"))
             .env_remove("GYM_REAL_VENV_SKIPPED");
     }
     // tests/test_backend.py exports to Phoenix from this venv, on the same terms.

@@ -367,6 +367,8 @@ class RealGymRun:
     model_impl: the policy model server's implementation (`openai_model`, `vllm_model`,
     `azure_openai_model`: model_upstream_settings()), run from its package config
     (responses_api_models/<impl>/configs/<impl>.yaml) with the environment's.
+    extra_path: directories put first on every server's PATH (codex_agent finds the `codex`
+    CLI there).
     extra_pythonpath: directories put on every server's PYTHONPATH after its own folder
     (default: GYM_REAL_EXTRA_PYTHONPATH, colon-separated), e.g. packages a server imports that
     the gym venv lacks.
@@ -374,7 +376,7 @@ class RealGymRun:
 
     def __init__(self, venv=None, observability=False, access_log=False, workdir=None, upstream_tls=False,
                  hosts=None, netns=None, upstream_netns=None, environment=None, config_path=None,
-                 upstream_delay_s=0.0, extra_pythonpath=None, model_impl="openai_model"):
+                 upstream_delay_s=0.0, extra_pythonpath=None, model_impl="openai_model", extra_path=None):
         self.venv = Path(venv or default_venv()).absolute()
         self.python = self.venv / "bin" / "python"
         if not self.python.exists():
@@ -411,6 +413,7 @@ class RealGymRun:
         if extra_pythonpath is None:
             extra_pythonpath = [p for p in os.environ.get("GYM_REAL_EXTRA_PYTHONPATH", "").split(":") if p]
         self.extra_pythonpath = [str(Path(p).absolute()) for p in extra_pythonpath]
+        self.extra_path = [str(Path(p).absolute()) for p in extra_path or []]
         self.canned = CannedUpstream(self.workdir, self.upstream_port, tls=upstream_tls, netns=self.upstream_netns,
                                      delay_s=self.upstream_delay_s)
         self.upstream_cert = self.upstream_key = None
@@ -532,6 +535,7 @@ class RealGymRun:
         env["NEMO_GYM_CONFIG_DICT"] = self.config_yaml
         env["NEMO_GYM_CONFIG_PATH"] = name
         env["PYTHONPATH"] = ":".join(p for p in (server["dir"], *self.extra_pythonpath, env.get("PYTHONPATH")) if p)
+        env["PATH"] = ":".join(p for p in (*self.extra_path, env.get("PATH")) if p)
         env["UV_CACHE_DIR"] = str(self.workdir / "cache" / "uv")
         env["UV_LOCK_TIMEOUT"] = "1800"
         # haystack_agent's haystack-ai sends usage telemetry (posthog) by default: no network here.

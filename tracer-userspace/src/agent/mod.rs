@@ -341,14 +341,17 @@ impl Agent {
         let mut exited = Vec::new();
         for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
             match change {
+                // Unless a later fork in the batch adopted a new process with its pid.
+                Lifecycle::NotAdopted(pid) if self.pipeline.processes.contains(pid) => {}
                 Lifecycle::NotAdopted(pid) => {
                     probes.untrace_pid(pid);
                     self.task_lineage.forget(pid, probes);
                     self.context_reads.forget(pid, probes);
                 }
-                Lifecycle::Exited(pid) => {
+                Lifecycle::Exited { pid, known, logged } => {
                     exited.push(pid);
-                    self.forget(probes, pid);
+                    self.release(probes, pid);
+                    self.count_exit(pid, known, logged);
                 }
                 Lifecycle::Execd(pid) => {
                     // A new program: its runtime and TLS library, if any, are looked at afresh
@@ -498,24 +501,38 @@ impl Agent {
         }
     }
 
-    /// A traced process exited: stop filtering it and free what was kept for it.
+    /// A traced process exited (seen gone by `--discover`, its exit record lost): stop
+    /// filtering it and free what was kept for it.
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
-        probes.untrace_exited_pid(pid);
-        self.task_lineage.forget(pid, probes);
-        self.context_reads.forget(pid, probes);
-        self.tls_probes.forget(pid, probes);
         let logged = self
             .pipeline
             .processes
             .get(pid)
             .is_some_and(TracedProcess::is_logged);
-        if self.pipeline.forget(pid) {
-            self.counters.processes_exited += 1;
-            if logged {
-                tracing::info!(pid, "pid {pid} exited");
-            } else {
-                tracing::debug!(pid, "pid {pid} exited");
-            }
+        let known = self.pipeline.forget(pid);
+        self.release(probes, pid);
+        self.count_exit(pid, known, logged);
+    }
+
+    /// What the driver keeps for an exited process: its filter entry (if user space added
+    /// it), probes and context reads. None was made for a new process with its pid yet: they
+    /// are made at attach and rescans, between batches.
+    fn release(&mut self, probes: &mut LoadedProbes, pid: u32) {
+        probes.untrace_exited_pid(pid);
+        self.task_lineage.forget(pid, probes);
+        self.context_reads.forget(pid, probes);
+        self.tls_probes.forget(pid, probes);
+    }
+
+    fn count_exit(&mut self, pid: u32, known: bool, logged: bool) {
+        if !known {
+            return;
+        }
+        self.counters.processes_exited += 1;
+        if logged {
+            tracing::info!(pid, "pid {pid} exited");
+        } else {
+            tracing::debug!(pid, "pid {pid} exited");
         }
     }
 

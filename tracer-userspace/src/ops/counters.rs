@@ -56,9 +56,9 @@ counters! {
         /// Threads started by traced processes (followed through their process). Not a loss: only
         /// new processes take an entry in the PID filter.
         note fork_threads_ignored,
-        /// Processes started by traced processes that the full PID filter (8192 processes,
-        /// `MAX_TRACED_PIDS`, children included) could not take. They and their children are not
-        /// traced: their calls are missing.
+        /// Children of traced processes the full PID filter could not take. They and their
+        /// children are not traced: their calls are missing. The filter holds 8,192 processes
+        /// (`MAX_TRACED_PIDS`), children included; a child leaves it at its exit.
         lost forks_unfollowed_filter_full,
         /// Processes `--discover` skipped because it could not read their environment. A Gym server
         /// among them is not traced: grant `CAP_SYS_PTRACE` and `CAP_DAC_READ_SEARCH` and run the

@@ -31,8 +31,8 @@ use crate::model::exchange::{HttpExchange, OpaqueTls, Outcome, RequestStart, Rol
 use crate::model::ids::SpanId;
 use crate::model::service::AgentResource;
 use crate::model::span::SpanRecord;
-use crate::processes::ProcessTable;
 use crate::processes::harvest::SelfPorts;
+use crate::processes::{ProcessTable, TracedProcess};
 use crate::reassembly::connections::{ConnectionTable, TableAction};
 use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
@@ -101,7 +101,9 @@ impl Observer for () {}
 /// (they involve the kernel's PID filter and /proc).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Lifecycle {
-    Exited(u32),
+    /// Its end: the pipeline forgot it at the exit record (`known`: it was traced; `logged`:
+    /// see [`TracedProcess::is_logged`]); the driver frees the rest.
+    Exited { pid: u32, known: bool, logged: bool },
     /// Replaced its program; it stays traced, the connections the exec closed are ended.
     Execd(u32),
     /// A forked child that could not be adopted (its parent is no longer known): take it
@@ -188,9 +190,6 @@ impl<M: RequestMetrics> Pipeline<M> {
         };
         observer.event(&event);
         match event {
-            KernelEvent::ProcessExit { pid, .. } => {
-                self.output.lifecycle.push(Lifecycle::Exited(pid));
-            }
             KernelEvent::ProcessExec { pid, .. } if self.processes.contains(pid) => {
                 self.counters.processes_execd += 1;
                 self.tls.process_gone(pid);
@@ -257,9 +256,22 @@ impl<M: RequestMetrics> Pipeline<M> {
                 .apply(&event, &mut self.exchanges, &mut self.actions),
         }
         self.after_table(now, observer);
-        // After the requests the exec cut off are ended under the old program's identity.
-        if let KernelEvent::ProcessExec { pid, .. } = event {
-            self.processes.execd(pid);
+        // After the requests the exit or exec cut off are ended under the identity they were
+        // served under, and before the next record: pids wrap, and the next process with this
+        // pid may start within the same batch.
+        match event {
+            KernelEvent::ProcessExit { pid, .. } => {
+                let logged = self
+                    .processes
+                    .get(pid)
+                    .is_some_and(TracedProcess::is_logged);
+                let known = self.forget(pid);
+                self.output
+                    .lifecycle
+                    .push(Lifecycle::Exited { pid, known, logged });
+            }
+            KernelEvent::ProcessExec { pid, .. } => self.processes.execd(pid),
+            _ => {}
         }
     }
 

@@ -43,7 +43,7 @@ use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId
 use crate::model::ids::SpanId;
 use crate::model::service::{AgentResource, GymLabels};
 use crate::model::span::SpanRecord;
-use crate::pipeline::{Lifecycle, Observer, Pipeline, PipelineConfig, PipelineCounters};
+use crate::pipeline::{Observer, Pipeline, PipelineConfig, PipelineCounters};
 use crate::reassembly::connections::{
     ConnectionTable, MAX_IN_FLIGHT_PER_CONNECTION, ReassemblyCounters, TableAction,
 };
@@ -637,11 +637,8 @@ impl Replay {
         self.checks.summary.spans_released += output.released.len() as u64;
         output.released.clear();
         output.untrack.clear();
-        for change in std::mem::take(&mut output.lifecycle) {
-            if let Lifecycle::Exited(pid) = change {
-                self.pipeline.forget(pid);
-            }
-        }
+        // Exits were forgotten at their records.
+        output.lifecycle.clear();
     }
 
     /// The bounds the agent's memory depends on, and no request lost without a trace.
