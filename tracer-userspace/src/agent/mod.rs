@@ -447,8 +447,18 @@ impl Agent {
             return;
         };
         let found = scanner.scan();
+        // A server the scan saw go: forgotten here if its exit record was lost. Only an
+        // attached process: the pid of one the scan saw (a child it skipped, or one that has
+        // exited since) may belong to a followed child by now, which its records own.
         for pid in found.exited {
-            self.forget(probes, pid);
+            if self
+                .pipeline
+                .processes
+                .get(pid)
+                .is_some_and(|process| process.parent.is_none())
+            {
+                self.forget(probes, pid);
+            }
         }
         for (pid, error) in &found.config_errors {
             tracing::warn!(pid, "pid {pid}: {error}");
@@ -457,11 +467,14 @@ impl Agent {
             // A traced server's descendant inherits its environment: it is followed from its
             // fork record (adopted, or counted as unfollowed), not attached as a server. The
             // record may still be on the ring, so the kernel's filter is asked too.
+            // One gone since the scan (no parent to read) is not attached either.
+            let Some(parent) = parent_pid(pid) else {
+                continue;
+            };
             if self.pipeline.processes.contains(pid)
                 || probes.follows_as_child(pid)
-                || parent_pid(pid).is_some_and(|parent| {
-                    self.pipeline.processes.contains(parent) || probes.follows_as_child(parent)
-                })
+                || self.pipeline.processes.contains(parent)
+                || probes.follows_as_child(parent)
             {
                 continue;
             }
