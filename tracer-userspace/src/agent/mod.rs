@@ -29,10 +29,10 @@ use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
 use crate::ops::exit_summary::{self, Verdict};
 use crate::ops::health::{Gauges, Health};
 use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
-use crate::processes::TracedProcess;
 use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
 use crate::processes::identity::parent_pid;
+use crate::processes::{TracedProcess, log_lifecycle};
 use crate::report::RunReport;
 use crate::signals::metrics::Metrics;
 use crate::stitch::GroupKey;
@@ -542,11 +542,7 @@ impl Agent {
             return;
         }
         self.counters.processes_exited += 1;
-        if logged {
-            tracing::info!(pid, "pid {pid} exited");
-        } else {
-            tracing::debug!(pid, "pid {pid} exited");
-        }
+        log_lifecycle(logged, pid, format_args!("pid {pid} exited"));
     }
 
     /// Every stage's counters as of now.
@@ -829,25 +825,20 @@ fn log_exec(pid: u32, pipeline: &Pipeline<Metrics>) {
     let Some(process) = pipeline.processes.get(pid) else {
         return;
     };
-    let level_enabled = if process.is_logged() {
-        tracing::enabled!(tracing::Level::INFO)
-    } else {
-        tracing::enabled!(tracing::Level::DEBUG)
-    };
-    if !level_enabled {
+    // /proc is read only for a line that is written.
+    if !process.lifecycle_logged_now() {
         return;
     }
     let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    let message = format!(
-        "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {}",
-        program.trim_end(),
-        process.identity.labels
+    log_lifecycle(
+        process.is_logged(),
+        pid,
+        format_args!(
+            "pid {pid} exec'd {:?}; its connections are ended, it stays traced as {}",
+            program.trim_end(),
+            process.identity.labels
+        ),
     );
-    if process.is_logged() {
-        tracing::info!(pid, "{message}");
-    } else {
-        tracing::debug!(pid, "{message}");
-    }
 }
 
 /// Writes the exit summary (`--summary-file`) whole or not at all: a reader never sees half.

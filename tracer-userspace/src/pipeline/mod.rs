@@ -32,7 +32,7 @@ use crate::model::ids::SpanId;
 use crate::model::service::AgentResource;
 use crate::model::span::SpanRecord;
 use crate::processes::harvest::SelfPorts;
-use crate::processes::{ProcessTable, TracedProcess};
+use crate::processes::{ProcessTable, TracedProcess, log_lifecycle};
 use crate::reassembly::connections::{ConnectionTable, TableAction};
 use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
@@ -600,15 +600,14 @@ impl<M: RequestMetrics> Pipeline<M> {
         match self.processes.adopt_child(parent, child) {
             Some(process) => {
                 self.counters.forks_followed += 1;
-                let message = format_args!(
-                    "attached pid {child} as {} (child of pid {parent})",
-                    process.identity.labels
+                log_lifecycle(
+                    process.is_logged(),
+                    child,
+                    format_args!(
+                        "attached pid {child} as {} (child of pid {parent})",
+                        process.identity.labels
+                    ),
                 );
-                if process.is_logged() {
-                    tracing::info!(pid = child, parent, "{message}");
-                } else {
-                    tracing::debug!(pid = child, parent, "{message}");
-                }
             }
             None => self.output.lifecycle.push(Lifecycle::NotAdopted(child)),
         }

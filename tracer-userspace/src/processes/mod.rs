@@ -10,4 +10,4 @@ pub mod python;
 pub mod tls_library;
 mod table;
 
-pub use table::{ProcessTable, TracedProcess};
+pub use table::{ProcessTable, TracedProcess, log_lifecycle};

@@ -32,6 +32,27 @@ impl TracedProcess {
     pub fn is_logged(&self) -> bool {
         self.parent.is_none_or(|parent| parent == self.root)
     }
+}
+
+/// Logs a process's start, exec or end at info level if `logged` ([`TracedProcess::is_logged`]),
+/// else at debug level.
+pub fn log_lifecycle(logged: bool, pid: u32, message: std::fmt::Arguments<'_>) {
+    if logged {
+        tracing::info!(pid, "{message}");
+    } else {
+        tracing::debug!(pid, "{message}");
+    }
+}
+
+impl TracedProcess {
+    /// Whether [`log_lifecycle`] writes for it at the current log level.
+    pub fn lifecycle_logged_now(&self) -> bool {
+        if self.is_logged() {
+            tracing::enabled!(tracing::Level::INFO)
+        } else {
+            tracing::enabled!(tracing::Level::DEBUG)
+        }
+    }
 
     /// Its labels name a kind of server that is none of Gym's three: no `gym.*` spans.
     pub fn is_other_kind(&self) -> bool {
