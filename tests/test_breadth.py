@@ -13,7 +13,7 @@ graph is another one:
   its lineage are not the writer's. What ties its calls to the rollout is the session token Gym
   mints for it (`X-NeMo-Gym-Session-Token`), which the handler's request carried too.
 
-- codex_agent (opt-in: GYM_CODEX_SHAPE=1): environments/codex_math's servers with the agent's
+- codex_agent: environments/codex_math's servers with the agent's
   model calls made by the `codex` CLI it spawns per rollout, through Gym's model server
   (tests/support/real_gym/configs/codex_math_model_server.yaml). Each rollout spawns a few
   hundred processes (the CLI's shell snapshot, lsb_release, git, ...).
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_expect import containment_problems, rollout_trace_id
+from gym_expect import CONTAINMENT_SLACK_NS, containment_problems, rollout_trace_id
 from harness import ROOT, wait_until
 from real_gym.launch import RealGymRun
 from test_real_gym import canonical, gym_venv, harvest, render_shapes, tree_shape, tree_size
@@ -137,7 +137,7 @@ def expected_tree(run, mcp_requests):
     ])])
 
 
-def trace_problems(spans, rollout_ids, want, by_pid, open_end=None):
+def trace_problems(spans, rollout_ids, want, by_pid):
     """Each rollout's trace exactly `want`, no span outside the rollouts' traces, every span
     within its parent's time (`open_end`: see containment_problems)."""
     by_trace = collections.defaultdict(list)
@@ -155,7 +155,7 @@ def trace_problems(spans, rollout_ids, want, by_pid, open_end=None):
     if strays:
         problems.append(f"{sum(map(len, strays.values()))} spans in no rollout's trace:\n" + "\n".join(
             "\n".join(render_shapes(tree_shape(members, by_pid))) for members in strays.values()))
-    problems += containment_problems(spans, open_end=open_end)[:20]
+    problems += containment_problems(spans)[:20]
     return problems
 
 
@@ -201,11 +201,6 @@ def codex_cli():
 
 @pytest.fixture
 def codex_gym():
-    # Opt-in while one defect is open: in one CI run 2 of 130 CLI calls were placed
-    # (`parents_by_spawn` 130) but their CLIENT spans never exported (two local runs: 975/975).
-    if os.environ.get("GYM_CODEX_SHAPE") != "1":
-        pytest.skip("the codex_agent shape is opt-in (GYM_CODEX_SHAPE=1): 2 of 130 CLI spans went missing "
-                    "once in CI, issue #46")
     venv, cli = gym_venv(), codex_cli()
     run = RealGymRun(venv, access_log=True, config_path=CODEX_CONFIG, upstream_delay_s=UPSTREAM_DELAY_S,
                      extra_path=[cli])
@@ -261,16 +256,7 @@ def test_codex_cli_calls_hang_under_the_rollout_that_spawned_it(codex_gym, trace
           f"rollout {model_calls}")
     for name in COUNTERS + SPAWN_COUNTERS:
         print(f"  {name} = {summary.get(name)}")
-    # The CLI reads Gym's model server's answer as server-sent events and stops at the last
-    # event; the server writes the stream's end later, when its saturated loop gets to it (up
-    # to seconds at 64 in flight): that SERVER span ends after its CLIENT parent (issue #46
-    # item 4, open). Only its start is checked; how many end late is printed.
-    def streamed(span, parent):
-        return span["kind"] == "SERVER" and by_pid.get(parent["resource"].get("process.pid")) == CODEX
-
-    late = [s for s in containment_problems(spans) if "SERVER POST /v1/responses" in s]
-    print(f"  streamed answers ending after their CLIENT parent: {len(late)} of {model_calls * len(rollout_ids)}")
-    problems = trace_problems(spans, rollout_ids, want, by_pid, open_end=streamed)
+    problems = trace_problems(spans, rollout_ids, want, by_pid)
     assert not problems, "\n".join(problems[:10]) + "\n\nexpected:\n" + "\n".join(render_shapes([canonical(want)]))
     assert len(spans) == total
     # Each rollout's CLI is a process of its own.
@@ -279,3 +265,30 @@ def test_codex_cli_calls_hang_under_the_rollout_that_spawned_it(codex_gym, trace
     assert {name: summary.get(name) for name in UNDECIDED} == {name: 0 for name in UNDECIDED}
     assert summary["processes_spawned_in_requests"] == len(rollout_ids)
     assert summary["parents_by_spawn"] == model_calls * len(rollout_ids)
+    check_streamed_answers(spans, by_pid, model_calls * len(rollout_ids))
+
+
+def check_streamed_answers(spans, by_pid, calls):
+    """The CLI reads Gym's model server's answer as server-sent events and closes at the last
+    one; the server writes the chunk that closes the stream later, when its saturated loop
+    gets to it (seconds at 64 in flight). Both spans end with the last event (the
+    containment check above), and both record the time to the first: the server wrote it
+    before the CLI read it."""
+    by_id = {span["span_id"]: span for span in spans}
+    first_event = "gym_tracer.response.time_to_first_event"
+    pairs = [(by_id[span["parent_span_id"]], span) for span in spans
+             if span["kind"] == "SERVER" and span["name"] == "POST /v1/responses"
+             and by_pid.get(by_id[span["parent_span_id"]]["resource"].get("process.pid")) == CODEX]
+    assert len(pairs) == calls
+
+    def first_event_ns(span):
+        return span["start_time_unix_nano"] + round(span["attributes"][first_event] * 1e9)
+
+    waits = sorted(server["attributes"][first_event] for _, server in pairs)
+    print(f"  model server's time to first event: median {waits[len(waits) // 2]:.3f} s, max {waits[-1]:.3f} s")
+    for client, server in pairs:
+        for span in (client, server):
+            # 1 µs: the attribute is seconds as a double.
+            assert span["start_time_unix_nano"] < first_event_ns(span) <= span["end_time_unix_nano"] + 1_000, span
+        assert client["attributes"]["gen_ai.response.time_to_first_chunk"] == client["attributes"][first_event]
+        assert first_event_ns(server) <= first_event_ns(client) + CONTAINMENT_SLACK_NS, (client, server)

@@ -47,6 +47,7 @@ import pytest
 
 from harness import SUPPORT_DIR, wait_until
 from real_gym.canned_upstream import MODEL as RESPONSE_MODEL
+from real_gym.canned_upstream import STREAM_EVENT_GAP_S
 from real_gym.launch import API_KEY, MODEL, PADDING, CannedUpstream, RealGymRun
 from test_real_gym import (EXPECTED_TREE, NEVER_EXPORTED, SPANS_PER_ROLLOUT, attached_tracer, canonical,
                            drive_at_once, expected_requests, gym_venv, harvest, render_shapes, rollout_trace_id,
@@ -365,9 +366,16 @@ def test_streamed_response_usage_is_read(agents, tmp_path):
     # One span per call, in the order made (one connection, one call at a time).
     spans = sorted(client_spans(), key=lambda s: s["start_time_unix_nano"])
     assert len(spans) == len(calls), [(s["name"], s["attributes"]) for s in spans]
-    for span, call in zip(spans, calls):
+    for span, call, read in zip(spans, calls, lines):
         assert_genai_span(span, f"{upstream.base_url}{call['path']}", STREAM_MODEL)
         assert usage_of(span) == logged_usage(call), (span, call)
+        # The time to the first event, in both keys: the upstream slept before writing it (and
+        # before each event after it), and the client read it after the span's request left.
+        first_event = span["attributes"]["gym_tracer.response.time_to_first_event"]
+        assert span["attributes"]["gen_ai.response.time_to_first_chunk"] == first_event
+        assert STREAM_EVENT_GAP_S <= first_event <= read["first_event_s"], (span, read)
+        duration_s = (span["end_time_unix_nano"] - span["start_time_unix_nano"]) / 1e9
+        assert read["events"] * STREAM_EVENT_GAP_S <= duration_s <= read["elapsed_s"], (span, read)
     assert all(s["kind"] == "CLIENT" for s in of_pids(agent.spans(), {client.pid}))
     exported = Exported(agent)
     assert_genai_metrics(exported, {client.pid}, calls)

@@ -93,10 +93,9 @@ def assert_attached(agent, run, *names, routes=True):
 CONTAINMENT_SLACK_NS = 1_000_000
 
 
-def containment_problems(spans, slack_ns=CONTAINMENT_SLACK_NS, open_end=None):
+def containment_problems(spans, slack_ns=CONTAINMENT_SLACK_NS):
     """The spans of `spans` that start before or end after their parent (when it is among
-    `spans`) by more than `slack_ns`, as lines; [] if none. `open_end(span, parent)`: a span
-    whose end is not checked (a streamed answer the client stopped reading)."""
+    `spans`) by more than `slack_ns`, as lines; [] if none."""
     by_key = spans_by_key(spans)
     problems = []
     for span in spans:
@@ -105,8 +104,6 @@ def containment_problems(spans, slack_ns=CONTAINMENT_SLACK_NS, open_end=None):
             continue
         early = parent["start_time_unix_nano"] - span["start_time_unix_nano"]
         late = span["end_time_unix_nano"] - parent["end_time_unix_nano"]
-        if open_end is not None and open_end(span, parent):
-            late = 0
         if early > slack_ns or late > slack_ns:
             problems.append(
                 f"{span['kind']} {span['name']} (span {span['span_id']}) outside its parent {parent['kind']} "

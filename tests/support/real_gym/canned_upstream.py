@@ -108,7 +108,8 @@ from pathlib import Path
 MODEL = "canned-model"
 CITY = "San Francisco"
 ANSWER = f"It is cold in {CITY}."
-# Between two events of a streamed answer: each event leaves in its own TLS record and write.
+# Before each event of a streamed answer (the first too, so that no event leaves with the
+# head): each event leaves in its own TLS record and write.
 STREAM_EVENT_GAP_S = 0.005
 
 # The verdict marker: a judged text holding it is judged against the policy's answer.
@@ -517,9 +518,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        for i, (name, data) in enumerate(events):
-            if i:
-                time.sleep(STREAM_EVENT_GAP_S)
+        for name, data in events:
+            time.sleep(STREAM_EVENT_GAP_S)
             event = (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
             payload = event.encode()
             self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))

@@ -6,8 +6,9 @@ Everything is imported (and libssl loaded) before it prints `ready`; it then wai
 orders on stdin, so a tracer can attach to it in between: one JSON line {"api_key", "prompt"}
 (secrets, so not on the command line, which is anyone's to read in /proc). It prints one JSON
 line per call, {"path", "status", "content_type", "events", "usage": {"input", "output"} as
-the stream said, "model" as the stream said}, then `done`, and exits when stdin closes (so it
-is still there while a tracer finishes with its calls). Trust in the upstream's certificate
+the stream said, "model" as the stream said, "first_event_s" and "elapsed_s": seconds from
+just before the call to its first event and to its end, by the client's clock}, then `done`,
+and exits when stdin closes (so it is still there while a tracer finishes with its calls). Trust in the upstream's certificate
 comes from SSL_CERT_FILE (aiohttp's default context is `ssl.create_default_context()`).
 
     SSL_CERT_FILE=cert.pem python stream_client.py --base-url https://127.0.0.1:PORT/v1 \\
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 
 import aiohttp
 
@@ -34,6 +36,7 @@ async def stream_one(session, base_url, path, body, api_key):
     """One streamed call, read event by event as it arrives."""
     headers = {"Authorization": f"Bearer {api_key}", "Accept": "text/event-stream"}
     result = {"path": "/v1" + path, "events": 0, "usage": None, "model": None}
+    started = time.monotonic()
     async with session.post(base_url + path, json=body, headers=headers) as response:
         result["status"] = response.status
         result["content_type"] = response.headers.get("Content-Type", "")
@@ -41,6 +44,8 @@ async def stream_one(session, base_url, path, body, api_key):
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            if not result["events"]:
+                result["first_event_s"] = time.monotonic() - started
             result["events"] += 1
             data = json.loads(line[len("data: "):])
             if data.get("type") == "response.completed":
@@ -52,6 +57,7 @@ async def stream_one(session, base_url, path, body, api_key):
                 if data.get("usage"):
                     usage = data["usage"]
                     result["usage"] = {"input": usage["prompt_tokens"], "output": usage["completion_tokens"]}
+        result["elapsed_s"] = time.monotonic() - started
     return result
 
 

@@ -60,6 +60,7 @@ impl serde::Serialize for AttributeValue {
             AttributeValue::Str(s) => serializer.serialize_str(s),
             AttributeValue::Int(i) => serializer.serialize_i64(*i),
             AttributeValue::Bool(b) => serializer.serialize_bool(*b),
+            AttributeValue::Double(d) => serializer.serialize_f64(*d),
         }
     }
 }

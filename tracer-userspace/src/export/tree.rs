@@ -364,7 +364,9 @@ fn write_header(
     text.push_str("  rollout ");
     match rollout {
         Some(AttributeValue::Str(id)) => push_sanitized(text, id),
-        Some(other @ (AttributeValue::Int(_) | AttributeValue::Bool(_))) => {
+        Some(
+            other @ (AttributeValue::Int(_) | AttributeValue::Bool(_) | AttributeValue::Double(_)),
+        ) => {
             let _ = write!(text, "{other}");
         }
         None => text.push('-'),
@@ -414,7 +416,9 @@ fn write_span(text: &mut String, span: &SpanRecord) {
         .or_else(|| service.get(attr::SERVICE_NAME))
     {
         Some(AttributeValue::Str(name)) => push_sanitized(text, name),
-        Some(other @ (AttributeValue::Int(_) | AttributeValue::Bool(_))) => {
+        Some(
+            other @ (AttributeValue::Int(_) | AttributeValue::Bool(_) | AttributeValue::Double(_)),
+        ) => {
             let _ = write!(text, "{other}");
         }
         None => text.push('?'),
@@ -434,7 +438,7 @@ fn write_span(text: &mut String, span: &SpanRecord) {
             text.push_str("  ");
             push_sanitized(text, code);
         }
-        Some(AttributeValue::Bool(_)) | None => {}
+        Some(AttributeValue::Bool(_) | AttributeValue::Double(_)) | None => {}
     }
     if span.status == SpanStatus::Error {
         text.push_str("  ERROR");

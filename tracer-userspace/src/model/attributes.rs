@@ -45,6 +45,9 @@ pub const TLS_PROTOCOL_NAME: &str = "tls.protocol.name";
 /// semantic conventions have no span attribute for them).
 pub const GYM_TRACER_BYTES_SENT: &str = "gym_tracer.connection.bytes_sent";
 pub const GYM_TRACER_BYTES_RECEIVED: &str = "gym_tracer.connection.bytes_received";
+/// On a span of a streamed answer (server-sent events): seconds from the request's first
+/// byte to the stream's first data, as this end of the connection saw them.
+pub const GYM_TRACER_TIME_TO_FIRST_EVENT: &str = "gym_tracer.response.time_to_first_event";
 /// On a SERVER span whose caller, a Gym server on another host, could not be joined to it.
 pub const GYM_TRACER_PARENT_UNJOINED: &str = "gym_tracer.parent.unjoined";
 
@@ -55,6 +58,8 @@ pub const GEN_AI_REQUEST_MODEL: &str = "gen_ai.request.model";
 pub const GEN_AI_RESPONSE_MODEL: &str = "gen_ai.response.model";
 pub const GEN_AI_USAGE_INPUT_TOKENS: &str = "gen_ai.usage.input_tokens";
 pub const GEN_AI_USAGE_OUTPUT_TOKENS: &str = "gen_ai.usage.output_tokens";
+/// Seconds from a streamed call's request to its first chunk.
+pub const GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: &str = "gen_ai.response.time_to_first_chunk";
 pub const GEN_AI_TOKEN_TYPE: &str = "gen_ai.token.type";
 
 // OpenInference (Arize Phoenix and other LLM-trace UIs read these).

@@ -112,8 +112,11 @@ pub struct HttpExchange {
     pub outcome: Outcome,
     /// Monotonic ns when the request's first byte moved.
     pub start_ns: u64,
-    /// Monotonic ns when the response's last byte moved (or the abort was seen).
+    /// Monotonic ns when the response's last byte moved (or the abort was seen); for an event
+    /// stream, when its last data moved (see [`StreamTimes`]).
     pub end_ns: u64,
+    /// For a response that streamed server-sent events: when its data moved.
+    pub stream: Option<StreamTimes>,
     /// The rollout id named by the request body, for requests whose body was kept (see
     /// [`ConnectionTable::new`]).
     pub run_rollout_id: Option<RolloutId>,
@@ -123,6 +126,18 @@ pub struct HttpExchange {
     pub tls: bool,
     /// For a call to an OpenAI-compatible endpoint: its model and token counts.
     pub model_call: Option<Box<ModelCall>>,
+}
+
+/// When the data of a streamed answer (`text/event-stream`) moved, on one end of its
+/// connection: the stream ends with its last event, not with the chunk that closes it, which
+/// a saturated server writes seconds later, after the client that read the last event has
+/// gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamTimes {
+    /// Monotonic ns of the first transfer that carried some of its data.
+    pub first_data_ns: u64,
+    /// Monotonic ns of the last one.
+    pub last_data_ns: u64,
 }
 
 /// A TLS connection that ended without a request the tracer could read (its process's TLS

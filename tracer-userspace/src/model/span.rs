@@ -157,6 +157,8 @@ pub enum AttributeValue {
     Str(Text),
     Int(i64),
     Bool(bool),
+    /// A measure in seconds, as the semantic conventions give durations.
+    Double(f64),
 }
 
 impl fmt::Display for AttributeValue {
@@ -165,6 +167,7 @@ impl fmt::Display for AttributeValue {
             AttributeValue::Str(text) => f.write_str(text),
             AttributeValue::Int(number) => write!(f, "{number}"),
             AttributeValue::Bool(value) => write!(f, "{value}"),
+            AttributeValue::Double(value) => write!(f, "{value}"),
         }
     }
 }

@@ -294,6 +294,7 @@ fn example_exchange(pid: u32, method: &str, path: &str, status: u16, role: Role)
         span_id: SpanId::random(),
         tls: false,
         model_call: None,
+        stream: None,
     }
 }
 

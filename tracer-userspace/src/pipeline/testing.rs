@@ -61,6 +61,7 @@ pub fn exchange(pid: u32, role: Role, request: RequestHead, outcome: Outcome) ->
         span_id: SpanId::random(),
         tls: false,
         model_call: None,
+        stream: None,
     }
 }
 

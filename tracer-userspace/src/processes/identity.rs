@@ -113,6 +113,7 @@ impl ServiceIdentity {
                 AttributeValue::Str(s) => KeyValue::new(*k, StringValue::from(s)),
                 AttributeValue::Int(i) => KeyValue::new(*k, *i),
                 AttributeValue::Bool(b) => KeyValue::new(*k, *b),
+                AttributeValue::Double(d) => KeyValue::new(*k, *d),
             }))
             .build();
         Self {

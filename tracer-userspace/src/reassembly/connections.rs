@@ -889,18 +889,28 @@ fn on_message_event(
             }
             connection.current_response = (head.status >= 200).then_some(head);
         }
-        (false, MessageEvent::End { last_byte_ns, .. }) => {
+        (
+            false,
+            MessageEvent::End {
+                last_byte_ns,
+                stream,
+                ..
+            },
+        ) => {
             let Some(response) = connection.current_response.take() else {
                 return; // the end of an interim (1xx) response
             };
             match connection.pop_request() {
-                Some(request) => exchanges.push(exchange(
-                    pid,
-                    connection,
-                    request,
-                    Outcome::Response(response),
-                    last_byte_ns,
-                )),
+                Some(request) => exchanges.push(HttpExchange {
+                    stream,
+                    ..exchange(
+                        pid,
+                        connection,
+                        request,
+                        Outcome::Response(response),
+                        stream.map_or(last_byte_ns, |stream| stream.last_data_ns),
+                    )
+                }),
                 // The request was sent before the connection was traced.
                 None => counters.responses_without_request += 1,
             }
@@ -972,6 +982,7 @@ fn exchange(
         outcome,
         start_ns: request.start_ns,
         end_ns: end_ns.max(request.start_ns),
+        stream: None,
         run_rollout_id: request.run_rollout_id,
         span_id: request.span_id,
         tls: connection.transport == Transport::Tls,
@@ -1045,6 +1056,7 @@ fn finish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::exchange::StreamTimes;
     use std::net::{IpAddr, Ipv4Addr};
 
     fn open(fd: i32, conn_id: u64, role: Role) -> KernelEvent<'static> {
@@ -1440,6 +1452,48 @@ mod tests {
             Outcome::Response(response) if response.status == 500
         ));
         assert_eq!(exchanges[0].end_ns, 30);
+    }
+
+    /// The Codex CLI's model call, as both ends see it: the client reads the last event and
+    /// closes; the server, its loop saturated, closes seconds later without the closing chunk.
+    /// Both exchanges end with the stream's last data.
+    #[test]
+    fn a_streamed_answer_ends_with_its_last_event_on_both_ends() {
+        const REQUEST: &[u8] = b"POST /v1/responses HTTP/1.1\r\ncontent-length: 0\r\n\r\n";
+        const HEAD_AND_FIRST: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+transfer-encoding: chunked\r\n\r\n10\r\ndata: created\n\n\r\n";
+        const LAST: &[u8] = b"12\r\ndata: completed\n\n\r\n";
+        for (role, response) in [
+            (Role::Client, Direction::Read),
+            (Role::Server, Direction::Write),
+        ] {
+            let request = match role {
+                Role::Client => Direction::Write,
+                Role::Server => Direction::Read,
+            };
+            let (exchanges, _, _) = run(&[
+                open(5, 100, role),
+                data(5, 100, request, 10, REQUEST),
+                data(5, 100, response, 20, HEAD_AND_FIRST),
+                data(5, 100, response, 30, LAST),
+                KernelEvent::Close {
+                    pid: 7,
+                    fd: 5,
+                    conn_id: 100,
+                    timestamp_ns: 3_000,
+                },
+            ]);
+            assert_eq!(exchanges.len(), 1, "{role:?}");
+            assert!(matches!(&exchanges[0].outcome, Outcome::Response(r) if r.status == 200));
+            assert_eq!(exchanges[0].end_ns, 30, "{role:?}");
+            assert_eq!(
+                exchanges[0].stream,
+                Some(StreamTimes {
+                    first_data_ns: 20,
+                    last_data_ns: 30
+                })
+            );
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use thiserror::Error;
 use crate::model::evidence::{
     MAX_TOKENS_PER_REQUEST, SESSION_TOKEN_HEADER, Token, cookie_tokens, session_header_token,
 };
-use crate::model::exchange::{RequestHead, ResponseHead};
+use crate::model::exchange::{RequestHead, ResponseHead, StreamTimes};
 
 /// Longest message head the parser buffers per direction of a connection; a longer one is
 /// reported as oversized (its captured lines still name the request). uvicorn's h11 refuses
@@ -48,8 +48,15 @@ pub enum MessageEvent {
     /// [`BodySample`]). Sent just before its `End`, for bodies with a `Content-Length`.
     Body(BodySample),
     /// The message that was last reported by `Head` ended; `last_byte_ns` is when its last
-    /// byte moved.
-    End { last_byte_ns: u64, body_bytes: u64 },
+    /// byte moved. For a `text/event-stream` response that carried data, `stream` says when
+    /// its data moved: a server writes the chunk that closes the stream after its last
+    /// event, seconds later when its loop is saturated, and a client that has read the last
+    /// event may close first, so the stream ends with its data (see [`MessageStream::close`]).
+    End {
+        last_byte_ns: u64,
+        body_bytes: u64,
+        stream: Option<StreamTimes>,
+    },
 }
 
 /// Longest body prefix a stream keeps for a request it was asked about.
@@ -254,10 +261,31 @@ enum State {
         first_byte_ns: u64,
         first_byte_seq: Option<u32>,
     },
-    /// Inside a body.
-    Body { body: Body, bytes: u64 },
+    /// Inside a body; `events` for a `text/event-stream` response.
+    Body {
+        body: Body,
+        bytes: u64,
+        events: Option<EventStream>,
+    },
     /// Lost track of framing; waiting for a transfer that starts a new message.
     Desynced,
+}
+
+/// What the parser follows of an event stream's body: when its data (not its chunk framing)
+/// moved, once some has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct EventStream {
+    data: Option<StreamTimes>,
+}
+
+impl EventStream {
+    fn data_moved(&mut self, timestamp_ns: u64) {
+        let first_data_ns = self.data.map_or(timestamp_ns, |data| data.first_data_ns);
+        self.data = Some(StreamTimes {
+            first_data_ns,
+            last_data_ns: timestamp_ns,
+        });
+    }
 }
 
 /// Where in a stream some bytes are: when they moved, and their TCP sequence number.
@@ -384,20 +412,33 @@ impl MessageStream {
         }
     }
 
-    /// The connection closed: a body that runs until close ends here.
+    /// The connection closed: a body that runs until close ends here, and so does an event
+    /// stream that carried data, whatever its framing: a client closes once it has read the
+    /// last event it wants (the Codex CLI, at `response.completed`), before the chunk that
+    /// would close the stream.
     pub fn close(&mut self, timestamp_ns: u64, out: &mut Vec<MessageEvent>) {
         if let State::Body {
-            body: Body::UntilClose,
+            body,
             bytes,
+            events,
         } = self.state
         {
-            self.end_message(timestamp_ns, bytes, out);
+            let stream = events.and_then(|events| events.data);
+            if body == Body::UntilClose || stream.is_some() {
+                self.end_message(timestamp_ns, bytes, stream, out);
+            }
         }
         self.state = State::Idle;
     }
 
     /// Reports the end of the current message, preceded by its body prefix if one was kept.
-    fn end_message(&mut self, last_byte_ns: u64, body_bytes: u64, out: &mut Vec<MessageEvent>) {
+    fn end_message(
+        &mut self,
+        last_byte_ns: u64,
+        body_bytes: u64,
+        stream: Option<StreamTimes>,
+        out: &mut Vec<MessageEvent>,
+    ) {
         if std::mem::take(&mut self.final_response) {
             self.answered_in_feed += 1;
         }
@@ -407,6 +448,7 @@ impl MessageStream {
         out.push(MessageEvent::End {
             last_byte_ns,
             body_bytes,
+            stream,
         });
     }
 
@@ -458,6 +500,7 @@ impl MessageStream {
                 match parse {
                     HeadParse::Complete(head, head_len, framing) => {
                         let used = head_len - before;
+                        let events = matches!(head, Head::Response(_)) && framing.event_stream;
                         let body = match &head {
                             Head::Request(request_head) => {
                                 let body = framing.body();
@@ -499,7 +542,7 @@ impl MessageStream {
                             first_byte_ns,
                             first_byte_seq,
                         });
-                        self.start_body(body, timestamp_ns, out);
+                        self.start_body(body, events, timestamp_ns, out);
                         used
                     }
                     HeadParse::Partial if buffer.len() > MAX_HEAD_BYTES => {
@@ -524,29 +567,44 @@ impl MessageStream {
                     }
                 }
             }
-            State::Body { body, bytes: count } => {
+            State::Body {
+                body,
+                bytes: count,
+                events,
+            } => {
                 let was_framed = matches!(body, Body::Chunked(_));
-                let (used, done) = advance_body(body, bytes);
-                if was_framed && matches!(body, Body::ChunkedBlind) {
+                let Advance {
+                    used,
+                    done,
+                    carried_data,
+                } = advance_body(body, bytes);
+                let blind = matches!(body, Body::ChunkedBlind);
+                if was_framed && blind {
                     // Bytes that are not chunk framing: the end is now a guess (the tail
                     // of a transfer), so the loss of framing is counted.
                     errors.push(ParseError::LostChunkFraming);
+                }
+                if let Some(events) = events
+                    && carried_data
+                {
+                    events.data_moved(timestamp_ns);
                 }
                 *count += used as u64;
                 if let Some(sample) = &mut self.sample {
                     sample.take(&bytes[..used]);
                 }
+                let stream = events.and_then(|events| events.data);
                 if done {
                     let body_bytes = *count;
                     self.state = State::Idle;
-                    self.end_message(timestamp_ns, body_bytes, out);
-                } else if matches!(body, Body::ChunkedBlind) {
+                    self.end_message(timestamp_ns, body_bytes, stream, out);
+                } else if blind {
                     // Framing was lost earlier; whatever arrives is body until the tail
                     // says otherwise.
                     if bytes.ends_with(b"0\r\n\r\n") {
                         let body_bytes = *count;
                         self.state = State::Idle;
-                        self.end_message(timestamp_ns, body_bytes, out);
+                        self.end_message(timestamp_ns, body_bytes, stream, out);
                     }
                     return bytes.len();
                 }
@@ -556,13 +614,25 @@ impl MessageStream {
         }
     }
 
-    fn start_body(&mut self, body: Option<Body>, timestamp_ns: u64, out: &mut Vec<MessageEvent>) {
+    fn start_body(
+        &mut self,
+        body: Option<Body>,
+        event_stream: bool,
+        timestamp_ns: u64,
+        out: &mut Vec<MessageEvent>,
+    ) {
         match body {
             None | Some(Body::Length(0)) => {
                 self.state = State::Idle;
-                self.end_message(timestamp_ns, 0, out);
+                self.end_message(timestamp_ns, 0, None, out);
             }
-            Some(body) => self.state = State::Body { body, bytes: 0 },
+            Some(body) => {
+                self.state = State::Body {
+                    body,
+                    bytes: 0,
+                    events: event_stream.then(EventStream::default),
+                }
+            }
         }
     }
 
@@ -593,8 +663,26 @@ impl MessageStream {
                 };
                 report_truncated_head(self.kind, &buffer, first_byte_ns, timestamp_ns, out, errors);
             }
-            State::Body { body, bytes } => {
+            State::Body {
+                body,
+                bytes,
+                events,
+            } => {
                 *bytes += gap;
+                // Uncaptured bytes are data unless the tail shows them all to be chunk
+                // framing: past a message's capture budget, the chunk that closes a stream
+                // comes as a gap of five bytes.
+                let framing_alone = matches!(body, Body::Chunked(_) | Body::ChunkedBlind)
+                    && usize::try_from(gap)
+                        .ok()
+                        .and_then(|gap| tail.get(tail.len().checked_sub(gap)?..))
+                        .is_some_and(is_chunk_framing);
+                if let Some(events) = events
+                    && !framing_alone
+                {
+                    events.data_moved(timestamp_ns);
+                }
+                let stream = events.and_then(|events| events.data);
                 if let Some(sample) = &mut self.sample {
                     // Without a length the gap is all body (a chunked body's end is known only
                     // from a transfer's tail), so the transfer's tail is the body's so far.
@@ -617,14 +705,14 @@ impl MessageStream {
                             } else {
                                 State::Idle
                             };
-                            self.end_message(timestamp_ns, body_bytes, out);
+                            self.end_message(timestamp_ns, body_bytes, stream, out);
                         }
                     }
                     Body::Chunked(_) | Body::ChunkedBlind => {
                         if tail.ends_with(b"0\r\n\r\n") {
                             let body_bytes = *bytes;
                             self.state = State::Idle;
-                            self.end_message(timestamp_ns, body_bytes, out);
+                            self.end_message(timestamp_ns, body_bytes, stream, out);
                         } else {
                             if matches!(body, Body::Chunked(_)) && tail.is_empty() {
                                 errors.push(ParseError::LostChunkFraming);
@@ -680,17 +768,26 @@ fn could_start_message(kind: StreamKind, bytes: &[u8]) -> bool {
 struct Framing {
     content_length: Option<u64>,
     chunked: bool,
+    /// `Content-Type: text/event-stream`: server-sent events.
+    event_stream: bool,
 }
 
 impl Framing {
     fn of(headers: &[httparse::Header<'_>]) -> Self {
         let mut framing = Framing::default();
-        // Names first: only two of a head's headers are read, so only theirs are decoded.
+        // Names first: only three of a head's headers are read, so only theirs are decoded.
         for header in headers {
             if header.name.eq_ignore_ascii_case("transfer-encoding") {
                 let value = header.value.trim_ascii_end();
                 framing.chunked =
                     value.len() >= 7 && value[value.len() - 7..].eq_ignore_ascii_case(b"chunked");
+            } else if header.name.eq_ignore_ascii_case("content-type") {
+                const EVENT_STREAM: &[u8] = b"text/event-stream";
+                framing.event_stream = header
+                    .value
+                    .trim_ascii_start()
+                    .get(..EVENT_STREAM.len())
+                    .is_some_and(|media| media.eq_ignore_ascii_case(EVENT_STREAM));
             } else if header.name.eq_ignore_ascii_case("content-length") {
                 framing.content_length = std::str::from_utf8(header.value.trim_ascii())
                     .ok()
@@ -778,6 +875,7 @@ fn report_truncated_head(
         out.push(MessageEvent::End {
             last_byte_ns: timestamp_ns,
             body_bytes: 0,
+            stream: None,
         });
     }
 }
@@ -886,17 +984,40 @@ fn response_body(head: &ResponseHead, request: RequestContext, framing: Framing)
     Some(framing.body().unwrap_or(Body::UntilClose))
 }
 
-/// Advances a body over captured bytes; returns bytes used and whether the body ended.
-fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
+/// What one step of a body over captured bytes did.
+struct Advance {
+    used: usize,
+    /// The body ended within them.
+    done: bool,
+    /// Some of them were the body's data, not its chunk framing.
+    carried_data: bool,
+}
+
+/// Advances a body over captured bytes.
+fn advance_body(body: &mut Body, bytes: &[u8]) -> Advance {
+    let all_data = |done| Advance {
+        used: bytes.len(),
+        done,
+        carried_data: !bytes.is_empty(),
+    };
     match body {
         Body::Length(remaining) => {
             let used = (*remaining).min(bytes.len() as u64);
             *remaining -= used;
-            (used as usize, *remaining == 0)
+            Advance {
+                used: used as usize,
+                done: *remaining == 0,
+                carried_data: used > 0,
+            }
         }
-        Body::UntilClose | Body::ChunkedBlind => (bytes.len(), false),
+        Body::UntilClose => all_data(false),
+        Body::ChunkedBlind => Advance {
+            carried_data: !is_chunk_framing(bytes),
+            ..all_data(false)
+        },
         Body::Chunked(state) => {
             let mut used = 0;
+            let mut carried_data = false;
             while used < bytes.len() {
                 let byte = bytes[used];
                 match state {
@@ -928,7 +1049,7 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                                 // Not chunk framing: follow blind from here.
                                 _ => {
                                     *body = Body::ChunkedBlind;
-                                    return (bytes.len(), false);
+                                    return all_data(false);
                                 }
                             },
                         }
@@ -937,6 +1058,7 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                         let take = (*remaining).min((bytes.len() - used) as u64);
                         *remaining -= take;
                         used += take as usize;
+                        carried_data |= take > 0;
                         if *remaining == 0 {
                             *state = Chunked::DataEnd { seen_cr: false };
                         }
@@ -948,7 +1070,7 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                             b'\n' => *state = Chunked::START,
                             _ => {
                                 *body = Body::ChunkedBlind;
-                                return (bytes.len(), false);
+                                return all_data(false);
                             }
                         }
                     }
@@ -956,7 +1078,13 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                         used += 1;
                         match byte {
                             b'\r' => *seen_cr = true,
-                            b'\n' if *line_len == 0 => return (used, true),
+                            b'\n' if *line_len == 0 => {
+                                return Advance {
+                                    used,
+                                    done: true,
+                                    carried_data,
+                                };
+                            }
                             b'\n' => {
                                 *line_len = 0;
                                 *seen_cr = false;
@@ -966,9 +1094,20 @@ fn advance_body(body: &mut Body, bytes: &[u8]) -> (usize, bool) {
                     }
                 }
             }
-            (used, false)
+            Advance {
+                used,
+                done: false,
+                carried_data,
+            }
         }
     }
+}
+
+/// Bytes of a chunked body whose framing was lost that are framing alone, as a server writes
+/// the end of a stream: the last chunk (`0\r\n\r\n`), after the line end of the chunk before.
+fn is_chunk_framing(bytes: &[u8]) -> bool {
+    let rest = bytes.strip_prefix(b"\r\n").unwrap_or(bytes);
+    rest.is_empty() || rest == b"0\r\n\r\n"
 }
 
 #[cfg(test)]
@@ -1144,6 +1283,7 @@ mod tests {
                 MessageEvent::End {
                     last_byte_ns,
                     body_bytes,
+                    ..
                 } => Some((*last_byte_ns, *body_bytes)),
                 _ => None,
             })
@@ -1256,6 +1396,93 @@ Content-Length: 13\r\n\r\n{\"reward\": 1}";
         assert_eq!(ends(&rec.out).len(), 1);
         assert_eq!(ends(&rec.out)[0].0, 3);
         assert!(rec.stream.is_idle());
+    }
+
+    const EVENT_STREAM_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; \
+charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n";
+
+    /// One chunk of a chunked body.
+    fn chunk(data: &str) -> Vec<u8> {
+        format!("{:x}\r\n{data}\r\n", data.len()).into_bytes()
+    }
+
+    /// The streams reported with ends: (last_byte_ns, first data, last data).
+    fn stream_ends(events: &[MessageEvent]) -> Vec<(u64, Option<(u64, u64)>)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                MessageEvent::End {
+                    last_byte_ns,
+                    stream,
+                    ..
+                } => Some((
+                    *last_byte_ns,
+                    stream.map(|s| (s.first_data_ns, s.last_data_ns)),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_event_stream_reports_when_its_data_moved_apart_from_the_chunk_that_closes_it() {
+        let mut rec = Recorder::new(StreamKind::Responses);
+        rec.feed(EVENT_STREAM_HEAD, EVENT_STREAM_HEAD.len() as u64, b"", 1);
+        let first = chunk("event: response.created\ndata: {}\n\n");
+        rec.feed(&first, first.len() as u64, b"", 2);
+        let last = chunk("event: response.completed\ndata: {}\n\n");
+        rec.feed(&last, last.len() as u64, b"", 5);
+        assert!(stream_ends(&rec.out).is_empty());
+        rec.feed(b"0\r\n\r\n", 5, b"", 9);
+        assert_eq!(stream_ends(&rec.out), [(9, Some((2, 5)))]);
+        assert!(rec.errors.is_empty(), "{:?}", rec.errors);
+
+        // Not an event stream: the same body reports no stream.
+        let mut rec = Recorder::new(StreamKind::Responses);
+        let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+        rec.feed(head, head.len() as u64, b"", 1);
+        rec.feed(&first, first.len() as u64, b"", 2);
+        rec.feed(b"0\r\n\r\n", 5, b"", 9);
+        assert_eq!(stream_ends(&rec.out), [(9, None)]);
+    }
+
+    #[test]
+    fn an_event_stream_closed_after_its_data_ends_there_and_one_closed_before_does_not() {
+        // The client read the last event and closed before the chunk that closes the stream.
+        let mut rec = Recorder::new(StreamKind::Responses);
+        let mut head_and_event = EVENT_STREAM_HEAD.to_vec();
+        head_and_event.extend(chunk("data: {}\n\n"));
+        rec.feed(&head_and_event, head_and_event.len() as u64, b"", 3);
+        rec.stream.close(8, &mut rec.out);
+        assert_eq!(stream_ends(&rec.out), [(8, Some((3, 3)))]);
+        assert!(rec.stream.is_idle());
+
+        // Closed before any data: nothing ended here (the connection table answers the
+        // request with the head it saw, at the close).
+        let mut rec = Recorder::new(StreamKind::Responses);
+        rec.feed(EVENT_STREAM_HEAD, EVENT_STREAM_HEAD.len() as u64, b"", 1);
+        rec.stream.close(8, &mut rec.out);
+        assert!(stream_ends(&rec.out).is_empty());
+    }
+
+    #[test]
+    fn an_event_stream_past_the_capture_tells_data_from_framing_by_the_tail() {
+        let mut rec = Recorder::new(StreamKind::Responses);
+        rec.feed(EVENT_STREAM_HEAD, EVENT_STREAM_HEAD.len() as u64, b"", 1);
+        // A transfer beyond the capture budget: data, whatever its tail.
+        rec.feed(b"", 4096, b"{}\n\n\r\n", 2);
+        // Framing lost: a transfer of data, then the closing chunk alone, uncaptured.
+        rec.feed(b"", 300, b"}\n\n\r\n", 4);
+        rec.feed(b"", 5, b"0\r\n\r\n", 9);
+        assert_eq!(stream_ends(&rec.out), [(9, Some((2, 4)))]);
+
+        // The same with framing lost and the closing chunk captured after the line end of
+        // the chunk before.
+        let mut rec = Recorder::new(StreamKind::Responses);
+        rec.feed(EVENT_STREAM_HEAD, EVENT_STREAM_HEAD.len() as u64, b"", 1);
+        rec.feed(b"", 4096, b"{}\n\n", 2);
+        rec.feed(b"\r\n0\r\n\r\n", 7, b"", 6);
+        assert_eq!(stream_ends(&rec.out), [(6, Some((2, 2)))]);
     }
 
     #[test]

@@ -132,8 +132,17 @@ fn client_span(
             AttributeValue::Str(peer.name.clone().into()),
         ));
     }
+    let first_event = time_to_first_event(exchange);
+    attributes.extend(
+        first_event
+            .clone()
+            .map(|seconds| (attr::GYM_TRACER_TIME_TO_FIRST_EVENT, seconds)),
+    );
     if let Some(call) = &exchange.model_call {
         model_call_attributes(call, request, &mut attributes);
+        attributes.extend(
+            first_event.map(|seconds| (attr::GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, seconds)),
+        );
         // An agent's /v1/responses speaks the model API but runs a turn of the agent (its
         // gym.agent.* span is AGENT): calling it is calling the agent. (Without a kind, LLM
         // UIs would infer LLM from the gen_ai.* attributes.)
@@ -164,6 +173,13 @@ fn client_span(
         attributes,
         status,
     }
+}
+
+/// For a streamed answer, the seconds from the request's first byte to its first data.
+fn time_to_first_event(exchange: &HttpExchange) -> Option<AttributeValue> {
+    let stream = exchange.stream?;
+    let nanos = stream.first_data_ns.saturating_sub(exchange.start_ns);
+    Some(AttributeValue::Double(nanos as f64 / 1e9))
 }
 
 /// `HTTP {method}`, as Gym names a CLIENT span; shared for the registered methods.
@@ -348,15 +364,15 @@ fn url_full(scheme: &str, address: SocketAddr, path: &str) -> String {
     url
 }
 
-/// Attributes a SERVER or CLIENT span is allocated room for: a plain request's (about a
-/// dozen) and what the stitcher adds; what growing from two would end at anyway.
-const SPAN_ATTRIBUTES_CAPACITY: usize = 16;
+/// Attributes a SERVER or CLIENT span is allocated room for: the fullest request's (15, a
+/// streamed answer's) and what the stitcher adds.
+const SPAN_ATTRIBUTES_CAPACITY: usize = 17;
 /// A `gym.*` span's: server name, rollout id, OpenInference kind, and the stitcher's mark of
 /// an unjoined parent when it is the outermost span.
 const GYM_SPAN_ATTRIBUTES: usize = 4;
-/// ... and what a model call adds to its CLIENT span: the GenAI attributes (6) and the
-/// OpenInference ones (5).
-const MODEL_CALL_ATTRIBUTES: usize = 11;
+/// ... and what a model call adds to its CLIENT span: the GenAI attributes (7 with a
+/// streamed answer's time to its first chunk) and the OpenInference ones (5).
+const MODEL_CALL_ATTRIBUTES: usize = 12;
 
 /// The response status (or why there is none) as attributes; ERROR for 5xx and aborts.
 fn outcome_attributes(outcome: &Outcome, attributes: &mut Attributes) -> SpanStatus {
@@ -450,6 +466,10 @@ fn server_span(
             AttributeValue::Str(agent.clone().into()),
         ));
     }
+    attributes.extend(
+        time_to_first_event(exchange)
+            .map(|seconds| (attr::GYM_TRACER_TIME_TO_FIRST_EVENT, seconds)),
+    );
     let status = outcome_attributes(&exchange.outcome, &mut attributes);
     gym_attributes(service, meaning, &mut attributes);
     if meaning.tool_call
@@ -497,6 +517,7 @@ mod tests {
     use crate::model::exchange::AbortReason;
     use crate::model::exchange::RequestHead;
     use crate::model::exchange::ResponseHead;
+    use crate::model::exchange::StreamTimes;
     use crate::model::service::GymLabels;
     use crate::pipeline::testing;
 
@@ -729,6 +750,50 @@ mod tests {
         );
     }
 
+    /// A streamed answer's spans say how long its first event took, on either end; a model
+    /// call's in the GenAI conventions' key too. Other answers say nothing of it.
+    #[test]
+    fn a_streamed_answer_records_the_time_to_its_first_event() {
+        use crate::model::exchange::ModelCall;
+        use crate::model::genai::GenAiOperation;
+        let streamed = Some(StreamTimes {
+            first_data_ns: 251_000, // the request's first byte moved at 1_000
+            last_data_ns: 5_000_000,
+        });
+        let mut call = testing::exchange(
+            1,
+            Role::Client,
+            testing::request("POST", "/v1/responses"),
+            ok(),
+        );
+        call.model_call = Some(Box::new(ModelCall::new(GenAiOperation::Responses)));
+        call.stream = streamed;
+        let mut server = exchange(ok(), None);
+        server.stream = streamed;
+        let client = call_spans(&call, "policy_model", Some(ServerType::Model));
+        let server = spans(&server, &verify_meaning(), "server");
+        let seconds = Some(&AttributeValue::Double(250e-6));
+        for span in [&client[0], &server[0]] {
+            assert_eq!(
+                attr(span, "gym_tracer.response.time_to_first_event"),
+                seconds
+            );
+        }
+        assert_eq!(
+            attr(&client[0], "gen_ai.response.time_to_first_chunk"),
+            seconds
+        );
+        assert_eq!(
+            attr(&server[0], "gen_ai.response.time_to_first_chunk"),
+            None
+        );
+        let plain = spans(&exchange(ok(), None), &verify_meaning(), "server");
+        assert_eq!(
+            attr(&plain[0], "gym_tracer.response.time_to_first_event"),
+            None
+        );
+    }
+
     /// The attribute lists are allocated once: the fullest spans (a model call with every
     /// GenAI field, a server span with every field) fit their room, with two to spare for
     /// what the stitcher adds (the rollout id, an unjoined parent).
@@ -755,9 +820,15 @@ mod tests {
             },
             ..ModelCall::new(GenAiOperation::Responses)
         }));
+        let streamed = Some(StreamTimes {
+            first_data_ns: 2_000,
+            last_data_ns: 5_000,
+        });
+        call.stream = streamed;
         let mut out = call_spans(&call, "policy_model", Some(ServerType::Model));
         let mut server = exchange(testing::response(503), None);
         server.peer = Some("10.0.0.8:5000".parse().unwrap());
+        server.stream = streamed;
         out.extend(spans(&server, &verify_meaning(), "server"));
         for span in &out {
             let capacity = span.attributes.capacity();

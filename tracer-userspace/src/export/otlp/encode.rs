@@ -110,6 +110,11 @@ fn write_span(w: &mut Writer<'_>, span: &SpanRecord) {
                     w.key(2, WireType::Varint);
                     w.varint(u64::from(*b));
                 }
+                AttributeValue::Double(d) => {
+                    // AnyValue.double_value = 4
+                    w.key(4, WireType::SixtyFourBit);
+                    w.0.extend_from_slice(&d.to_le_bytes());
+                }
             });
         });
     }
@@ -238,6 +243,8 @@ mod tests {
                 ("negative", AttributeValue::Int(-3)),
                 ("empty", AttributeValue::Str("".into())),
                 ("long", AttributeValue::Str("y".repeat(300).into())),
+                ("seconds", AttributeValue::Double(0.25)),
+                ("flag", AttributeValue::Bool(true)),
             ],
             status: if n.is_multiple_of(3) {
                 SpanStatus::Error

@@ -308,6 +308,7 @@ fn key_value(key: &'static str, value: &AttributeValue) -> KeyValue {
         AttributeValue::Str(s) => KeyValue::new(key, StringValue::from(s)),
         AttributeValue::Int(i) => KeyValue::new(key, *i),
         AttributeValue::Bool(b) => KeyValue::new(key, *b),
+        AttributeValue::Double(d) => KeyValue::new(key, *d),
     }
 }
 
