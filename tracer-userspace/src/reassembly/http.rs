@@ -567,51 +567,64 @@ impl MessageStream {
                     }
                 }
             }
-            State::Body {
-                body,
-                bytes: count,
-                events,
-            } => {
-                let was_framed = matches!(body, Body::Chunked(_));
-                let Advance {
-                    used,
-                    done,
-                    carried_data,
-                } = advance_body(body, bytes);
-                let blind = matches!(body, Body::ChunkedBlind);
-                if was_framed && blind {
-                    // Bytes that are not chunk framing: the end is now a guess (the tail
-                    // of a transfer), so the loss of framing is counted.
-                    errors.push(ParseError::LostChunkFraming);
-                }
-                if let Some(events) = events
-                    && carried_data
-                {
-                    events.data_moved(timestamp_ns);
-                }
-                *count += used as u64;
-                if let Some(sample) = &mut self.sample {
-                    sample.take(&bytes[..used]);
-                }
-                let stream = events.and_then(|events| events.data);
-                if done {
-                    let body_bytes = *count;
-                    self.state = State::Idle;
-                    self.end_message(timestamp_ns, body_bytes, stream, out);
-                } else if blind {
-                    // Framing was lost earlier; whatever arrives is body until the tail
-                    // says otherwise.
-                    if bytes.ends_with(b"0\r\n\r\n") {
-                        let body_bytes = *count;
-                        self.state = State::Idle;
-                        self.end_message(timestamp_ns, body_bytes, stream, out);
-                    }
-                    return bytes.len();
-                }
-                used
-            }
+            State::Body { .. } => self.consume_body(bytes, timestamp_ns, out, errors),
             State::Desynced => bytes.len(),
         }
+    }
+
+    /// Consumes body bytes, which moved at `timestamp_ns`; returns how many were used.
+    fn consume_body(
+        &mut self,
+        bytes: &[u8],
+        timestamp_ns: u64,
+        out: &mut Vec<MessageEvent>,
+        errors: &mut Vec<ParseError>,
+    ) -> usize {
+        let State::Body {
+            body,
+            bytes: count,
+            events,
+        } = &mut self.state
+        else {
+            unreachable!("called in a body")
+        };
+        let was_framed = matches!(body, Body::Chunked(_));
+        let Advance {
+            used,
+            done,
+            carried_data,
+        } = advance_body(body, bytes);
+        let blind = matches!(body, Body::ChunkedBlind);
+        if was_framed && blind {
+            // Bytes that are not chunk framing: the end is now a guess (the tail
+            // of a transfer), so the loss of framing is counted.
+            errors.push(ParseError::LostChunkFraming);
+        }
+        if let Some(events) = events
+            && carried_data
+        {
+            events.data_moved(timestamp_ns);
+        }
+        *count += used as u64;
+        if let Some(sample) = &mut self.sample {
+            sample.take(&bytes[..used]);
+        }
+        let stream = events.and_then(|events| events.data);
+        if done {
+            let body_bytes = *count;
+            self.state = State::Idle;
+            self.end_message(timestamp_ns, body_bytes, stream, out);
+        } else if blind {
+            // Framing was lost earlier; whatever arrives is body until the tail
+            // says otherwise.
+            if bytes.ends_with(b"0\r\n\r\n") {
+                let body_bytes = *count;
+                self.state = State::Idle;
+                self.end_message(timestamp_ns, body_bytes, stream, out);
+            }
+            return bytes.len();
+        }
+        used
     }
 
     fn start_body(
