@@ -283,6 +283,16 @@ pub struct ProcessForkEvent {
     pub _pad: u32,
 }
 
+/// A traced process replaced its program. `comm` is the new program's task name (its file's
+/// base name, cut at 15 bytes, NUL-padded), read as the exec happens: the process may be
+/// gone before user space reads /proc, as a CLI's short-lived helpers are on a busy host.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcessExecEvent {
+    pub header: EventHeader,
+    pub comm: [u8; 16],
+}
+
 /// Contexts read per chain: `PyThreadState.context`, then `ctx_prev` links. An asyncio
 /// server's chain is 3 to 5 deep (the task's, the handler's, the event loop's two).
 pub const MAX_CONTEXT_DEPTH: usize = 8;
@@ -764,6 +774,7 @@ const _: () = assert!(size_of::<EventHeader>() == 32);
 const _: () = assert!(size_of::<ConnOpenEvent>() == 72);
 const _: () = assert!(size_of::<DataEventHeader>() == 56);
 const _: () = assert!(size_of::<ProcessForkEvent>() == 40);
+const _: () = assert!(size_of::<ProcessExecEvent>() == 48);
 const _: () = assert!(size_of::<DataEvent>() == 56 + 2 * MAX_CAPTURE_BYTES);
 const _: () = assert!(TAIL_BYTES.is_power_of_two() && TAIL_BYTES <= MAX_CAPTURE_BYTES);
 const _: () = assert!(size_of::<TlsDataHeader>() == 64);

@@ -52,7 +52,8 @@ use crate::lineage;
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_user,
         generated::{bpf_get_current_task, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, tracepoint, uprobe, uretprobe},
@@ -71,11 +72,11 @@ use tracer_abi::{
     InboundTrace, InjectKey, InjectTrace, KernelOffsets, LINEAGE_REQUEST, LastRead,
     MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH, MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS,
     MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PID_BITMAP_WORDS, PendingCall,
-    PendingTlsCall, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER,
-    SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE,
-    TaskContextEvent, TaskLineage, ThreadCalls, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey,
-    TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
-    UNTRACKED_UNKNOWN_SOCKET_TRANSFER, WRITER_TASK, pid_bit,
+    PendingTlsCall, ProcessExecEvent, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES,
+    ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
+    TRACEPARENT_LINE, TaskContextEvent, TaskLineage, ThreadCalls, TlsBudget, TlsDataEvent,
+    TlsDataHeader, TlsKey, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS,
+    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER, WRITER_TASK, pid_bit,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -658,7 +659,11 @@ pub fn process_exec(_ctx: TracePointContext) -> u32 {
     let Some((pid_tgid, _)) = traced_tgid() else {
         return 0;
     };
-    emit(&header(EventKind::ProcessExec, pid_tgid, -1, 0));
+    emit(&ProcessExecEvent {
+        header: header(EventKind::ProcessExec, pid_tgid, -1, 0),
+        // The new program's: the tracepoint runs after the exec took effect.
+        comm: bpf_get_current_comm().unwrap_or_default(),
+    });
     0
 }
 

@@ -9,9 +9,9 @@ use thiserror::Error;
 use tracer_abi::{
     AF_INET, AF_INET6, ConnOpenEvent, DATA_SEQ_KNOWN, DIRECTION_READ, DIRECTION_WRITE,
     DataEventHeader, EventHeader, EventKind, LINEAGE_OTHER_ROOT, LINEAGE_REQUEST, LINEAGE_UNKNOWN,
-    ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES, TaskContextEvent, TaskLineage,
-    TlsDataHeader, WRITER_LINEAGE_OFF, WRITER_NO_TASK, WRITER_TASK, WRITER_TASK_UNSEEN,
-    WRITER_UNREADABLE,
+    ProcessExecEvent, ProcessForkEvent, ROLE_CLIENT, ROLE_SERVER, TAIL_BYTES, TaskContextEvent,
+    TaskLineage, TlsDataHeader, WRITER_LINEAGE_OFF, WRITER_NO_TASK, WRITER_TASK,
+    WRITER_TASK_UNSEEN, WRITER_UNREADABLE,
 };
 
 use crate::model::context::{ContextChain, Lineage, OriginId, WriterTask};
@@ -88,6 +88,8 @@ pub enum KernelEvent<'a> {
     ProcessExec {
         pid: u32,
         timestamp_ns: u64,
+        /// The new program's task name, as the kernel read it at the exec (NUL-padded).
+        comm: [u8; 16],
     },
     /// `child` is already in the kernel's PID filter; it may be a thread, not a process.
     ProcessFork {
@@ -283,10 +285,14 @@ pub fn decode(bytes: &[u8]) -> Result<KernelEvent<'_>, DecodeError> {
             pid: header.tgid,
             timestamp_ns: header.timestamp_ns,
         },
-        EventKind::ProcessExec => KernelEvent::ProcessExec {
-            pid: header.tgid,
-            timestamp_ns: header.timestamp_ns,
-        },
+        EventKind::ProcessExec => {
+            let exec: ProcessExecEvent = read_struct(bytes)?;
+            KernelEvent::ProcessExec {
+                pid: header.tgid,
+                timestamp_ns: header.timestamp_ns,
+                comm: exec.comm,
+            }
+        }
         EventKind::TaskContext => KernelEvent::TaskContext(TaskContext {
             pid: header.tgid,
             tid: header.tid,

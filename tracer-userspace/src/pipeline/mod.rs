@@ -270,7 +270,11 @@ impl<M: RequestMetrics> Pipeline<M> {
                     .lifecycle
                     .push(Lifecycle::Exited { pid, known, logged });
             }
-            KernelEvent::ProcessExec { pid, .. } => self.processes.execd(pid),
+            KernelEvent::ProcessExec { pid, comm, .. } => {
+                let length = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+                self.processes
+                    .execd(pid, &String::from_utf8_lossy(&comm[..length]));
+            }
             _ => {}
         }
     }

@@ -43,9 +43,39 @@ impl ServiceIdentity {
         agent: &AgentResource,
         parent: Option<u32>,
     ) -> Self {
+        Self::of_process_named(pid, labels, agent, parent, None)
+    }
+
+    /// As [`of_process`](Self::of_process), for a process that just exec'd: `comm` is its new
+    /// task name as the kernel read it at the exec, its name if /proc no longer has the
+    /// process (a short-lived helper gone before a lagging agent gets to its exec).
+    pub fn of_exec(
+        pid: u32,
+        labels: GymLabels,
+        agent: &AgentResource,
+        parent: Option<u32>,
+        comm: &str,
+    ) -> Self {
+        Self::of_process_named(
+            pid,
+            labels,
+            agent,
+            parent,
+            Some(comm).filter(|c| !c.is_empty()),
+        )
+    }
+
+    fn of_process_named(
+        pid: u32,
+        labels: GymLabels,
+        agent: &AgentResource,
+        parent: Option<u32>,
+        comm: Option<&str>,
+    ) -> Self {
         let agent_service_name = agent.service_name.as_deref();
-        let executable =
-            read_trimmed(format!("/proc/{pid}/comm")).unwrap_or_else(|| format!("pid-{pid}"));
+        let executable = read_trimmed(format!("/proc/{pid}/comm"))
+            .or_else(|| comm.map(str::to_owned))
+            .unwrap_or_else(|| format!("pid-{pid}"));
         let text = |s: &str| AttributeValue::Str(Arc::<str>::from(s).into());
         let mut attributes = BTreeMap::new();
         match &labels.server_name {
@@ -202,6 +232,34 @@ mod tests {
         let comm = read_trimmed(format!("/proc/{}/comm", std::process::id())).unwrap();
         assert_eq!(text(&identity, "service.name").unwrap(), comm);
         assert!(!identity.attributes.contains_key("nemo.gym.server.name"));
+    }
+
+    /// A helper gone before the agent read its exec: named by the kernel's task name, not
+    /// `pid-N`; a live process by /proc.
+    #[test]
+    fn a_process_gone_at_its_exec_is_named_by_the_kernels_task_name() {
+        let gone = u32::MAX - 1; // above pid_max: never a live process
+        let exec = |pid, comm| {
+            ServiceIdentity::of_exec(
+                pid,
+                GymLabels::default(),
+                &AgentResource::default(),
+                Some(1),
+                comm,
+            )
+        };
+        let identity = exec(gone, "codex");
+        assert_eq!(text(&identity, "process.executable.name").unwrap(), "codex");
+        assert!(!identity.attributes.contains_key("process.executable.path"));
+        let unnamed = exec(gone, "");
+        assert_eq!(
+            text(&unnamed, "process.executable.name").unwrap(),
+            format!("pid-{gone}")
+        );
+        let live = exec(std::process::id(), "codex");
+        let comm = read_trimmed(format!("/proc/{}/comm", std::process::id())).unwrap();
+        assert_ne!(comm, "codex");
+        assert_eq!(text(&live, "service.name").unwrap(), comm);
     }
 
     #[test]

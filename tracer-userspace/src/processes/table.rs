@@ -140,18 +140,19 @@ impl ProcessTable {
     /// `pid` exec'd a new program. A followed child's resource names the new executable (a
     /// CLI's npm shim forks, and the child execs the CLI's binary: the spans are the
     /// binary's); an attached process keeps the identity it was attached under.
-    pub fn execd(&mut self, pid: u32) {
+    pub fn execd(&mut self, pid: u32, comm: &str) {
         let Some(process) = self.processes.get_mut(&pid) else {
             return;
         };
         if process.parent.is_none() {
             return;
         }
-        let identity = ServiceIdentity::of_process(
+        let identity = ServiceIdentity::of_exec(
             pid,
             process.identity.labels.clone(),
             &self.agent,
             process.parent,
+            comm,
         );
         process.identity = Arc::new(identity);
     }

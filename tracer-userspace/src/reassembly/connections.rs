@@ -437,7 +437,9 @@ impl ConnectionTable {
                     actions,
                 );
             }
-            KernelEvent::ProcessExec { pid, timestamp_ns } => {
+            KernelEvent::ProcessExec {
+                pid, timestamp_ns, ..
+            } => {
                 self.end_process(
                     *pid,
                     *timestamp_ns,
@@ -1236,6 +1238,7 @@ mod tests {
             KernelEvent::ProcessExec {
                 pid: 7,
                 timestamp_ns: 500,
+                comm: *b"python3\0\0\0\0\0\0\0\0\0",
             },
             // The new program's connection on a reused fd is a new connection.
             open(5, 600, Role::Server),
