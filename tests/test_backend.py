@@ -1,30 +1,36 @@
-"""Issue #16: a rollout in a real trace UI. The real nemo-gym servers (Gym's default: telemetry
-and observability off), traced with `--discover gym`, export over OTLP to a real Arize Phoenix
-(tests/support/trace_ui.py: offline, on loopback, a fresh database), configured as a user
-would, with OpenTelemetry's per-signal variables:
+"""Issues #16 and #47: a rollout in a real trace UI, across two hosts. The real nemo-gym
+servers (Gym's default: telemetry and observability off), the model server on host B (a
+network namespace joined by a veth pair, tests/support/netns.py), the agent and the resources
+server on host A; one gym-tracer per host, by --pid, host A's with `--inject-traceparent
+remote`; both export over OTLP to one real Arize Phoenix (tests/support/trace_ui.py: offline,
+a fresh database, on A), configured as a user would, with OpenTelemetry's per-signal
+variables:
 
-    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://127.0.0.1:PORT/v1/traces  (used as it is)
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://127.0.0.1:PORT/v1/traces  (A: used as it is;
+                                      B: Phoenix's gRPC port at A's address)
     OTEL_TRACES_EXPORTER=otlp,console     (the same spans to Phoenix and as JSON lines)
     OTEL_METRICS_EXPORTER=console         (Phoenix takes no metrics: they stay on stdout)
 
 One rollout alone, then 8 at once. Then:
-- Phoenix's own REST API returns, for each rollout's trace, exactly the spans the JSON lines of
-  the same run have in it: the same span ids, parents, names, OpenInference kinds and rollout
-  ids; the JSON-lines trace is the expected tree of test_real_gym.py, so Phoenix's is too;
+- each rollout is one trace in Phoenix, holding exactly the spans both tracers' JSON lines
+  have in it (the same span ids, parents, names, OpenInference kinds and rollout ids), and the
+  JSON-lines trace is the expected tree of test_real_gym.py, so Phoenix's is too: host B's
+  model spans under host A's CLIENT spans, joined by the header A's kernel wrote;
 - the kinds are what the evidence decides: gym.rollout AGENT, gym.verify EVALUATOR, the tool
   call's SERVER span TOOL (with tool.name), the model calls (the agent's to the model server,
   the model server's upstream) LLM with their model and token counts, the agent's call to its
   own /v1/responses AGENT; a plain SERVER span has none (UNKNOWN in Phoenix);
-- headless Chromium opens the rollout's trace page and shows its spans by name (rendered,
-  not merely in the HTML); the screenshot is kept under target/phoenix/;
-- the agent counted no failed export and no dropped span, and every span it built reached
+- headless Chromium opens the rollout's trace page and shows its spans by name, both hosts'
+  (rendered, not merely in the HTML); the screenshot is kept under target/phoenix/;
+- neither agent counted a failed export or a dropped span, and every span each built reached
   Phoenix.
 
-Needs target/gym-venv and target/phoenix-venv, and Debian's chromium (`cargo xtask setup`);
-skipped only when setup was told to leave them out (GYM_REAL_VENV_SKIPPED /
-GYM_PHOENIX_SKIPPED), a failure otherwise."""
+Needs root (the namespace), target/gym-venv and target/phoenix-venv, and Debian's chromium
+(`cargo xtask setup`); skipped only when setup was told to leave them out
+(GYM_REAL_VENV_SKIPPED / GYM_PHOENIX_SKIPPED), a failure otherwise."""
 
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -33,9 +39,10 @@ import pytest
 
 from browser import render
 from harness import ROOT, wait_until
+from netns import TwoHosts
 from test_real_gym import (EXPECTED_TREE, SPANS_PER_ROLLOUT, attached_tracer, canonical, drive_at_once, gym_venv,
-                           harvest, render_shapes, rollout_trace_id, tree_shape)
-from real_gym.launch import AGENT, MODEL, RESOURCES, RealGymRun
+                           harvest, render_shapes, tree_shape)
+from real_gym.launch import AGENT, MODEL, RESOURCES, SERVER_TYPES, RealGymRun
 from trace_ui import Phoenix, phoenix_venv
 
 SOLO = (2, 0)
@@ -87,20 +94,30 @@ def json_view(span):
     }
 
 
-def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
+def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, agents):
     venv = gym_venv()
-    run = RealGymRun(venv, access_log=True).start()
-    try:
+    on_b = (MODEL,)
+    with contextlib.ExitStack() as stack:
+        hosts = stack.enter_context(TwoHosts())
+        run = RealGymRun(venv, access_log=True,
+                         hosts={name: hosts.b_address if name in on_b else hosts.a_address for name in SERVER_TYPES},
+                         netns={name: hosts.b_exec for name in on_b}, upstream_netns=hosts.b_exec)
+        stack.enter_context(run)
         pids = run.pids
         by_pid = {pid: name for name, pid in pids.items()}
-        agent = attached_tracer(tracer, pids, env={
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": phoenix.traces_url,
-            "OTEL_TRACES_EXPORTER": "otlp,console",
-            "OTEL_METRICS_EXPORTER": "console",
-        })
-        start_line = next(m for m in agent.log_messages() if "→" in m)
+        pids_a = {name: pid for name, pid in pids.items() if name not in on_b}
+        pids_b = {name: pid for name, pid in pids.items() if name in on_b}
+        exports = {"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_METRICS_EXPORTER": "console"}
+        tracer_a = attached_tracer(lambda env: agents(
+            list(pids_a.values()), extra_args=["--inject-traceparent", "remote"], env=env), pids_a, env={
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": phoenix.traces_url, **exports})
+        start_line = next(m for m in tracer_a.log_messages() if "→" in m)
         assert f"spans: OTLP/HTTP {phoenix.traces_url} and JSON lines on stdout; metrics: JSON lines on stdout" \
             in start_line, start_line
+        # Host B reaches Phoenix on A's address: its gRPC port listens on every interface.
+        tracer_b = attached_tracer(lambda env: agents(list(pids_b.values()), wrapper=hosts.b_enter, env=env), pids_b,
+                                   env={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{hosts.a_address}:{phoenix.grpc_port}",
+                                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", **exports})
 
         def body_options(task):
             return {"row_index": task % EXAMPLE_ROWS}
@@ -109,34 +126,39 @@ def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
         results = {SOLO: run.drive_rollout(*SOLO, **body_options(SOLO[0]))}
         results.update(drive_at_once(run, AT_ONCE, body_options))
         assert {key: r["reward"] for key, r in results.items()} == {key: 1.0 for key in rollouts}, results
-    finally:
-        run.stop()
 
-    ids = [f"{task}-{rollout}" for task, rollout in rollouts]
+        ids = [f"{task}-{rollout}" for task, rollout in rollouts]
 
-    def ours():
-        return [s for s in agent.spans() if s["resource"].get("process.pid") in by_pid
-                and not harvest(s["attributes"].get("http.request.method"), s["attributes"].get("url.path"))]
+        def ours():
+            return [s for s in tracer_a.spans() + tracer_b.spans() if s["resource"].get("process.pid") in by_pid
+                    and not harvest(s["attributes"].get("http.request.method"), s["attributes"].get("url.path"))]
 
-    wait_until(lambda: len(ours()) >= SPANS_PER_ROLLOUT * len(rollouts), 30,
-               lambda: f"{SPANS_PER_ROLLOUT * len(rollouts)} spans, got {len(ours())}")
-    agent.stop()
-    assert agent.returncode == 0, agent.stderr()
-    summary = agent.summary()
-    for counter in ("span_exports_failed", "spans_lost_in_export", "spans_dropped_queue_full", "spans_discarded_exporter_none"):
-        assert summary[counter] == 0, f"{counter}: {summary}"
-    every_span = agent.spans()
-    assert summary["spans_exported"] == len(every_span), (summary["spans_exported"], len(every_span))
-    # Metrics went to stdout as the variables said, not to Phoenix (which would answer 405).
-    assert any(line.get("metric") == "gym.rollout.duration_ms" for line in agent.lines()), "no metrics on stdout"
+        wait_until(lambda: len(ours()) >= SPANS_PER_ROLLOUT * len(rollouts), 30,
+                   lambda: f"{SPANS_PER_ROLLOUT * len(rollouts)} spans, got {len(ours())}")
+        for agent in (tracer_a, tracer_b):
+            agent.stop()
+            assert agent.returncode == 0, agent.stderr()
+            summary = agent.summary()
+            for counter in ("span_exports_failed", "spans_lost_in_export", "spans_dropped_queue_full",
+                            "spans_discarded_exporter_none"):
+                assert summary[counter] == 0, f"{counter}: {summary}"
+            assert summary["spans_exported"] == len(agent.spans()), (summary["spans_exported"], len(agent.spans()))
+            # Metrics went to stdout as the variables said, not to Phoenix (which would answer 405).
+            assert any(line.get("metric") == "http.server.request.duration" for line in agent.lines()), \
+                "no metrics on stdout"
+        assert tracer_a.summary()["traceparents_injected"] == 2 * len(rollouts), tracer_a.summary()
+        assert tracer_b.summary()["parents_from_traceparent"] == 2 * len(rollouts), tracer_b.summary()
 
     spans = ours()
     by_trace = collections.defaultdict(list)
     for span in spans:
         by_trace[span["trace_id"]].append(span)
+    # A rollout's trace: the one tracer A's kernel gave its /run (its gym.rollout span's).
+    traces = {s["attributes"]["nemo.gym.rollout.id"]: s["trace_id"] for s in spans if s["name"] == "gym.rollout"}
+    assert sorted(traces) == sorted(ids) and len(set(traces.values())) == len(ids), traces
     problems, kinds = [], collections.Counter()
     for rollout_id in ids:
-        trace_id = rollout_trace_id(rollout_id)
+        trace_id = traces[rollout_id]
         ours_in_trace = by_trace.get(trace_id, [])
         shape = tree_shape(ours_in_trace, by_pid)
         if shape != [canonical(EXPECTED_TREE)]:
@@ -181,7 +203,7 @@ def test_rollouts_in_phoenix_are_the_json_lines_trees(phoenix, tracer):
     solo = f"{SOLO[0]}-{SOLO[1]}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     screenshot = SCREENSHOTS / f"rollout-{solo}.png"
-    url = phoenix.trace_url(rollout_trace_id(solo))
+    url = phoenix.trace_url(traces[solo])
     page = render(url, ON_THE_PAGE, screenshot, timeout=90)
     print(f"\nrollout {solo}: {url} showed its spans after {page.seconds:.1f} s; screenshot {screenshot}")
     assert not page.missing, f"{url} did not show {page.missing} (screenshot {screenshot}); the page said:\n" \

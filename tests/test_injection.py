@@ -1,35 +1,29 @@
 """`gym-tracer run --inject-traceparent`: the kernel inserts `traceparent: 00-<trace>-<span>-01`
-right after the request line of a traced process's outbound plaintext HTTP/1.x request,
-when the agent already knows which inbound request the writing handler serves and that
-request's trace is settled (here: it came with an inbound `traceparent`).
+right after the request line of a traced process's outbound plaintext HTTP/1.x request: the
+trace of the inbound request the writing handler was born for (here: the one its inbound
+`traceparent` names), known to the kernel from the handler's first call on (task lineage,
+which `--task-lineage auto` turns on for every traced process when injecting).
 
 The caller is a plain FastAPI app (support/servers/injection_app.py), traced by `--pid`:
 `POST /go/{n}` makes two aiohttp POSTs, 0.3 s apart, `/call/{n}/0` and `/call/{n}/1`, over a
 ClientSession of its own (so over a socket connected while the tracer runs). Each inbound
 request carries a traceparent with a trace id of its own (`inbound_trace_id(n)`).
 
-What a handler's first call binds, its later calls can carry: the first call of a handler
-goes out unchanged, the second one carries the header. The agent also learns the event
-loop from the first responses, so the first WARMUPS requests of every run are warm-ups;
-they are checked like the others (every byte), only no injection is expected of them; past
-them, every second call must carry it.
-
-- test 1: the callee is a raw TCP capture server (the exact bytes of every request). The
-  same requests untraced, traced without the flag (byte for byte the same), and traced with
-  it (the one added line, the right trace and span ids, nothing else changed; the counter
-  agrees with what the server saw);
+- test 1: the callee is a raw TCP capture server on loopback (the exact bytes of every
+  request). The same requests untraced, traced without the flag (byte for byte the same),
+  traced with `all` (every call: the one added line, the right trace and span ids, nothing
+  else changed; the counter agrees with what the server saw), and traced with `remote` (a
+  call on this host: byte for byte as untraced, its trace handed over instead);
 - test 2: the callee is an OpenTelemetry-instrumented FastAPI server the tracer does not
-  trace (support/servers/injection_otel_app.py), exporting to the test's OTLP receiver: its
-  SERVER spans join the caller's trace under gym-tracer's exact CLIENT spans; without the
-  flag none does;
+  trace (support/servers/injection_otel_app.py), exporting to the test's OTLP receiver: with
+  `all`, every SERVER span joins the caller's trace under gym-tracer's exact CLIENT span;
+  without the flag none does;
 - test 3: a caller that sends a traceparent of its own (in three spellings of the name):
   never a second one;
-- test 4, with task lineage (`--task-lineage on`), across two hosts: the callee is a capture
-  server on host B (a network namespace, support/netns.py), the caller on host A. The kernel
-  reads each inbound request's own `traceparent` as it reads the request, and the task the
-  handler runs in descends from that request's root: every call, a handler's first included
-  and the very first request's, carries the inbound request's trace under gym-tracer's exact
-  CLIENT span, nothing else changed."""
+- test 4, `remote` across two hosts: the callee is a capture server on host B (a network
+  namespace, support/netns.py), the caller on host A: every call, the very first request's
+  included, carries the inbound request's trace under gym-tracer's exact CLIENT span, nothing
+  else changed."""
 
 import base64
 import collections
@@ -49,12 +43,11 @@ from netns import TwoHosts
 from servers.capture_server import next_request
 from span_ids import parent_key, span_key
 
-WARMUPS = 3
-MEASURED = 5
-TOTAL = WARMUPS + MEASURED
+TOTAL = 8  # inbound requests per traced run, two calls each
 CALLS = 2
-INJECT = ["--inject-traceparent"]
-COUNTERS = ["traceparents_injected", "traceparents_not_known", "traceparents_carried", "traceparents_head_unscanned",
+INJECT = ["--inject-traceparent"]  # the bare flag: `all`
+REMOTE = ["--inject-traceparent", "remote"]
+COUNTERS = ["traceparents_injected", "traceparents_handed_over", "traceparents_not_known", "traceparents_carried", "traceparents_head_unscanned",
             "traceparents_owner_answered", "traceparents_not_delivered", "traceparents_failed", "traces_published",
             "traces_unsettled"]
 # The line the tracer inserts, exactly (a lowercase name, one space, sampled flag).
@@ -220,7 +213,17 @@ def test_injection_off_leaves_requests_byte_for_byte_unchanged(server_factory, a
         plain_counters = counters(plain_agent)
         assert plain_counters["traceparents_injected"] == 0, plain_counters
 
-        # (c) traced with the flag.
+        # (c) traced with `remote`: a call to loopback goes out byte for byte.
+        local_agent, _, _ = traced_run(server_factory, agents, capture.base_url, REMOTE)
+        local = one_each(capture.take(), range(TOTAL))
+        differ = [key for key in reference if local[key] != reference[key]]
+        assert not differ, "traced with --inject-traceparent remote, loopback requests changed:\n" + "\n".join(
+            f"{key}:\n  untraced {reference[key]!r}\n  traced   {local[key]!r}" for key in differ)
+        local_counters = counters(local_agent)
+        assert (local_counters["traceparents_injected"], local_counters["traceparents_handed_over"]) == \
+            (0, TOTAL * CALLS), local_counters
+
+        # (d) traced with `all`.
         agent, _, clients = traced_run(server_factory, agents, capture.base_url, INJECT)
         injected = one_each(capture.take(), range(TOTAL))
     finally:
@@ -238,8 +241,6 @@ def test_injection_off_leaves_requests_byte_for_byte_unchanged(server_factory, a
         n, i = key
         trace_id, span_id = match.group(1).decode(), match.group(2).decode()
         client = clients[key]
-        if i == 0:
-            problems.append(f"{key}: a handler's first call was injected ({match.group(0)!r})")
         if trace_id != inbound_trace_id(n):
             problems.append(f"{key}: injected trace id {trace_id}, the inbound request's is {inbound_trace_id(n)}")
         if span_id != client["span_id"] or trace_id != client["trace_id"]:
@@ -250,14 +251,12 @@ def test_injection_off_leaves_requests_byte_for_byte_unchanged(server_factory, a
         changed.append(key)
 
     figures = counters(agent)
-    measured_changed = [key for key in changed if key[0] >= WARMUPS]
-    print(f"\n[injection bytes] {len(reference)} requests untraced = traced without the flag byte for byte; with "
-          f"the flag {len(changed)} changed ({len(measured_changed)} of {MEASURED} measured second calls), "
-          f"{len(problems)} problems; counters {figures}")
+    print(f"\n[injection bytes] {len(reference)} requests untraced = traced without the flag = traced with "
+          f"`remote` (loopback), byte for byte; with `all` {len(changed)} changed, {len(problems)} problems; "
+          f"counters {figures}")
     assert not problems, "\n".join(problems)
-    # Past the warm-ups every handler's second call carries the header (every CI run so far: 5 of 5).
-    assert sorted(measured_changed) == [(n, 1) for n in range(WARMUPS, TOTAL)], \
-        f"measured second calls injected: {sorted(measured_changed)}; counters {figures}"
+    # Every call, a handler's first and the very first request's included.
+    assert changed == sorted(injected), f"calls injected: {changed}; counters {figures}"
     assert figures["traceparents_injected"] == len(changed), \
         f"the agent counted {figures['traceparents_injected']} injections, the server saw {len(changed)}: {changed}"
     assert figures["traceparents_failed"] == 0, figures
@@ -313,22 +312,18 @@ def test_an_untraced_opentelemetry_server_joins_the_trace(server_factory, agents
         if client["trace_id"] != inbound_trace_id(n):
             problems.append(f"{key}: CLIENT span in trace {client['trace_id']}, the inbound request's is "
                             f"{inbound_trace_id(n)}")
-        if i == 0:
-            problems.append(f"{key}: a handler's first call carried {header!r}")
         joined.append(key)
     figures = counters(agent)
     print(f"\n[injection otel] {len(servers)} OpenTelemetry SERVER spans, {len(joined)} joined under gym-tracer's "
-          f"CLIENT span ({len([k for k in joined if k[0] >= WARMUPS])} of {MEASURED} measured second calls), "
-          f"{len(problems)} problems; counters {figures}")
+          f"CLIENT span, {len(problems)} problems; counters {figures}")
     assert not problems, "\n".join(problems)
-    assert sorted(k for k in joined if k[0] >= WARMUPS) == [(n, 1) for n in range(WARMUPS, TOTAL)], \
-        f"measured second calls joined: {sorted(joined)}; counters {figures}"
+    assert joined == sorted(servers), f"joined: {joined}; counters {figures}"
     assert figures["traceparents_injected"] == len(joined), (figures, joined)
     assert figures["traceparents_failed"] == 0, figures
     assert all(parent_key(servers[key]) in gym_keys for key in joined)
 
     # Without the flag: no OpenTelemetry span hangs under a gym-tracer span.
-    numbers = range(100, 100 + WARMUPS + 2)
+    numbers = range(100, 105)
     plain_agent, _, plain_clients = traced_run(server_factory, agents, otel.base_url, [], numbers=numbers)
     plain_servers = otel_spans(numbers)
     # By span id alone, whatever the trace: under no gym-tracer span at all (stricter than within a trace).
@@ -368,7 +363,7 @@ def test_a_request_never_carries_two_traceparents(server_factory, agents):
     assert figures["traceparents_failed"] == 0, figures
 
 
-def test_with_task_lineage_every_call_carries_its_handlers_header_across_hosts(server_factory, agents):
+def test_every_call_to_another_host_carries_its_handlers_header(server_factory, agents):
     numbers = range(TOTAL)
     with TwoHosts() as hosts, tempfile.TemporaryDirectory(prefix="capture-b-") as workdir:
         port = free_port()
@@ -378,7 +373,7 @@ def test_with_task_lineage_every_call_carries_its_handlers_header_across_hosts(s
         try:
             wait_until(lambda: os.path.exists(ready), 20, "the capture server on host B listening")
             agent, _, clients = traced_run(server_factory, agents, f"http://{hosts.b_address}:{port}",
-                                           [*INJECT, "--task-lineage", "on"], numbers=numbers)
+                                           REMOTE, numbers=numbers)
         finally:
             callee.terminate()
             callee.wait(10)
@@ -412,7 +407,7 @@ def test_with_task_lineage_every_call_carries_its_handlers_header_across_hosts(s
                             f"{inbound_trace_id(n)}")
     figures = counters(agent)
     summary = agent.summary()
-    print(f"\n[injection across hosts, lineage] {len(requests)} requests to host B, {len(problems)} problems; "
+    print(f"\n[injection across hosts, remote] {len(requests)} requests to host B, {len(problems)} problems; "
           f"counters {figures}; parents_by_lineage={summary['parents_by_lineage']}")
     assert not problems, "\n".join(problems)
     assert figures["traceparents_injected"] == len(requests), figures

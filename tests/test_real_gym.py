@@ -347,20 +347,28 @@ def expected_requests(rollout_id, observability):
     ]
 
 
-def rollout_problems(spans, rollout_ids, by_pid, expected_tree=EXPECTED_TREE):
+def rollout_problems(spans, rollout_ids, by_pid, expected_tree=EXPECTED_TREE, traces=None):
     """What is wrong with the rollouts' traces in `spans` (by_pid: pid -> server name), [] if
-    nothing: for every rollout id, every span that carries it or is in its derived trace is in
-    that one trace, that trace is exactly `expected_tree` (default EXPECTED_TREE) and holds no
-    span of another rollout; every span lies within its parent's time (1 ms of slack); no span
-    is in no rollout's trace, and there are tree_size(expected_tree) spans per rollout."""
+    nothing: for every rollout id, every span that carries it or is in its trace is in that one
+    trace, that trace is exactly `expected_tree` (default EXPECTED_TREE) and holds no span of
+    another rollout; every span lies within its parent's time (1 ms of slack); no span is in no
+    rollout's trace, and there are tree_size(expected_tree) spans per rollout. A rollout's trace
+    is its derived one, or `traces[rollout_id]` (what its /run span says, where the agent's
+    kernel gave /run its trace: --inject-traceparent)."""
     by_trace = collections.defaultdict(list)
     for span in spans:
         by_trace[span["trace_id"]].append(span)
-    trace_owner = {rollout_trace_id(rollout_id): rollout_id for rollout_id in rollout_ids}
+
+    given = traces
+    trace_of = {rollout_id: given.get(rollout_id, "none") if given is not None else rollout_trace_id(rollout_id)
+                for rollout_id in rollout_ids}
+    trace_owner = {trace_id: rollout_id for rollout_id, trace_id in trace_of.items()}
     want = [canonical(expected_tree)]
     problems = []
+    if len(trace_owner) != len(trace_of):
+        problems.append(f"two rollouts share a trace: {trace_of}")
     for rollout_id in rollout_ids:
-        trace_id = rollout_trace_id(rollout_id)
+        trace_id = trace_of[rollout_id]
         carrying = [s for s in spans if s["attributes"].get("nemo.gym.rollout.id") == rollout_id
                     or s["trace_id"] == trace_id]
         traces = collections.Counter(s["trace_id"] for s in carrying)

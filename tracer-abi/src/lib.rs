@@ -194,6 +194,60 @@ pub const fn call_span_id(trace: &[u8; 16], seq: u32) -> u64 {
     if id == 0 { 1 } else { id }
 }
 
+/// `INJECT_TRACEPARENT`, the eBPF side's global: no request is changed.
+pub const INJECT_OFF: u32 = 0;
+/// `INJECT_TRACEPARENT`: every outbound request of a traced process may carry the header.
+pub const INJECT_ALL: u32 = 1;
+/// `INJECT_TRACEPARENT`: only requests to a peer that is not on this host (not loopback, not
+/// the socket's own address) may; the others go out byte for byte.
+pub const INJECT_REMOTE: u32 = 2;
+
+/// Whether a connection's peer is on this host: loopback, or the connection's own address (a
+/// connection to one of the host's addresses gets that address as its source). Under
+/// [`INJECT_REMOTE`] such a call goes out unchanged, and so does one whose addresses could
+/// not be read (`family` 0). The kernel decides it at connect, user space from the same
+/// addresses.
+#[inline(always)]
+pub fn peer_on_host(family: u16, local: &[u8; 16], peer: &[u8; 16]) -> bool {
+    match family {
+        AF_INET => peer[0] == 127 || local[..4] == peer[..4],
+        AF_INET6 => {
+            const LOOPBACK: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+            const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
+            *peer == LOOPBACK || (peer[..12] == V4_MAPPED && peer[12] == 127) || local == peer
+        }
+        _ => true,
+    }
+}
+
+/// The trace of an inbound request that carries no `traceparent`, on a host whose agent
+/// injects: the kernel gives it as it reads the request, so that the handler's calls carry
+/// it from their first, and user space computes the same from what it sees of the request
+/// (its process, connection and ordinal), so the exported trace is the one on the wire.
+///
+/// `key` is the agent's secret, random per run, so that traces of two runs or two hosts are
+/// as independent as random ones. Injective in (`conn_id`, `tgid`, `request`): `high` is, for
+/// one connection, a bijection of (`tgid`, `request`), and `low` a bijection of `conn_id`
+/// for one `high`; so two requests share a trace only if they share all three.
+pub const fn minted_trace(key: [u64; 2], tgid: u32, conn_id: u64, request: u32) -> [u8; 16] {
+    let per_connection = splitmix64_finalizer(key[0] ^ conn_id);
+    let high = splitmix64_finalizer(per_connection ^ (((tgid as u64) << 32) | request as u64));
+    let low = splitmix64_finalizer(key[1] ^ high ^ conn_id);
+    let (high, low) = (high.to_be_bytes(), low.to_be_bytes());
+    let mut trace = [0u8; 16];
+    let mut index = 0;
+    while index < 8 {
+        trace[index] = high[index];
+        trace[8 + index] = low[index];
+        index += 1;
+    }
+    // An all-zero trace is invalid; the one input that gives it gets ...01.
+    if u64::from_be_bytes(high) == 0 && u64::from_be_bytes(low) == 0 {
+        trace[15] = 1;
+    }
+    trace
+}
+
 /// SplitMix64's output function: a bijection of `u64` that spreads every input bit.
 const fn splitmix64_finalizer(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -593,7 +647,23 @@ pub const INJECT_NOT_DELIVERED: u32 = 5;
 pub const INJECT_FAILED: u32 = 6;
 /// Traced client sockets that could not be put in the injection map (it was full).
 pub const INJECT_SOCKETS_FULL: u32 = 7;
-pub const INJECT_OUTCOMES: u32 = 8;
+/// A call to a peer on this host under [`INJECT_REMOTE`]: left as it is, its trace handed to
+/// the callee's first read under its [`LocalCallKey`] instead.
+pub const INJECT_HANDED_OVER: u32 = 8;
+pub const INJECT_OUTCOMES: u32 = 9;
+
+/// A call on this host, as both its ends' kernel programs name it: the TCP sequence number
+/// of its first byte and the connection's two ports. Under [`INJECT_REMOTE`] the caller's
+/// write leaves the trace it would have written in a header under this key, for the callee's
+/// first read of the request (a handler's calls to another host then carry the trace of the
+/// request that called it over loopback, as with a header).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LocalCallKey {
+    pub seq: u32,
+    pub client_port: u16,
+    pub server_port: u16,
+}
 
 /// Bytes of a request write scanned for its request line, the end of its head and a
 /// `traceparent` it already carries.
@@ -631,7 +701,9 @@ pub struct SocketState {
     /// its table): the kernel still knows it, so its transfers are skipped without being
     /// counted as transfers on unknown sockets.
     pub ignored: u8,
-    pub _pad: [u8; 2],
+    /// Non-zero when its peer is on this host ([`peer_on_host`]).
+    pub peer_on_host: u8,
+    pub _pad: u8,
     /// Writes on the socket that started with `HTTP`: the responses a server began. A
     /// published trace ([`InjectTrace`]) is valid while its request's connection has
     /// answered exactly the requests before it.

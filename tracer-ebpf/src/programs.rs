@@ -66,17 +66,18 @@ use tracer_abi::{
     CALL_WRITE_IOVEC, CALL_WRITE_MSGHDR, CLONE_THREAD, CONTEXT_CHAIN_EMPTY, CONTEXT_CHAIN_READ,
     CONTEXT_LOST, CONTEXT_NOT_A_CONTEXT, CONTEXT_OUTCOMES, CONTEXT_READ_FAILED,
     CONTEXT_THREAD_UNKNOWN, ConnOpenEvent, DATA_SEQ_KNOWN, DEFAULT_CAPTURE_BYTES, DIRECTION_READ,
-    DIRECTION_WRITE, DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT,
-    INJECT_BY_CONTEXT, INJECT_BY_ORIGIN, INJECT_CARRIED, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE,
-    INJECT_NOT_DELIVERED, INJECT_OUTCOMES, INJECT_OWNER_DONE, INJECT_SCAN_BYTES, IPPROTO_TCP,
-    InboundTrace, InjectKey, InjectTrace, KernelOffsets, LINEAGE_REQUEST, LastRead,
-    MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH, MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS,
-    MAX_PYTHON_THREADS, MAX_TLS_SESSIONS, MAX_TRACED_PIDS, PID_BITMAP_WORDS, PendingCall,
-    PendingTlsCall, ProcessExecEvent, ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES,
-    ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM, SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD,
-    TRACEPARENT_LINE, TaskContextEvent, TaskLineage, ThreadCalls, TlsBudget, TlsDataEvent,
-    TlsDataHeader, TlsKey, TracepointLayout, UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS,
-    UNTRACKED_SOCKET_MAP_FULL, UNTRACKED_UNKNOWN_SOCKET_TRANSFER, WRITER_TASK, pid_bit,
+    DIRECTION_WRITE, DataEvent, DataEventHeader, EventHeader, EventKind, FIELD_ABSENT, INJECT_ALL,
+    INJECT_BY_CONTEXT, INJECT_BY_ORIGIN, INJECT_CARRIED, INJECT_HANDED_OVER, INJECT_HEAD_UNSCANNED,
+    INJECT_NO_TRACE, INJECT_NOT_DELIVERED, INJECT_OFF, INJECT_OUTCOMES, INJECT_OWNER_DONE,
+    INJECT_REMOTE, INJECT_SCAN_BYTES, IPPROTO_TCP, InboundTrace, InjectKey, InjectTrace,
+    KernelOffsets, LINEAGE_REQUEST, LastRead, LocalCallKey, MAX_CAPTURE_BYTES, MAX_CONTEXT_DEPTH,
+    MAX_INJECT_TRACES, MAX_IOVECS, MAX_PENDING_CALLS, MAX_PYTHON_THREADS, MAX_TLS_SESSIONS,
+    MAX_TRACED_PIDS, PID_BITMAP_WORDS, PendingCall, PendingTlsCall, ProcessExecEvent,
+    ProcessForkEvent, PythonThread, RING_WAKEUP_BYTES, ROLE_CLIENT, ROLE_SERVER, SOCK_STREAM,
+    SocketKey, SocketState, TAIL_BYTES, TRACED_AS_CHILD, TRACEPARENT_LINE, TaskContextEvent,
+    TaskLineage, ThreadCalls, TlsBudget, TlsDataEvent, TlsDataHeader, TlsKey, TracepointLayout,
+    UNTRACKED_PENDING_CALLS_FULL, UNTRACKED_REASONS, UNTRACKED_SOCKET_MAP_FULL,
+    UNTRACKED_UNKNOWN_SOCKET_TRANSFER, WRITER_TASK, minted_trace, peer_on_host, pid_bit,
 };
 
 /// Bytes captured from the start of each HTTP message; set by user space at load time.
@@ -209,10 +210,14 @@ static TLS_BUDGETS: LruHashMap<TlsKey, TlsBudget> =
 #[map]
 static TLS_SCRATCH: PerCpuArray<TlsDataEvent> = PerCpuArray::with_max_entries(1, 0);
 
-/// Non-zero with `--inject-traceparent`: outbound request writes are then armed for the
-/// `sk_msg` program. Set by user space at load time.
+/// `--inject-traceparent`: [`INJECT_OFF`], or which outbound request writes are armed for the
+/// `sk_msg` program ([`INJECT_ALL`], [`INJECT_REMOTE`]). Set by user space at load time.
 #[unsafe(no_mangle)]
-static INJECT_TRACEPARENT: u32 = 0;
+static INJECT_TRACEPARENT: u32 = INJECT_OFF;
+
+/// The agent's secret for [`minted_trace`], random per run. Set by user space at load time.
+#[unsafe(no_mangle)]
+static MINT_KEY: [u64; 2] = [0; 2];
 
 /// Traces user space published for handler tasks whose request it knows ([`InjectTrace`]).
 #[map]
@@ -224,6 +229,13 @@ static INJECT_TRACES: HashMap<InjectKey, InjectTrace> =
 /// one evicted only costs a handler's first calls their header.
 #[map]
 static INBOUND_TRACES: LruHashMap<SocketKey, InboundTrace> =
+    LruHashMap::with_max_entries(MAX_INJECT_TRACES, 0);
+
+/// The traces callers on this host left for their callees' first reads under
+/// [`INJECT_REMOTE`] (see [`LocalCallKey`]), taken by the callee's scan. An LRU: a call
+/// whose callee is not traced leaves an entry that ages out.
+#[map]
+static LOCAL_CALL_TRACES: LruHashMap<LocalCallKey, [u8; 16]> =
     LruHashMap::with_max_entries(MAX_INJECT_TRACES, 0);
 
 /// The header a write's enter armed for the `sk_msg` program inside the same call, by thread.
@@ -392,7 +404,7 @@ fn remember(ctx: &TracePointContext, call: u32) -> u32 {
                     && is_write_call(call)
                     && injecting()
                 {
-                    arm_injection(pid_tgid, call, buffer, count, seq);
+                    arm_injection(pid_tgid, fd, call, buffer, count, seq);
                 }
             }
             // Only the exit knows whether it moved bytes, so it is the exit that counts it.
@@ -736,7 +748,12 @@ fn on_open(pid_tgid: u64, fd: i32, role: u8) {
         write_budget: capture,
         role,
         ignored: 0,
-        _pad: [0; 2],
+        peer_on_host: u8::from(peer_on_host(
+            event.family,
+            &event.local_addr,
+            &event.peer_addr,
+        )),
+        _pad: 0,
         responses: 0,
         sk: tcp_sock_of(sk),
     };
@@ -1370,7 +1387,19 @@ pub(crate) const NO_STOP: u32 = u32::MAX;
 #[inline(always)]
 fn injecting() -> bool {
     // SAFETY: a global set at load time; read_volatile keeps the compiler from folding it.
-    unsafe { ptr::read_volatile(&INJECT_TRACEPARENT) != 0 }
+    unsafe { ptr::read_volatile(&INJECT_TRACEPARENT) != INJECT_OFF }
+}
+
+/// Whether a write on this client socket may carry the header: every one with
+/// [`INJECT_ALL`], one to a peer off this host with [`INJECT_REMOTE`].
+#[inline(always)]
+fn injects_into(socket: &SocketState) -> bool {
+    // SAFETY: as in `injecting`.
+    match unsafe { ptr::read_volatile(&INJECT_TRACEPARENT) } {
+        INJECT_ALL => true,
+        INJECT_REMOTE => socket.peer_on_host == 0,
+        _ => false,
+    }
 }
 
 /// An 8-byte window of the scratch at `at` (masked into it), as a little-endian number.
@@ -1390,7 +1419,7 @@ const HTTP_1: u64 = u64::from_le_bytes(*b"HTTP/1.\0");
 /// starts a plaintext HTTP/1.x request whose head (all of it in the scanned bytes) carries
 /// none, and the writing task's request has a published, still valid trace.
 #[inline(always)]
-fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
+fn arm_injection(pid_tgid: u64, fd: i32, call: u32, buffer: u64, count: u64, seq: u32) {
     let pending = PendingCall {
         call,
         fd: 0,
@@ -1487,6 +1516,29 @@ fn arm_injection(pid_tgid: u64, call: u32, buffer: u64, count: u64, seq: u32) {
     let Some(trace) = handler_trace(pid_tgid) else {
         return;
     };
+    // Looked up again only now: a decision carried through the scans above would have the
+    // verifier walk them once per outcome, past its instruction limit.
+    let key = SocketKey {
+        tgid: (pid_tgid >> 32) as u32,
+        fd,
+    };
+    // SAFETY: the value is copied out.
+    let Some(socket) = (unsafe { SOCKETS.get(&key) }).copied() else {
+        return;
+    };
+    if !injects_into(&socket) {
+        // A call on this host under `remote`: no header, the trace left for the callee.
+        if let Some((client_port, server_port)) = ports_of(socket.sk) {
+            let key = LocalCallKey {
+                seq,
+                client_port,
+                server_port,
+            };
+            let _ = LOCAL_CALL_TRACES.insert(&key, &trace, BPF_ANY as u64);
+            count_at(&INJECTIONS, INJECT_HANDED_OVER);
+        }
+        return;
+    }
     let mut armed = ArmedInjection {
         line: *b"traceparent: 00-################################-################-01\r\n",
         _pad: [0; 2],
@@ -1558,7 +1610,9 @@ fn scan_queued_inbound(ctx: &TracePointContext) {
 /// The `traceparent` an inbound request's head carries in its first captured bytes (at most
 /// [`INJECT_SCAN_BYTES`] looked at), kept as the trace of that request (its connection and
 /// number): `traceparent: 00-<32 hex>-...`, the name in any case, up to two spaces after the
-/// colon. Another version, a malformed value or a zero trace is left to user space. Run by a
+/// colon. A request without one (or with another version, a malformed value, a zero trace)
+/// gets the trace [`minted_trace`] gives it, which user space computes too, so that its
+/// handler's first call carries the trace its spans are exported in. Run by a
 /// tail call from the exit program, after its record went out: the scan's loop, checked as
 /// part of the exit program, took the verifier past its million instructions (it checks a
 /// function once per path that calls it); as a program of its own it is checked once.
@@ -1570,18 +1624,76 @@ pub fn scan_inbound_trace(_ctx: TracePointContext) -> u32 {
     };
     // SAFETY: per-CPU values, owned by this program while it runs (the exit program that
     // filled them tail-called it on this CPU).
-    let (scan, payload) = unsafe {
+    let (scan, payload, seq) = unsafe {
         let scan = *queued;
         (*queued).length = 0;
-        (scan, &(*event).payload)
+        let header = &(*event).header;
+        let seq = (header.flags & DATA_SEQ_KNOWN != 0).then_some(header.seq);
+        (scan, &(*event).payload, seq)
     };
+    let trace = carried_trace(payload, scan.length as usize, queued)
+        .or_else(|| handed_over_trace(&scan, seq))
+        .unwrap_or_else(|| {
+            // SAFETY: as in `injecting`.
+            let key = unsafe { ptr::read_volatile(&MINT_KEY) };
+            minted_trace(key, scan.key.tgid, scan.conn_id, scan.request)
+        });
+    let entry = InboundTrace {
+        trace,
+        conn_id: scan.conn_id,
+        request: scan.request,
+        _pad: 0,
+    };
+    let _ = INBOUND_TRACES.insert(&scan.key, &entry, BPF_ANY as u64);
+    0
+}
+
+/// The trace a caller on this host left for this request (see [`LocalCallKey`]), taken.
+#[inline(always)]
+fn handed_over_trace(scan: &InboundScan, seq: Option<u32>) -> Option<[u8; 16]> {
+    let seq = seq?;
+    // SAFETY: the value is copied out.
+    let socket = unsafe { SOCKETS.get(&scan.key) }.copied()?;
+    let (server_port, client_port) = ports_of(socket.sk)?;
+    let key = LocalCallKey {
+        seq,
+        client_port,
+        server_port,
+    };
+    // SAFETY: the value is copied out.
+    let trace = unsafe { LOCAL_CALL_TRACES.get(&key) }.copied()?;
+    let _ = LOCAL_CALL_TRACES.remove(&key);
+    Some(trace)
+}
+
+/// A socket's (local, peer) ports, from its `struct sock`.
+#[inline(always)]
+fn ports_of(sk: u64) -> Option<(u16, u16)> {
+    if sk == 0 {
+        return None;
+    }
+    let off = kernel_offsets();
+    // SAFETY: read through the helper, which fails cleanly on a bad address.
+    unsafe {
+        let local = bpf_probe_read_kernel((sk + off.sock_num as u64) as *const u16).ok()?;
+        let peer = bpf_probe_read_kernel((sk + off.sock_dport as u64) as *const u16).ok()?;
+        Some((local, u16::from_be(peer)))
+    }
+}
+
+/// The trace of the `traceparent` in the first `length` bytes of `payload`, if it is valid.
+#[inline(always)]
+fn carried_trace(
+    payload: &[u8; 2 * MAX_CAPTURE_BYTES],
+    length: usize,
+    queued: *mut InboundScan,
+) -> Option<[u8; 16]> {
     let byte = |at: usize| payload[bounded(at, 2 * MAX_CAPTURE_BYTES - 1)];
     let window = |at: usize| {
         let at = bounded(at, MAX_CAPTURE_BYTES - 1);
         // SAFETY: `at` < MAX_CAPTURE_BYTES and the payload has twice that.
         unsafe { ptr::read_unaligned(payload.as_ptr().add(at).cast::<u64>()) }
     };
-    let length = scan.length as usize;
     let mut value = 0;
     for at in 0..INJECT_SCAN_BYTES {
         if at + 64 >= length {
@@ -1596,7 +1708,7 @@ pub fn scan_inbound_trace(_ctx: TracePointContext) -> u32 {
         }
     }
     if value == 0 {
-        return 0;
+        return None;
     }
     // Through a map value, the verifier forgets which of the positions matched: otherwise it
     // checks what follows once per position, past its instruction limit.
@@ -1611,7 +1723,7 @@ pub fn scan_inbound_trace(_ctx: TracePointContext) -> u32 {
         }
     }
     if window(value) & 0xff_ffff != VERSION_00 || byte(value + 35) != b'-' {
-        return 0;
+        return None;
     }
     // Branch-free, through a table: a branch per digit would have the verifier walk every
     // combination of digit kinds.
@@ -1624,16 +1736,7 @@ pub fn scan_inbound_trace(_ctx: TracePointContext) -> u32 {
         trace[index] = (high << 4) | (low & 0x0f);
         any |= trace[index];
     }
-    if invalid & 0xf0 == 0 && any != 0 {
-        let entry = InboundTrace {
-            trace,
-            conn_id: scan.conn_id,
-            request: scan.request,
-            _pad: 0,
-        };
-        let _ = INBOUND_TRACES.insert(&scan.key, &entry, BPF_ANY as u64);
-    }
-    0
+    (invalid & 0xf0 == 0 && any != 0).then_some(trace)
 }
 
 const VERSION_00: u64 = u64::from_le_bytes(*b"00-\0\0\0\0\0");

@@ -20,10 +20,11 @@ use tokio::runtime::Handle;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
-use crate::config::cli::{Discover, RunArgs, TaskLineageMode};
+use crate::config::cli::{Discover, InjectTraceparent, RunArgs, TaskLineageMode};
 use crate::config::export_plan::ExportPlan;
 use crate::export::{ExportLimits, SpanPipeline};
 use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
+use crate::model::ids::MintKey;
 use crate::model::service::{AgentResource, GymLabels};
 use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
 use crate::ops::exit_summary::{self, Verdict};
@@ -36,8 +37,8 @@ use crate::processes::{TracedProcess, log_lifecycle};
 use crate::report::RunReport;
 use crate::signals::metrics::Metrics;
 use crate::stitch::GroupKey;
-use crate::stitch::StitchConfig;
 use crate::stitch::injection::TraceInjection;
+use crate::stitch::{Injection, StitchConfig};
 use tracer_abi::{InjectKey, InjectTrace};
 
 use crate::processes::event_loop::LoopSampler;
@@ -99,11 +100,13 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     let health = Arc::new(Health::default());
     serve_health(&args, &exporters, &health).await?;
     preflight()?;
+    let mint_key = MintKey::random();
     let mut probes = LoadedProbes::load(&LoadOptions {
         capture_bytes: args.capture_bytes,
         ring_buffer_bytes: args.ring_buffer_bytes,
         max_connections: args.max_connections,
-        inject_traceparent: args.inject_traceparent,
+        inject_traceparent: args.inject_traceparent.scope(),
+        mint_key,
         max_tasks: lineage_mode(&args).map_or(0, |_| args.max_tasks),
     })?;
     if let Err(why) = &probes.features.socket_addresses {
@@ -131,7 +134,7 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
     let (harvests, mut harvest_results) = mpsc::unbounded_channel();
     let mut agent = Agent {
         pipeline: Pipeline::new(
-            pipeline_config(&args, agent_resource),
+            pipeline_config(&args, agent_resource, mint_key),
             Metrics::new(
                 plan.metrics.clone(),
                 Duration::from_secs(args.metric_interval),
@@ -210,8 +213,16 @@ async fn serve_health(args: &RunArgs, exporters: &Handle, health: &Arc<Health>) 
 
 /// `--task-lineage`, unless nothing could be probed (the probe reads the threads the task
 /// contexts' reads register).
+/// `--task-lineage`, as it applies: with `--inject-traceparent`, `auto` is every process (the
+/// kernel knows a handler's request for its first call only through its lineage).
 fn lineage_mode(args: &RunArgs) -> Option<TaskLineageMode> {
-    Some(args.task_lineage).filter(|mode| *mode != TaskLineageMode::Off && !args.no_task_contexts)
+    let injecting = args.inject_traceparent != InjectTraceparent::Off;
+    match args.task_lineage {
+        _ if args.no_task_contexts => None,
+        TaskLineageMode::Off => None,
+        TaskLineageMode::Auto if injecting => Some(TaskLineageMode::On),
+        mode => Some(mode),
+    }
 }
 
 fn export_limits(args: &RunArgs) -> ExportLimits {
@@ -223,7 +234,11 @@ fn export_limits(args: &RunArgs) -> ExportLimits {
     }
 }
 
-fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineConfig {
+fn pipeline_config(
+    args: &RunArgs,
+    agent_resource: AgentResource,
+    mint_key: MintKey,
+) -> PipelineConfig {
     PipelineConfig {
         max_connections: args.max_connections,
         routes: args.routes.clone(),
@@ -232,7 +247,10 @@ fn pipeline_config(args: &RunArgs, agent_resource: AgentResource) -> PipelineCon
         stitch: StitchConfig {
             max_pending: args.max_stitching_spans,
             max_nodes: args.max_stitching_spans.saturating_mul(4),
-            inject_traces: args.inject_traceparent,
+            injection: (args.inject_traceparent != InjectTraceparent::Off).then(|| Injection {
+                every_call: args.inject_traceparent == InjectTraceparent::All,
+                mint_key,
+            }),
         },
     }
 }
@@ -570,6 +588,7 @@ impl Agent {
                 context_reads_failed: kernel.context_reads_failed,
                 context_records_lost: kernel.context_records_lost,
                 traceparents_injected: kernel.injection.written,
+                traceparents_handed_over: kernel.injection.handed_over,
                 traceparents_not_known: kernel.injection.no_trace,
                 traceparents_carried: kernel.injection.carried,
                 traceparents_head_unscanned: kernel.injection.head_unscanned,

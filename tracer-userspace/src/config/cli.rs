@@ -9,6 +9,7 @@ use crate::export::otlp::options::{HeaderList, KeyValueList, OtlpCompression, Ot
 use crate::gym::ServerType;
 use crate::gym::routes::RouteTemplate;
 use crate::gym::span_groups::SpanGroups;
+use crate::kernel::injection::InjectScope;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -226,6 +227,33 @@ pub enum TaskLineageMode {
     Off,
 }
 
+/// Which outbound requests `--inject-traceparent` may write a `traceparent` into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum InjectTraceparent {
+    /// None: every request goes out byte for byte.
+    #[value(alias = "false")]
+    Off,
+    /// Those to a peer that is not on this host (not loopback, not one of this host's own
+    /// addresses): what joins hosts. Calls on this host need no header (this agent sees
+    /// both ends) and go out unchanged.
+    Remote,
+    /// Every one, on this host too (for OpenTelemetry-instrumented services on this host
+    /// that the agent does not trace).
+    #[value(alias = "true")]
+    All,
+}
+
+impl InjectTraceparent {
+    /// Which calls the kernel writes into, when on.
+    pub fn scope(self) -> Option<InjectScope> {
+        match self {
+            InjectTraceparent::Off => None,
+            InjectTraceparent::Remote => Some(InjectScope::Remote),
+            InjectTraceparent::All => Some(InjectScope::All),
+        }
+    }
+}
+
 /// What `--discover` looks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Discover {
@@ -317,7 +345,8 @@ pub struct RunArgs {
     /// servers whose calls carry no evidence of their own, by their role in the run's config
     /// — model servers (their upstream calls; only some implementations echo the upstream's
     /// response id) and resources servers whose config names a model server (LLM judges) —
-    /// and no other process; on: every traced CPython
+    /// and no other process, except with --inject-traceparent, where it is every traced
+    /// process (the kernel must know a handler's request for its first call); on: every traced CPython
     /// 3.12 or 3.13 process; off: none. Needs the task-context reads (not with
     /// --no-task-contexts).
     #[arg(
@@ -343,17 +372,29 @@ pub struct RunArgs {
     pub max_tasks: u32,
 
     /// Insert a W3C `traceparent` header into traced processes' outbound plaintext
-    /// HTTP/1.x requests, after the request line, when the request carries none and the
-    /// agent already knows its trace (the handler's request was placed by evidence before
-    /// the call was written). The callee (on another host, or an OpenTelemetry-instrumented
-    /// service the agent does not trace) then joins the caller's trace under the exact
-    /// CLIENT span. A request written before its trace is known leaves unchanged (counted
-    /// as traceparents_not_known). Needs cgroup v2 (a sock_ops program on its root puts
-    /// traced client sockets in a sockhash, where an sk_msg program inserts the line).
-    /// Off by default: it changes the bytes servers receive, and on some kernels a socket
+    /// HTTP/1.x requests, after the request line, when the request carries none: the callee
+    /// (another host's agent, or an OpenTelemetry-instrumented service the agent does not
+    /// trace) joins the caller's trace under the exact CLIENT span. Pick `remote` on more
+    /// than one host (the DaemonSet and the systemd unit do): the calls between hosts carry
+    /// the header, those on this host go out byte for byte; `all` also writes it into calls
+    /// on this host; `off` (the default) changes no byte. The bare flag means `all`. The
+    /// kernel gives each inbound request without a header its trace as it reads it, and
+    /// with task lineage (which `--task-lineage auto` then turns on for every traced
+    /// process) every call of the handler born for it carries that trace from the first;
+    /// a call whose handler it cannot tell leaves unchanged (traceparents_not_known). Needs
+    /// cgroup v2 (a sock_ops program on its root puts traced client sockets in a sockhash,
+    /// where an sk_msg program inserts the line) and CAP_NET_ADMIN; on some kernels a socket
     /// in a sockhash reports 0 for FIONREAD (`gym-tracer doctor` says whether this one does).
-    #[arg(long, env = "GYM_TRACER_INJECT_TRACEPARENT")]
-    pub inject_traceparent: bool,
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHICH",
+        num_args = 0..=1,
+        default_value = "off",
+        default_missing_value = "all",
+        env = "GYM_TRACER_INJECT_TRACEPARENT"
+    )]
+    pub inject_traceparent: InjectTraceparent,
 
     /// Do not attach uprobes to the OpenSSL library (libssl) of traced processes. By default
     /// each libssl file a traced process maps gets uprobes on SSL_read/SSL_write (and their

@@ -397,7 +397,7 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("no_tls", Some(args.no_tls.to_string())),
         (
             "inject_traceparent",
-            Some(args.inject_traceparent.to_string()),
+            Some(value_name(&args.inject_traceparent)),
         ),
         ("tls_probe_scope", Some(value_name(&args.tls_probe_scope))),
         ("ready_file", path(&args.ready_file)),

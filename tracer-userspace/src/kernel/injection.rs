@@ -19,9 +19,28 @@ use aya::{
     programs::{CgroupAttachMode, SkMsg, SockOps},
 };
 use tracer_abi::{
-    INJECT_CARRIED, INJECT_FAILED, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE, INJECT_NOT_DELIVERED,
-    INJECT_OWNER_DONE, INJECT_SOCKETS_FULL, INJECT_WRITTEN,
+    INJECT_CARRIED, INJECT_FAILED, INJECT_HANDED_OVER, INJECT_HEAD_UNSCANNED, INJECT_NO_TRACE,
+    INJECT_NOT_DELIVERED, INJECT_OWNER_DONE, INJECT_SOCKETS_FULL, INJECT_WRITTEN,
 };
+
+/// Which outbound requests the kernel writes a `traceparent` into (`--inject-traceparent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InjectScope {
+    /// Those to a peer off this host ([`tracer_abi::peer_on_host`]).
+    Remote,
+    /// Every one.
+    All,
+}
+
+impl InjectScope {
+    /// The eBPF side's `INJECT_TRACEPARENT`.
+    pub fn kernel_value(self) -> u32 {
+        match self {
+            InjectScope::Remote => tracer_abi::INJECT_REMOTE,
+            InjectScope::All => tracer_abi::INJECT_ALL,
+        }
+    }
+}
 
 /// The injection programs: loaded and attached only with `--inject-traceparent`.
 pub const INJECTION_PROGRAMS: [&str; 2] = ["inject_sockets", "inject_traceparent"];
@@ -30,7 +49,12 @@ const SOCKETS_MAP: &str = "INJECT_SOCKETS";
 
 /// The maps of the tracing object that only injection writes (sized down to one entry
 /// without it; the sockhash and `CONNECTING` are in the injection object alone).
-pub const INJECTION_MAPS: [&str; 3] = ["INJECT_TRACES", "INJECT_ARMED", "INBOUND_TRACES"];
+pub const INJECTION_MAPS: [&str; 4] = [
+    "INJECT_TRACES",
+    "INJECT_ARMED",
+    "INBOUND_TRACES",
+    "LOCAL_CALL_TRACES",
+];
 
 /// What the kernel did with traced processes' request writes (`tracer_abi::INJECT_*`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,6 +67,7 @@ pub struct InjectionCounters {
     pub not_delivered: u64,
     pub failed: u64,
     pub sockets_map_full: u64,
+    pub handed_over: u64,
 }
 
 impl InjectionCounters {
@@ -57,6 +82,7 @@ impl InjectionCounters {
             not_delivered: slot(INJECT_NOT_DELIVERED),
             failed: slot(INJECT_FAILED),
             sockets_map_full: slot(INJECT_SOCKETS_FULL),
+            handed_over: slot(INJECT_HANDED_OVER),
         }
     }
 }

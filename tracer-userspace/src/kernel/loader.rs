@@ -26,8 +26,11 @@ use tracer_abi::{
 };
 
 use crate::kernel::btf::Btf;
-use crate::kernel::injection::{self, INJECTION_MAPS, INJECTION_PROGRAMS, InjectionCounters};
+use crate::kernel::injection::{
+    self, INJECTION_MAPS, INJECTION_PROGRAMS, InjectScope, InjectionCounters,
+};
 use crate::kernel::tracepoint_format;
+use crate::model::ids::MintKey;
 use crate::processes::tls_library::SSL_FUNCTIONS;
 
 /// The uretprobe program every probed SSL function's return is attached to.
@@ -84,14 +87,22 @@ pub struct LoadOptions {
     pub ring_buffer_bytes: u32,
     /// `--max-connections`: the entries of the kernel's socket map too.
     pub max_connections: usize,
-    /// `--inject-traceparent`: load and attach the injection programs, and arm writes.
-    pub inject_traceparent: bool,
+    /// `--inject-traceparent`, when on: load and attach the injection programs, and arm the
+    /// writes it names.
+    pub inject_traceparent: Option<InjectScope>,
+    /// The secret the kernel mints inbound requests' traces from (see [`MintKey`]).
+    pub mint_key: MintKey,
     /// `--max-tasks`: the tasks whose lineage the kernel keeps; 0 when no process will be
     /// probed (`--task-lineage off`), which leaves the map at one entry.
     pub max_tasks: u32,
 }
 
 impl LoadOptions {
+    /// `--inject-traceparent` is on.
+    pub fn injects(&self) -> bool {
+        self.inject_traceparent.is_some()
+    }
+
     /// The socket map's size: twice the table's, so that the table, not the kernel, decides
     /// which connections to follow up to `--max-connections` (the kernel also holds the
     /// sockets the table gave up as not HTTP, and opens the table has not read yet). A map
@@ -727,7 +738,7 @@ pub fn socket_offsets() -> Result<KernelOffsets, String> {
 
 /// Loads the object and every program (maps created, verifier passed), attaching nothing.
 fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
-    let object = if options.inject_traceparent {
+    let object = if options.injects() {
         EBPF_INJECT_OBJECT
     } else {
         EBPF_OBJECT
@@ -762,13 +773,16 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
         );
     }
     let ring_bytes = options.ring_buffer_bytes.next_power_of_two().max(4096);
-    let inject = u32::from(options.inject_traceparent);
+    let inject = options
+        .inject_traceparent
+        .map_or(tracer_abi::INJECT_OFF, InjectScope::kernel_value);
     let no_layout = TracepointLayout::default();
     let mut loader = EbpfLoader::new();
     loader
         .override_global("CAPTURE_BYTES", &options.capture_bytes, true)
         .override_global("KERNEL_OFFSETS", &offsets, true)
         .override_global("INJECT_TRACEPARENT", &inject, true)
+        .override_global("MINT_KEY", &options.mint_key.0, true)
         .override_global(
             "TRACEPOINT_LAYOUT",
             layout.as_ref().unwrap_or(&no_layout),
@@ -778,7 +792,7 @@ fn load_programs(options: &LoadOptions) -> Result<(Ebpf, FeatureReport)> {
         .map_max_entries("SOCKETS", options.socket_map_entries())
         // An LRU is allocated whole when it is created (about 100 bytes an entry).
         .map_max_entries("TASK_LINEAGE", options.max_tasks.max(1));
-    if !options.inject_traceparent {
+    if !options.injects() {
         // Never written without the flag: one entry each instead of ~6 MiB of kernel memory.
         for map in INJECTION_MAPS {
             loader.map_max_entries(map, 1);
@@ -897,9 +911,7 @@ pub fn map_footprints() -> Vec<MapFootprint> {
 
 impl LoadedProbes {
     pub fn load(options: &LoadOptions) -> Result<Self> {
-        if options.inject_traceparent
-            && !CapabilitySet::effective()?.contains(Capability::NET_ADMIN)
-        {
+        if options.injects() && !CapabilitySet::effective()?.contains(Capability::NET_ADMIN) {
             bail!(
                 "--inject-traceparent needs CAP_NET_ADMIN besides the four capabilities of \
                  `run` (sock_ops and sk_msg are network programs, attached to a cgroup): add \
@@ -908,7 +920,7 @@ impl LoadedProbes {
         }
         let (mut ebpf, features) = load_programs(options)?;
         attach_programs(&mut ebpf)?;
-        if options.inject_traceparent {
+        if options.injects() {
             injection::attach(&mut ebpf)?;
         }
         Ok(Self { ebpf, features })
@@ -1454,7 +1466,8 @@ mod tests {
                 capture_bytes: 0,
                 ring_buffer_bytes: 0,
                 max_connections,
-                inject_traceparent: false,
+                inject_traceparent: None,
+                mint_key: MintKey([0; 2]),
                 max_tasks: 0,
             }
             .socket_map_entries()

@@ -44,6 +44,26 @@ impl TraceId {
     pub fn random() -> Self {
         Self(random_id())
     }
+
+    /// The trace this host's kernel gave the inbound request `request` (its number on its
+    /// connection) on the connection `conn_id` of process `pid`, when it carried none and the
+    /// agent injects (see [`tracer_abi::minted_trace`]).
+    pub fn minted(key: MintKey, pid: u32, conn_id: u64, request: u32) -> Self {
+        Self(tracer_abi::minted_trace(key.0, pid, conn_id, request))
+    }
+}
+
+/// The agent's secret for the traces its kernel mints: random per run, so that two runs' or
+/// two hosts' minted traces are as independent as random ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MintKey(pub [u64; 2]);
+
+impl MintKey {
+    pub fn random() -> Self {
+        let bytes: [u8; 16] = random_id();
+        let half = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        Self([half(0), half(8)])
+    }
 }
 
 impl SpanId {
@@ -140,6 +160,37 @@ mod tests {
         let mut bytes = [0u8; 16];
         decode_hex(text, &mut bytes).expect("hex");
         TraceId(bytes)
+    }
+
+    /// The kernel computes the same (tracer_abi is its code too); the vectors were computed
+    /// apart from this code (Python, `f` as above: `hi = f(f(k0 ^ conn) ^ (tgid << 32 |
+    /// request))`, `lo = f(k1 ^ hi ^ conn)`, big-endian).
+    #[test]
+    fn a_minted_trace_is_a_function_of_the_key_the_process_the_connection_and_the_request() {
+        let key = MintKey([0x5eed, 0xc0ffee]);
+        let conn = 1_796_619_903_780_161_529;
+        let minted = |request| hex(&TraceId::minted(key, 4242, conn, request).0);
+        assert_eq!(minted(0), "195790994d21836031c5c97cbec1d9c8");
+        assert_eq!(minted(1), "8fc80a5f9c4b3fdc50ea0c0c745b4a90");
+        // The one input that gives all zeros, an invalid trace, gets ...01 instead.
+        assert_eq!(
+            hex(&TraceId::minted(MintKey([0, 0]), 0, 0, 0).0),
+            "00000000000000000000000000000001"
+        );
+        // Distinct requests never share one: a grid of processes, connections, ordinals.
+        let mut seen = std::collections::HashSet::new();
+        for pid in 1..40 {
+            for conn in [1, 2, conn, conn + 1, u64::MAX] {
+                for request in 0..40 {
+                    assert!(seen.insert(TraceId::minted(key, pid, conn, request)));
+                }
+            }
+        }
+        assert_ne!(
+            TraceId::minted(key, 1, 1, 0),
+            TraceId::minted(MintKey([0x5eed, 0xc0fffe]), 1, 1, 0),
+            "another key, another trace"
+        );
     }
 
     #[test]

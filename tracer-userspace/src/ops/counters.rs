@@ -120,9 +120,13 @@ counters! {
         lost context_records_lost,
         /// Requests that left with a `traceparent` inserted (`--inject-traceparent`).
         traced traceparents_injected,
-        /// Requests sent without a `traceparent`: their handler's trace was not known. Expected for
-        /// a handler's first call, which is what binds the handler. With `--task-lineage on` on the
-        /// caller, an inbound request's own `traceparent` is carried from the first call.
+        /// Calls on this host sent unchanged under `--inject-traceparent remote`. Their trace is
+        /// handed to the callee's first read in the kernel instead, so that the callee's own calls
+        /// to another host carry it.
+        traced traceparents_handed_over,
+        /// Requests sent without a `traceparent`: their handler's trace was not known. Its task
+        /// descends from no request the kernel saw: a background task, a worker thread, a process
+        /// without task lineage.
         note traceparents_not_known,
         /// Requests that already carried a `traceparent`: left as they were. Not a loss: the
         /// caller's own instrumentation names the parent.

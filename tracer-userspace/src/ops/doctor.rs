@@ -15,11 +15,13 @@ use aya::{maps::MapType, programs::ProgramType};
 
 use crate::config::cli::DoctorArgs;
 use crate::export::otlp::error_chain;
+use crate::kernel::injection::InjectScope;
 use crate::kernel::loader::{
     self, Attachment, BTF_PATH, Capability, CapabilitySet, FeatureReport, LoadOptions,
     MapFootprint, REQUIRED_CAPABILITIES, TRACEFS, Tracefs,
 };
 use crate::kernel::tracepoint_format;
+use crate::model::ids::MintKey;
 use crate::processes::discovery::{executable_path, gym_server_from_env, read_process_env};
 use tracer_abi::TracepointLayout;
 
@@ -253,14 +255,16 @@ impl Host {
             // What `run` allocates by default (the memory cgroup is charged for it).
             ring_buffer_bytes: crate::config::cli::DEFAULT_RING_BUFFER_BYTES,
             max_connections: crate::config::cli::DEFAULT_MAX_CONNECTIONS,
-            inject_traceparent: false,
+            inject_traceparent: None,
+            mint_key: MintKey([0; 2]),
             max_tasks: tracer_abi::DEFAULT_MAX_TASKS,
         });
         let injection = loader::trial_injection(&LoadOptions {
             capture_bytes: tracer_abi::DEFAULT_CAPTURE_BYTES,
             ring_buffer_bytes: 4096,
             max_connections: 1,
-            inject_traceparent: true,
+            inject_traceparent: Some(InjectScope::All),
+            mint_key: MintKey([0; 2]),
             max_tasks: 1,
         })
         .map_err(|e| error_chain(e.as_ref()));

@@ -86,7 +86,7 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
             stitch: StitchConfig {
                 max_pending: 100_000,
                 max_nodes: 400_000,
-                inject_traces: false,
+                injection: None,
             },
         },
         (),
@@ -332,7 +332,7 @@ pub fn stitch_ns_per_call(in_flight: u32, rounds: u32) -> f64 {
     let mut stitcher = Stitcher::new(StitchConfig {
         max_pending: 1 << 20,
         max_nodes: 1 << 22,
-        inject_traces: false,
+        injection: None,
     });
     let now = Instant::now();
     let mut out = Vec::new();

@@ -40,7 +40,7 @@ use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
 use crate::kernel::events::{DataTransfer, KernelEvent};
 use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId};
-use crate::model::ids::SpanId;
+use crate::model::ids::{MintKey, SpanId};
 use crate::model::service::{AgentResource, GymLabels};
 use crate::model::span::SpanRecord;
 use crate::pipeline::{Observer, Pipeline, PipelineConfig, PipelineCounters};
@@ -49,7 +49,7 @@ use crate::reassembly::connections::{
 };
 use crate::reassembly::tls::TlsCounters;
 use crate::signals::meaning::wants_run_body;
-use crate::stitch::{StitchConfig, StitchCounters};
+use crate::stitch::{Injection, StitchConfig, StitchCounters};
 
 /// Sockets a script can name: three processes with three fds each.
 pub const SLOTS: usize = 9;
@@ -418,7 +418,11 @@ impl Replay {
             stitch: StitchConfig {
                 max_pending: MAX_PENDING_SPANS,
                 max_nodes: MAX_PENDING_SPANS * 4,
-                inject_traces: true,
+                // Injection's paths too: publication, shared call ids, minted traces.
+                injection: Some(Injection {
+                    every_call: true,
+                    mint_key: MintKey([1, 2]),
+                }),
             },
         };
         let mut pipeline = Pipeline::new(config, ());

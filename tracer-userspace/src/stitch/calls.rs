@@ -600,7 +600,7 @@ mod tests {
                 stitcher: Stitcher::new(StitchConfig {
                     max_pending: 1000,
                     max_nodes: 1000,
-                    inject_traces: false,
+                    injection: None,
                 }),
                 now: Instant::now(),
                 next_port: 40000,

@@ -37,7 +37,7 @@ impl Stitcher {
     /// The group `key` serves `owner`: publishes `owner`'s trace for it, when injection is
     /// on, the trace is settled and the request still unanswered on a plaintext connection.
     pub(super) fn publish_trace(&mut self, key: (u32, GroupKey), owner: SpanId) {
-        if !self.config.inject_traces || self.published.get(&key) == Some(&owner) {
+        if self.config.injection.is_none() || self.published.get(&key) == Some(&owner) {
             return;
         }
         let Some(node) = self.nodes.get(&owner) else {
@@ -64,7 +64,7 @@ impl Stitcher {
     /// `owner`'s trace may have settled (its rollout became known): its bound handlers that
     /// were not published yet are.
     pub(super) fn publish_traces_of(&mut self, owner: SpanId) {
-        if !self.config.inject_traces {
+        if self.config.injection.is_none() {
             return;
         }
         let keys: Vec<(u32, GroupKey)> = self
@@ -130,7 +130,9 @@ impl Stitcher {
                 Parent::Local(parent) if self.nodes.contains_key(&parent) => id = parent,
                 Parent::Local(_) => return None,
                 Parent::None => {
-                    return self.effective_rollout(start).map(super::rollout_trace_id);
+                    return node
+                        .minted_trace
+                        .or_else(|| self.effective_rollout(start).map(super::rollout_trace_id));
                 }
             }
         }
@@ -140,14 +142,16 @@ impl Stitcher {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
     use std::time::Instant;
 
     use super::super::GroupKey;
-    use super::super::{StartFacts, StitchConfig, Stitcher};
+    use super::super::{Injection, StartFacts, StitchConfig, Stitcher};
     use super::TraceInjection;
     use crate::gym::rollout_id::RolloutId;
     use crate::model::context::{ContextChain, WriterTask};
     use crate::model::exchange::{InboundSocket, RequestStart, Role};
+    use crate::model::ids::{MintKey, TraceId};
     use crate::pipeline::testing;
 
     const AGENT: u32 = 1;
@@ -177,11 +181,16 @@ mod tests {
         }
     }
 
+    const KEY: MintKey = MintKey([0x5eed, 0xc0ffee]);
+
     fn stitcher(inject: bool) -> Stitcher {
         Stitcher::new(StitchConfig {
             max_pending: 100,
             max_nodes: 1000,
-            inject_traces: inject,
+            injection: inject.then_some(Injection {
+                every_call: true,
+                mint_key: KEY,
+            }),
         })
     }
 
@@ -230,7 +239,10 @@ mod tests {
             (pid, handler, owner.fd),
             (AGENT, GroupKey::Context(HANDLER), 1000)
         );
-        assert_eq!(
+        // The trace its kernel minted for /run (connection 7, its first request), not the
+        // rollout's: the kernel may have written it into the handler's first calls.
+        assert_eq!(trace, TraceId::minted(KEY, AGENT, 7, 0));
+        assert_ne!(
             trace,
             super::super::rollout_trace_id(&RolloutId::parse("3-0").expect("an id"))
         );
@@ -247,26 +259,68 @@ mod tests {
         );
     }
 
+    /// An inbound request from another host's Gym server, without a header.
+    fn inbound_from_another_host(stitcher: &mut Stitcher, port: u16) -> RequestStart {
+        let mut start = testing::start(AGENT, Role::Server, (8000, port), 0, "POST", "/run");
+        start.peer = Some(SocketAddr::from(([10, 0, 0, 9], port)));
+        start.inbound_socket = Some(InboundSocket {
+            fd: i32::from(port),
+            conn_id: 7,
+            requests_before: 0,
+        });
+        let facts = StartFacts {
+            caller_traced: true,
+            ..facts(None)
+        };
+        stitcher.start(&start, facts, Instant::now());
+        stitcher.response_writer(start.span_id, writer(chain(&[0x999])));
+        start
+    }
+
+    #[test]
+    fn a_request_without_a_header_is_a_root_of_the_trace_its_kernel_minted() {
+        let mut injecting = stitcher(true);
+        // Its rollout known or not, /run's trace is the minted one from its start, and so is
+        // its calls' (whose ids the kernel's header carries).
+        for (port, rollout) in [(1000, Some("3-0")), (1001, None)] {
+            let run = inbound(&mut injecting, port, rollout);
+            let minted = TraceId::minted(KEY, AGENT, 7, 0);
+            assert_eq!(injecting.trace_of(run.span_id), minted);
+            assert_eq!(injecting.settled_trace(run.span_id), Some(minted));
+        }
+        // Without the flag, the rollout's trace.
+        let mut off = stitcher(false);
+        let run = inbound(&mut off, 1000, Some("3-0"));
+        assert_eq!(
+            off.trace_of(run.span_id),
+            super::super::rollout_trace_id(&RolloutId::parse("3-0").expect("an id"))
+        );
+    }
+
     #[test]
     fn a_trace_that_may_still_change_is_never_published() {
         let mut stitcher = stitcher(true);
-        // The only request in flight binds the call, but its trace is random until a
-        // rollout id turns up: nothing is published.
-        let run = inbound(&mut stitcher, 1000, None);
+        // A call from another host's Gym server without a header is in its rollout's trace
+        // (which names its caller's span), random until its rollout id turns up: the
+        // handler's calls, bound by the only request in flight, publish nothing yet.
+        let run = inbound_from_another_host(&mut stitcher, 1000);
         let placed = call(&mut stitcher, 2000, None);
         assert!(stitcher.nodes[&placed.span_id].parent != super::Parent::None);
         assert!(stitcher.take_injections().is_empty());
         assert_eq!(stitcher.counters.traces_unsettled, 1);
         // Its body's ids arrive: the trace is settled, and published then.
-        stitcher.set_rollout(run.span_id, RolloutId::parse("4-1").expect("an id"));
+        let rollout = RolloutId::parse("4-1").expect("an id");
+        stitcher.set_rollout(run.span_id, rollout.clone());
         let published = stitcher.take_injections();
+        let trace = super::super::rollout_trace_id(&rollout);
         assert!(
             matches!(
                 published[..],
                 [TraceInjection::Publish {
                     handler: GroupKey::Context(HANDLER),
+                    trace: published_trace,
                     ..
-                }]
+                }] if published_trace == trace
             ),
             "{published:?}"
         );

@@ -84,7 +84,7 @@ mod tests {
         Stitcher::new(StitchConfig {
             max_pending: 1000,
             max_nodes: 1000,
-            inject_traces: false,
+            injection: None,
         })
     }
 

@@ -47,6 +47,7 @@ use crate::model::evidence::Token;
 use crate::model::exchange::InboundSocket;
 use crate::model::exchange::RequestStart;
 use crate::model::exchange::Role;
+use crate::model::ids::MintKey;
 use crate::model::ids::SpanId;
 use crate::model::ids::TraceId;
 use crate::model::ids::derived_id;
@@ -76,8 +77,19 @@ pub struct StitchConfig {
     pub max_pending: usize,
     /// Requests (in flight or recently finished) the graph holds at most.
     pub max_nodes: usize,
-    /// `--inject-traceparent`: publish the traces of bound handlers ([`injection`]).
-    pub inject_traces: bool,
+    /// `--inject-traceparent`, when on.
+    pub injection: Option<Injection>,
+}
+
+/// What the stitcher must know of `--inject-traceparent`: it publishes the traces of bound
+/// handlers ([`injection`]), names the calls the kernel may write a header into with ids the
+/// header carries ([`call_ids`]), and gives an inbound request without a header the trace the
+/// kernel minted for it.
+#[derive(Clone, Copy, Debug)]
+pub struct Injection {
+    /// Every call may carry a header (`all`), not only those to another host (`remote`).
+    pub every_call: bool,
+    pub mint_key: MintKey,
 }
 
 /// Which span of a request a held record is.
@@ -319,6 +331,9 @@ struct Node {
     caller_on_other_host: bool,
     /// Inbound, plaintext: where its response goes ([`injection`]).
     inbound_socket: Option<InboundSocket>,
+    /// Inbound, with `--inject-traceparent`: the trace this host's kernel gave it, which its
+    /// handler's calls carry; its trace if it is a root.
+    minted_trace: Option<TraceId>,
     /// Set when a span of the request (or of a descendant) is released: fixed from then on.
     trace: Option<TraceId>,
     /// Used if the request turns out to be a root without a rollout id.
@@ -556,6 +571,12 @@ impl Stitcher {
         }
         .filter(|_| start.local.zip(start.peer).is_some_and(on_one_host));
         let position = RequestPosition::of(start);
+        let caller_on_other_host = start.role == Role::Server
+            && facts.caller_traced
+            && start
+                .local
+                .zip(start.peer)
+                .is_some_and(|ends| !on_one_host(ends));
         self.seq += 1;
         let mut node = Node {
             pid: start.pid,
@@ -578,18 +599,26 @@ impl Stitcher {
             call_id: match start.role {
                 Role::Client => CallId::of_call(
                     start.tcp_seq,
-                    self.config.inject_traces
+                    self.config
+                        .injection
+                        .is_some_and(|inject| inject.every_call)
                         || !start.local.zip(start.peer).is_some_and(on_one_host),
                 ),
                 Role::Server => CallId::Own,
             },
-            caller_on_other_host: start.role == Role::Server
-                && facts.caller_traced
-                && start
-                    .local
-                    .zip(start.peer)
-                    .is_some_and(|ends| !on_one_host(ends)),
+            caller_on_other_host,
             inbound_socket: start.inbound_socket,
+            // Not for a call from another host's Gym server: its trace is its rollout's, which
+            // names its caller's CLIENT span (see `cross_host_parent`).
+            minted_trace: match (self.config.injection, start.inbound_socket) {
+                (Some(injection), Some(socket)) if !caller_on_other_host => Some(TraceId::minted(
+                    injection.mint_key,
+                    start.pid,
+                    socket.conn_id,
+                    socket.requests_before,
+                )),
+                _ => None,
+            },
             trace: None,
             random_trace: TraceId::random(),
             finished: false,
@@ -1154,10 +1183,12 @@ impl Stitcher {
                 Parent::Remote(trace, _) => return trace,
                 Parent::Local(parent) if self.nodes.contains_key(&parent) => id = parent,
                 _ => {
-                    // A root of this host: its rollout decides, else its own random id.
-                    return match self.effective_rollout(start) {
-                        Some(rollout) => rollout_trace_id(rollout),
-                        None => node.random_trace,
+                    // A root of this host: the trace its kernel gave it, else its rollout's,
+                    // else its own random id.
+                    return match (node.minted_trace, self.effective_rollout(start)) {
+                        (Some(minted), _) => minted,
+                        (None, Some(rollout)) => rollout_trace_id(rollout),
+                        (None, None) => node.random_trace,
                     };
                 }
             }
@@ -1287,6 +1318,58 @@ mod tests {
         }
     }
 
+    /// The kernel's rule for which calls `--inject-traceparent remote` leaves alone and user
+    /// space's for which calls get ids the header carries must agree: else a header names a
+    /// span no agent exports.
+    #[test]
+    fn the_kernel_and_user_space_agree_on_which_peers_are_on_this_host() {
+        use std::net::IpAddr;
+        let addresses: Vec<IpAddr> = [
+            "127.0.0.1",
+            "127.3.2.1",
+            "10.0.0.5",
+            "10.0.0.9",
+            "::1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.5",
+            "fd00::5",
+            "fd00::9",
+        ]
+        .iter()
+        .map(|text| text.parse().expect("an address"))
+        .collect();
+        let kernel = |local: IpAddr, peer: IpAddr| {
+            let (family, local, peer) = match (local, peer) {
+                (IpAddr::V4(local), IpAddr::V4(peer)) => {
+                    let widen = |octets: [u8; 4]| {
+                        let mut bytes = [0u8; 16];
+                        bytes[..4].copy_from_slice(&octets);
+                        bytes
+                    };
+                    (
+                        tracer_abi::AF_INET,
+                        widen(local.octets()),
+                        widen(peer.octets()),
+                    )
+                }
+                (local, peer) => {
+                    let six = |ip: IpAddr| match ip {
+                        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+                        IpAddr::V6(v6) => v6.octets(),
+                    };
+                    (tracer_abi::AF_INET6, six(local), six(peer))
+                }
+            };
+            tracer_abi::peer_on_host(family, &local, &peer)
+        };
+        for &local in &addresses {
+            for &peer in &addresses {
+                let ends = (SocketAddr::new(local, 40000), SocketAddr::new(peer, 8000));
+                assert_eq!(kernel(local, peer), on_one_host(ends), "{local} -> {peer}");
+            }
+        }
+    }
+
     impl Stitcher {
         fn undecided(&self, call: SpanId) -> Option<Undecided> {
             self.nodes[&call].undecided
@@ -1308,7 +1391,7 @@ mod tests {
         StitchConfig {
             max_pending: 100,
             max_nodes: 1000,
-            inject_traces: false,
+            injection: None,
         }
     }
 
