@@ -11,9 +11,11 @@ Method (also in docs/performance.md):
   same receiver). Each run: start servers, warm up with wrk (untimed; before the agent
   attaches), attach, run wrk for --duration, let exports settle, read /proc, stop.
   Also `tracer-no-ctx` (the task-context reads off), `tracer-lineage` (the task-lineage
-  uprobe on every server: `--task-lineage on`) and, on /run, `tracer-inject`; the agent's
-  counters of a traced run are taken over the measured window only (its /metrics before,
-  its exit summary after), so the warm-up's requests and tasks are not in them.
+  uprobe on every server: `--task-lineage on`) and, on /run, `tracer-inject`
+  (`--inject-traceparent`, which also turns task lineage on in every server); the agent's
+  lineage counters of a traced run are taken over the measured window only (its /metrics
+  before, its exit summary after), so the warm-up's requests and tasks are not in them, and
+  so is its eBPF programs' run time (kernel.bpf_stats_enabled during the load).
 - Every figure of a row is the median over the repeats, taken figure by figure.
 
 The results go to stdout (one table) and to target/bench/bench-<UTC time>.json and
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,7 +56,7 @@ import gym_scale  # noqa: E402
 SERVER_CPU, LOAD_CPU = 0, 1
 # tracer-no-ctx: gym-tracer with --no-task-contexts, so that the kernel's task-context reads
 # (issue #13) are priced on their own: the difference to gym-tracer is what they cost.
-# tracer-inject: gym-tracer with --inject-traceparent (issue #17), on the `run` workload only
+# tracer-inject: gym-tracer with --inject-traceparent (issues #17, #47), on the `run` workload only
 # (the one whose servers make outbound calls): throughput and errors beside the others.
 # tracer-lineage: gym-tracer with --task-lineage on, so that the uprobe on `_asyncio`'s
 # Task.__init__ is priced on its own: the difference to gym-tracer (whose default, `auto`,
@@ -334,11 +336,19 @@ def measure(workload, variant, params, receiver, scripts):
                                  f"{len(pids)} servers (lineage_processes): see its log:\n{agent.stderr()[-4000:]}")
         server_cpu_before = sum(cpu_seconds(pid) for pid in pids)
         agent_cpu_before = cpu_seconds(agent.process.pid) if agent else 0.0
-        load = run_wrk(url, scripts[workload], params.connections, params.duration)
-        time.sleep(SETTLE_SECONDS)
+        # The agent's eBPF programs' own run time over the load (kernel.bpf_stats_enabled for
+        # every traced variant alike: its accounting costs each of them the same).
+        with bpf_stats.stats_enabled() if agent else nullcontext():
+            bpf_before = bpf_stats.run_time(agent.process.pid) if agent else None
+            load = run_wrk(url, scripts[workload], params.connections, params.duration)
+            time.sleep(SETTLE_SECONDS)
+            bpf_after = bpf_stats.run_time(agent.process.pid) if agent else None
         server_cpu = sum(cpu_seconds(pid) for pid in pids) - server_cpu_before
         result = dict(load, workload=workload, variant=variant,
                       server_cpu_us_per_req=1e6 * server_cpu / max(load["requests"], 1))
+        if agent:
+            result["bpf_us_per_req"] = (bpf_after[0] - bpf_before[0]) / 1e3 / max(load["requests"], 1)
+            result["bpf_runs_per_req"] = (bpf_after[1] - bpf_before[1]) / max(load["requests"], 1)
         if agent:
             result["agent_cpu_us_per_req"] = 1e6 * (cpu_seconds(agent.process.pid) - agent_cpu_before) / max(
                 load["requests"], 1)
@@ -1161,7 +1171,7 @@ MEDIAN_FIELDS = ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "agent_cpu_
                  "events_lost", "agent_drops", "spans_per_req", "server_spans_per_sent", "requests", "sent", "errors",
                  "non_2xx", "context_chains_per_req", "traceparents_injected_per_req",
                  "traceparents_not_known_per_req", "traceparents_failed", "lineage_processes", "lineage_processes_off",
-                 "lineage_tasks_per_req", "lineage_parents_per_req")
+                 "lineage_tasks_per_req", "lineage_parents_per_req", "bpf_us_per_req", "bpf_runs_per_req")
 
 
 def medians(runs):
@@ -1263,6 +1273,45 @@ def lineage_cost(table, runs, workload):
             "paired_delta_us": statistics.median(r["delta_us"] for r in by_repeat) if by_repeat else None,
             "paired_us_per_hit": (per_hit(statistics.median(r["delta_us"] for r in by_repeat), hits)
                                   if by_repeat else None)}
+
+
+def injection_cost(table, runs):
+    """What `--inject-traceparent` costs a Gym agent server per rollout (the run workload: one
+    /run is one rollout), gym-tracer with it against gym-tracer without: the headers written
+    per rollout, the task-lineage probe hits it turns on in every server, the agent's eBPF run
+    time, and the servers' CPU (also repeat by repeat, the variants interleaved); beside it
+    in-process OpenTelemetry's cost against untraced, its own spans and traceparent
+    propagation included. The bench's servers are on one host, so the variant injects into
+    every call (`all`): `remote` on a Gym spread over hosts writes into the calls between them
+    only, and hands the trace over the others in the kernel (a map update instead)."""
+    inject, plain = table.get(("run", "tracer-inject")), table.get(("run", "gym-tracer"))
+    base, otel = table.get(("run", "untraced")), table.get(("run", "otel"))
+    if not inject or not plain or "bpf_us_per_req" not in inject:
+        return None
+    base_us = base["server_cpu_us_per_req"] if base else None
+    by_repeat = []
+    for repeat in sorted({r["repeat"] for r in runs if r["workload"] == "run"}):
+        pair = {r["variant"]: r for r in runs if r["workload"] == "run" and r["repeat"] == repeat}
+        if "tracer-inject" in pair and "gym-tracer" in pair:
+            by_repeat.append(pair["tracer-inject"]["server_cpu_us_per_req"] - pair["gym-tracer"]["server_cpu_us_per_req"])
+    return {"headers_per_rollout": inject["traceparents_injected_per_req"],
+            "not_known_per_rollout": inject["traceparents_not_known_per_req"],
+            "failed": inject["traceparents_failed"],
+            "probe_hits_per_rollout": inject["lineage_tasks_per_req"],
+            "probe_hits_per_rollout_without": plain["lineage_tasks_per_req"],
+            "bpf_us_per_rollout": inject["bpf_us_per_req"], "bpf_us_per_rollout_without": plain["bpf_us_per_req"],
+            "bpf_runs_per_rollout": inject["bpf_runs_per_req"],
+            "bpf_runs_per_rollout_without": plain["bpf_runs_per_req"],
+            "server_cpu_us": inject["server_cpu_us_per_req"], "server_cpu_us_without": plain["server_cpu_us_per_req"],
+            "server_cpu_us_untraced": base_us,
+            "delta_us": inject["server_cpu_us_per_req"] - plain["server_cpu_us_per_req"],
+            "paired_delta_us": statistics.median(by_repeat) if by_repeat else None, "by_repeat": by_repeat,
+            "delta_pct_of_untraced": (100 * (inject["server_cpu_us_per_req"] - plain["server_cpu_us_per_req"])
+                                      / base_us if base_us else None),
+            "total_us": inject["server_cpu_us_per_req"] - base_us if base_us else None,
+            "otel_us": otel["server_cpu_us_per_req"] - base_us if otel and base_us else None,
+            "rps_vs_untraced": inject.get("rps_vs_untraced"), "rps_vs_untraced_without": plain.get("rps_vs_untraced"),
+            "otel_rps_vs_untraced": otel.get("rps_vs_untraced") if otel else None}
 
 
 def fmt(value, spec, missing="-"):
@@ -1399,14 +1448,23 @@ def render(report):
                     f"{100 * h['gym_tracer_server_cpu_cost']:+.1f}% ({100 * h['gym_tracer_cpu_cost_with_agent']:+.1f}% "
                     f"with the agent's), OTel {100 * h['otel_server_cpu_cost']:+.1f}% (ratio "
                     f"{fmt(h['gym_tracer_cpu_cost_fraction_of_otel'], '.3f', 'n/a')})")
-        inject = table.get("run/tracer-inject")
-        if inject:
+        inject, c = table.get("run/tracer-inject"), report.get("injection")
+        if inject and c:
             lines.append(
-                f"run with --inject-traceparent: {inject['traceparents_injected_per_req']:.2f} headers inserted per "
-                f"/run ({inject['traceparents_not_known_per_req']:.2f} calls written before their trace was known), "
-                f"{inject['traceparents_failed']:.0f} failed; wrk errors {inject['errors']:.0f}, non-2xx "
-                f"{inject['non_2xx']:.0f}; req/s × {fmt(inject.get('rps_vs_untraced'), '.3f')} (gym-tracer "
-                f"{fmt(table.get('run/gym-tracer', {}).get('rps_vs_untraced'), '.3f')})")
+                f"run with --inject-traceparent (all; one /run is one rollout): {c['headers_per_rollout']:.2f} headers "
+                f"written per rollout ({c['not_known_per_rollout']:.2f} calls whose trace was not known, "
+                f"{c['failed']:.0f} failed; wrk errors {inject['errors']:.0f}, non-2xx {inject['non_2xx']:.0f}); "
+                f"per rollout, with it and without: task-lineage probe hits {c['probe_hits_per_rollout']:.2f} and "
+                f"{fmt(c['probe_hits_per_rollout_without'], '.2f')}, the agent's eBPF {c['bpf_us_per_rollout']:.1f} and "
+                f"{c['bpf_us_per_rollout_without']:.1f} µs ({c['bpf_runs_per_rollout']:.0f} and "
+                f"{c['bpf_runs_per_rollout_without']:.0f} program runs), server CPU {c['server_cpu_us']:.0f} and "
+                f"{c['server_cpu_us_without']:.0f} µs ({c['delta_us']:+.1f} µs, "
+                f"{fmt(c['delta_pct_of_untraced'], '+.1f', '?')} % of untraced; repeat by repeat "
+                + ", ".join(f"{d:+.1f}" for d in c["by_repeat"])
+                + f", median {fmt(c['paired_delta_us'], '+.1f', '?')} µs); gym-tracer with it against untraced "
+                f"{fmt(c['total_us'], '+.1f', '?')} µs, in-process OpenTelemetry (its spans and propagation) "
+                f"{fmt(c['otel_us'], '+.1f', '?')} µs; req/s × {fmt(c['rps_vs_untraced'], '.3f')} (without "
+                f"{fmt(c['rps_vs_untraced_without'], '.3f')}, OpenTelemetry {fmt(c['otel_rps_vs_untraced'], '.3f')})")
         for workload, c in report.get("context_cost", {}).items():
             if c:
                 lines.append(
@@ -1719,6 +1777,7 @@ def main(argv=None):
         report["headline"] = {w: headline(table, w) for w in workloads}
         report["context_cost"] = {w: context_cost(table, w) for w in workloads}
         report["lineage"] = {w: lineage_cost(table, report["runs"], w) for w in workloads}
+        report["injection"] = injection_cost(table, report["runs"])
         if "saturation" in args.sections:
             report["saturation"] = saturation(args, receiver, scripts)
         if "connections" in args.sections:

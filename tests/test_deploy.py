@@ -325,6 +325,7 @@ def test_systemd_config_example_is_accepted():
     assert effective(output, "discover") == ('"gym"', "file")
     assert effective(output, "otlp-protocol") == ('"grpc"', "file")
     assert effective(output, "health-listen")[1] == "file"
+    assert effective(output, "inject-traceparent") == ('"remote"', "file")
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -345,6 +346,7 @@ def test_configmap_and_pod_environment_are_accepted(rendered, tree, tmp_path):
     output = result.stdout
 
     assert effective(output, "discover") == ('"gym"', "file")
+    assert effective(output, "inject-traceparent") == ('"remote"', "file")
     assert effective(output, "resource-attributes") == (
         f'"k8s.node.name={FAKE_NODE_NAME},host.name={FAKE_NODE_NAME}"', "env")
     health = {"host-network": f'"{FAKE_POD_IP}:9464"'}.get(tree, '"0.0.0.0:9464"')
@@ -425,14 +427,16 @@ def test_systemd_unit_exposure_is_low(installed_unit):
 def test_agent_traces_with_only_the_units_privileges(tmp_path, gym, agents):
     """The unit's identity, as far as it can be had without systemd: an unprivileged user with
     the unit's capabilities as its ambient (and bounding) set and no_new_privs, tracing Gym
-    servers that belong to root."""
+    servers that belong to root, and handing the rollout's trace over its calls on this host as
+    the unit's `inject-traceparent = "remote"` does (its sock_ops program attached to the cgroup
+    v2 root)."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) is not installed: cannot drop to the unit's privileges")
     caps = ",".join(f"+{c.lower()}" for c in sorted(unit_capabilities()))
     nobody = 65534
     run = gym()
-    agent = agents(discover=True, start=False)
+    agent = agents(discover=True, start=False, extra_args=["--inject-traceparent", "remote"])
     os.chmod(agent.workdir, 0o777)  # the agent creates its ready file there
     agent.args = [setpriv, f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
                   f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{caps}",
@@ -453,6 +457,19 @@ def test_agent_traces_with_only_the_units_privileges(tmp_path, gym, agents):
     assert agent.returncode == 0, agent.stderr()
     names = {span["name"] for span in agent.spans()}
     assert {"POST /run", "gym.rollout", "gym.verify"} <= names, f"{names}\n{agent.stderr()}"
+    # The uprobes attached in all three servers (task lineage, and TLS's on the libssl they map):
+    # Linux since mid-2025 wants CAP_SYS_ADMIN for them, which the unit grants.
+    summary = agent.summary()
+    assert (summary["lineage_processes"], summary["lineage_processes_off"]) == (3, 0), summary
+    assert summary["tls_libraries_failed"] == 0, summary
+    # Every call is to a server on this host: none carries a header, and each hands its
+    # handler's trace, known from the first call on by task lineage, to the callee's kernel.
+    calls = sum(span["kind"] == "CLIENT" for span in agent.spans())
+    assert calls > 0
+    assert summary["traceparents_injected"] == 0, summary
+    assert (summary["traceparents_handed_over"], summary["traceparents_not_known"]) == (calls, 0), summary
+    assert summary["traceparents_not_delivered"] == 0, summary
+    assert any("enter the sockhash" in message for message in agent.log_messages()), agent.stderr()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 
 from harness import agent_binary
 
-# The set docs/install.md, the systemd unit and the DaemonSet grant; names as setpriv spells them.
+# The set `run` needs (docs/install.md), as setpriv spells them; the systemd unit and the DaemonSet
+# grant these and CAP_NET_ADMIN (their config injects traceparent across hosts).
 REQUIRED = ["bpf", "perfmon", "dac_read_search", "sys_ptrace"]
 NOBODY = 65534
 
@@ -189,6 +190,11 @@ def test_the_agent_traces_with_only_the_documented_capabilities(server_factory, 
         # /proc/<pid>/exe of a root process: read thanks to CAP_SYS_PTRACE.
         assert span["resource"]["process.executable.path"].endswith(("python3", "python3.13", "python"))
     assert any("route templates" in message for message in agent.log_messages()), agent.stderr()
+    # Without CAP_SYS_ADMIN this kernel attaches no uprobe (the server maps libssl): the agent
+    # says so, and why, and counts it.
+    refused = [m for m in agent.log_messages() if "attaching uprobes to" in m]
+    assert len(refused) == 1 and "only with CAP_SYS_ADMIN" in refused[0], agent.stderr()
+    assert agent.summary()["tls_libraries_failed"] == 1
 
 
 def test_injection_names_the_capability_it_needs_besides(server_factory):

@@ -11,7 +11,7 @@ use tracer_abi::AsyncioProcess;
 
 use super::context_reads::RuntimeView;
 use crate::config::cli::TaskLineageMode;
-use crate::kernel::loader::LoadedProbes;
+use crate::kernel::loader::{LoadedProbes, uprobe_refusal_hint};
 use crate::processes::discovery::GymServer;
 use crate::processes::identity::parent_pid;
 use crate::processes::python::PythonRuntime;
@@ -219,7 +219,11 @@ fn probe<L>(
     let file = path_in_process(pid, &site.path);
     let link = attacher
         .attach_task_probe(pid, site.layout, &file, TASK_INIT_SYMBOL)
-        .map_err(|error| LineageOff::Attach(format!("{error:#}")))?;
+        .map_err(|error| {
+            let error = format!("{error:#}");
+            let hint = uprobe_refusal_hint(&error);
+            LineageOff::Attach(format!("{error}{hint}"))
+        })?;
     Ok((link, site.path.display().to_string()))
 }
 

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use crate::config::cli::TlsProbeScope;
-use crate::kernel::loader::{LoadedProbes, TlsAttachment};
+use crate::kernel::loader::{LoadedProbes, TlsAttachment, uprobe_refusal_hint};
 use crate::processes::tls_library::{
     FileId, MappedLibrary, TlsProbeCounters, TlsSupport, defined_ssl_functions,
     mapped_tls_libraries, path_in_process, tls_support,
@@ -230,7 +230,12 @@ impl TlsProbes {
             }
             Err(error) => {
                 self.counters.tls_libraries_failed += 1;
-                tracing::warn!(pid, "{error:#}; HTTPS requests through it are not traced");
+                let error = format!("{error:#}");
+                let hint = uprobe_refusal_hint(&error);
+                tracing::warn!(
+                    pid,
+                    "{error}{hint}; HTTPS requests through it are not traced"
+                );
                 false
             }
         };

@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -124,6 +124,10 @@ pub fn attach(ebpf: &mut Ebpf) -> Result<()> {
                 root.display()
             )
         })?;
+    tracing::info!(
+        "--inject-traceparent: sockets of traced processes below the cgroup {} enter the sockhash",
+        root.display()
+    );
     Ok(())
 }
 
@@ -155,18 +159,49 @@ fn sock_ops(ebpf: &mut Ebpf) -> Result<&mut SockOps> {
     Ok(program.try_into()?)
 }
 
-/// Where the cgroup v2 hierarchy is mounted (`/sys/fs/cgroup` on a unified host,
-/// `/sys/fs/cgroup/unified` on a hybrid one), from this process's mount table.
+/// The root of the cgroup v2 hierarchy `sock_ops` attaches to: the host's. In a container
+/// that shares the host's PID namespace (the DaemonSet's), the container's own
+/// `/sys/fs/cgroup` is only its pod's cgroup, and servers in other pods would never reach the
+/// sockhash; the host's init sees the node's root, which `/proc/1/root` reaches (with
+/// CAP_SYS_PTRACE). Where that is not readable, or is the same directory, the hierarchy of
+/// this process's own mount table (`/sys/fs/cgroup` on a unified host,
+/// `/sys/fs/cgroup/unified` on a hybrid one).
 pub fn cgroup2_root() -> Result<PathBuf> {
-    let mounts =
-        std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
-    cgroup2_mount_point(&mounts).ok_or_else(|| {
-        anyhow::anyhow!(
+    cgroup2_root_in(Path::new("/proc"))
+}
+
+fn cgroup2_root_in(proc: &Path) -> Result<PathBuf> {
+    let own = std::fs::read_to_string(proc.join("self/mountinfo"))
+        .ok()
+        .as_deref()
+        .and_then(cgroup2_mount_point);
+    let hosts = std::fs::read_to_string(proc.join("1/mountinfo"))
+        .ok()
+        .as_deref()
+        .and_then(cgroup2_mount_point)
+        .map(|mount| {
+            proc.join("1/root")
+                .join(mount.strip_prefix("/").unwrap_or(&mount))
+        })
+        .filter(|through_init| File::open(through_init).is_ok());
+    match (own, hosts) {
+        (Some(own), Some(hosts)) if !same_directory(&own, &hosts) => Ok(hosts),
+        (Some(own), _) => Ok(own),
+        (None, Some(hosts)) => Ok(hosts),
+        (None, None) => bail!(
             "no cgroup v2 hierarchy is mounted, and --inject-traceparent attaches to one: \
              mount it (`mount -t cgroup2 none /sys/fs/cgroup/unified`) or run without \
              --inject-traceparent"
-        )
-    })
+        ),
+    }
+}
+
+fn same_directory(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
 }
 
 /// The mount point of the first `cgroup2` mount of a `mountinfo` table: the root of the
@@ -242,6 +277,39 @@ mod tests {
             cgroup2_mount_point("36 30 0:31 / /x rw - cgroup cgroup rw\n"),
             None
         );
+    }
+
+    #[test]
+    fn the_hosts_cgroup_root_is_reached_through_init_when_it_is_not_this_processs() {
+        let proc = std::env::temp_dir().join(format!("gym-tracer-cgroup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&proc);
+        let mount =
+            |mount_point: &str| format!("29 23 0:26 / {mount_point} rw - cgroup2 cgroup2 rw\n");
+        std::fs::create_dir_all(proc.join("self")).unwrap();
+        std::fs::create_dir_all(proc.join("1/root/sys/fs/cgroup/unified")).unwrap();
+        std::fs::write(proc.join("1/mountinfo"), mount("/sys/fs/cgroup/unified")).unwrap();
+        // A container: its own hierarchy is a directory of its own (its pod's cgroup).
+        let own = proc.join("pod-cgroup");
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(proc.join("self/mountinfo"), mount(own.to_str().unwrap())).unwrap();
+        let through_init = proc.join("1/root/sys/fs/cgroup/unified");
+        assert_eq!(cgroup2_root_in(&proc).unwrap(), through_init);
+        // On the host itself both name one directory: this process's path is kept.
+        let host_path = proc.join("host-cgroup");
+        std::os::unix::fs::symlink(&through_init, &host_path).unwrap();
+        std::fs::write(
+            proc.join("self/mountinfo"),
+            mount(host_path.to_str().unwrap()),
+        )
+        .unwrap();
+        assert_eq!(cgroup2_root_in(&proc).unwrap(), host_path);
+        // Init's root out of reach (no CAP_SYS_PTRACE, or a sandbox): this process's own.
+        std::fs::write(proc.join("self/mountinfo"), mount(own.to_str().unwrap())).unwrap();
+        std::fs::remove_dir_all(proc.join("1/root")).unwrap();
+        assert_eq!(cgroup2_root_in(&proc).unwrap(), own);
+        std::fs::write(proc.join("self/mountinfo"), "").unwrap();
+        assert!(cgroup2_root_in(&proc).is_err());
+        std::fs::remove_dir_all(&proc).unwrap();
     }
 
     #[test]

@@ -496,6 +496,22 @@ impl CapabilitySet {
     }
 }
 
+/// What to add to a uprobe's attach error when the capabilities explain it. Linux requires
+/// CAP_SYS_ADMIN for uprobe perf events again since mid-2025 (the fix for c9e0924e5c2b, in
+/// the stable kernels too), where CAP_PERFMON sufficed from 5.8; without it the kernel
+/// answers EACCES, which aya reports as "Permission denied".
+pub fn uprobe_refusal_hint(error: &str) -> &'static str {
+    let lacks_admin = CapabilitySet::effective()
+        .map(|caps| !caps.contains(Capability::SYS_ADMIN))
+        .unwrap_or(false);
+    if lacks_admin && error.contains("Permission denied") {
+        " (this kernel attaches uprobes only with CAP_SYS_ADMIN, as Linux has since mid-2025: \
+         grant it for TLS plaintext and task lineage)"
+    } else {
+        ""
+    }
+}
+
 /// A capability the agent needs, what for, and what breaks without it.
 #[derive(Debug)]
 pub struct Requirement {
@@ -981,13 +997,16 @@ impl LoadedProbes {
                     // An entry without its return would leave calls pending: take it back.
                     let _ = uprobe(&mut self.ebpf, program).map(|p| p.detach(entry));
                     let why = match exit {
-                        Some(Ok(Err(error))) => error.to_string(),
+                        Some(Ok(Err(error))) => format!("{:#}", anyhow::Error::from(error)),
                         Some(Err(error)) => format!("{error:#}"),
                         _ => "no return probe".to_string(),
                     };
                     failures.push(format!("{function} (return): {why}"));
                 }
-                (Err(error), _) => failures.push(format!("{function}: {error}")),
+                // With the cause: the errno says why the kernel refused.
+                (Err(error), _) => {
+                    failures.push(format!("{function}: {:#}", anyhow::Error::from(error)))
+                }
             }
         }
         let attached = &attachment.functions;

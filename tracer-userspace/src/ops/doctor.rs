@@ -745,12 +745,9 @@ fn privilege_rows(host: &Host) -> Vec<Row> {
         Capability::SYS_ADMIN.name(),
         Status::Info,
         format!(
-            "only to mount tracefs when the host has not{}",
-            if mount_needed {
-                ": needed here"
-            } else {
-                "; not needed here"
-            }
+            "for uprobes (TLS plaintext, task lineage) on Linux since mid-2025, which no \
+             longer accepts CAP_PERFMON for them, and to mount tracefs when the host has not{}",
+            if mount_needed { ": needed here" } else { "" }
         ),
     ));
     privileges.push(row(
