@@ -67,8 +67,9 @@ TRACED = {"gym-tracer": [], "tracer-lineage": ["--task-lineage", "on"], "tracer-
           "tracer-inject": ["--inject-traceparent"]}
 ONLY_ON = {"tracer-inject": "run"}
 WORKLOADS = ("verify", "run")
-# `--only lineage`: both workloads with these variants only (what the lineage lines need).
-LINEAGE_VARIANTS = ("untraced", "gym-tracer", "tracer-lineage", "otel")
+# `--only lineage`: both workloads with these variants only (what the lineage lines need, and
+# on /run the injection line: --inject-traceparent turns lineage on in every server).
+LINEAGE_VARIANTS = ("untraced", "gym-tracer", "tracer-lineage", "tracer-inject", "otel")
 # The agent's task-lineage counters, read as deltas over the measured window of every traced run.
 LINEAGE_COUNTERS = ("lineage_tasks_probed", "lineage_request_roots", "lineage_roots_without_request",
                     "lineage_other_roots", "lineage_inherited", "lineage_creator_unseen",

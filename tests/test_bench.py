@@ -57,7 +57,8 @@ def test_quick_bench_writes_a_complete_report(quick_bench):
     table = report["table"]
     # The verify section's variants, and the lineage section's on the run workload.
     assert set(table) == {"verify/untraced", "verify/gym-tracer", "verify/tracer-lineage", "verify/tracer-no-ctx",
-                          "verify/otel", "run/untraced", "run/gym-tracer", "run/tracer-lineage", "run/otel"}
+                          "verify/otel", "run/untraced", "run/gym-tracer", "run/tracer-lineage", "run/tracer-inject",
+                          "run/otel"}
     for row in table.values():
         for column in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "rps_vs_untraced"):
             assert row[column] > 0, (column, row)
@@ -134,7 +135,7 @@ def test_quick_bench_prices_task_lineage(quick_bench):
     for text in ("verify: task lineage:", "run: task lineage:"):
         assert text in stdout, (text, stdout)
     assert {key for key in report["table"] if key.startswith("run/")} == {
-        f"run/{v}" for v in ("untraced", "gym-tracer", "tracer-lineage", "otel")}
+        f"run/{v}" for v in ("untraced", "gym-tracer", "tracer-lineage", "tracer-inject", "otel")}
     for workload in ("verify", "run"):
         check_lineage_runs(report, workload)
     lineage = report["lineage"]
@@ -160,6 +161,29 @@ def test_quick_bench_prices_task_lineage(quick_bench):
     for workload in ("verify", "run"):
         assert isinstance(lineage[workload]["expected_us"], float), lineage[workload]
     assert "task lineage alone" in stdout, stdout
+
+
+def test_quick_bench_prices_injection_per_rollout(quick_bench):
+    """The run workload with --inject-traceparent (one /run is one rollout; the lineage
+    section runs it): a header in each of its two calls and no call whose trace was unknown,
+    the task-lineage probe in every server (its hits per rollout those of tracer-lineage), the
+    agent's eBPF time and the servers' CPU with it and without, and OpenTelemetry's beside."""
+    stdout, report = quick_bench
+    injection = report["injection"]
+    assert "run with --inject-traceparent" in stdout, stdout
+    [run] = [r for r in report["runs"] if (r["workload"], r["variant"]) == ("run", "tracer-inject")]
+    assert run["one_span_per_request"] and run["agent_drops"] == 0, run
+    assert run["lineage_processes"] == 3 and run["lineage_processes_off"] == 0, run
+    # Per request sent (the warm-up's too): calls of the last ones sent may still be unwritten.
+    assert abs(injection["headers_per_rollout"] - 2) < 0.02, injection
+    assert injection["not_known_per_rollout"] == 0 and injection["failed"] == 0, injection
+    assert abs(injection["probe_hits_per_rollout"] - HITS_PER_REQUEST["run"]) < 0.02, injection
+    assert abs(injection["probe_hits_per_rollout_without"] - AUTO_HITS_PER_REQUEST["run"]) < 0.02, injection
+    # Every traced run's eBPF time is taken: more programs run with the header's two.
+    assert 0 < injection["bpf_us_per_rollout_without"] and 0 < injection["bpf_us_per_rollout"], injection
+    assert injection["bpf_runs_per_rollout"] > injection["bpf_runs_per_rollout_without"], injection
+    for key in ("delta_us", "otel_us", "total_us"):
+        assert isinstance(injection[key], float) and abs(injection[key]) < float("inf"), (key, injection)
 
 
 def test_quick_bench_prices_the_tls_uprobes(quick_bench):

@@ -1699,8 +1699,14 @@ fn carried_trace(
         if at + 64 >= length {
             break;
         }
-        if byte(at) == b'\n'
-            && window(at) | LOWER_LETTERS == TRACEPA
+        if byte(at) != b'\n' {
+            continue;
+        }
+        // The blank line that ends the head: the body (Gym's are KBs of JSON) is not scanned.
+        if matches!(byte(at + 1), b'\r' | b'\n') {
+            break;
+        }
+        if window(at) | LOWER_LETTERS == TRACEPA
             && (window(at + 8) | 0x0000_0000_2020_2020) & 0xff_ffff_ffff == RENT_COLON
         {
             value = at + 13;

@@ -260,6 +260,9 @@ impl Stitcher {
             None => group.owner = Some(owner),
         }
         let members = group.members.clone();
+        if let Some(key) = key {
+            self.index_owner(key, owner);
+        }
         for member in members {
             if self.placeable_under(owner, member, key) {
                 self.set_parent(member, owner, how);
@@ -502,6 +505,7 @@ impl Stitcher {
                 && group.owner.is_none()
             {
                 group.owner = Some(parent);
+                self.index_owner(key, parent);
             }
         }
         for (_, call) in calls {
@@ -540,6 +544,8 @@ impl Stitcher {
                     && group.owner.is_some_and(|owner| nodes.contains_key(&owner))
         });
         self.inbound_sockets.retain(|_, id| nodes.contains_key(id));
+        self.groups_by_owner
+            .retain(|owner, _| nodes.contains_key(owner));
         self.echoed.retain(|_, call| nodes.contains_key(call));
         let gone: Vec<SpanId> = self
             .published_by_owner

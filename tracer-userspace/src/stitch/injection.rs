@@ -61,19 +61,34 @@ impl Stitcher {
         });
     }
 
+    /// The group `key` was bound to `owner`: indexed, so that `owner`'s trace settling
+    /// publishes it without a scan of every group.
+    pub(super) fn index_owner(&mut self, key: (u32, GroupKey), owner: SpanId) {
+        if self.config.injection.is_some() {
+            // A request has a handful of groups: the list stays short.
+            let keys = self.groups_by_owner.entry(owner).or_default();
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+    }
+
     /// `owner`'s trace may have settled (its rollout became known): its bound handlers that
     /// were not published yet are.
     pub(super) fn publish_traces_of(&mut self, owner: SpanId) {
         if self.config.injection.is_none() {
             return;
         }
-        let keys: Vec<(u32, GroupKey)> = self
-            .groups
+        let Some(keys) = self.groups_by_owner.get(&owner) else {
+            return;
+        };
+        let keys: Vec<(u32, GroupKey)> = keys
             .iter()
-            .filter(|(key, group)| {
-                group.owner() == Some(owner) && !self.published.contains_key(key)
+            .filter(|key| {
+                self.groups.get(key).and_then(|group| group.owner()) == Some(owner)
+                    && !self.published.contains_key(key)
             })
-            .map(|(key, _)| *key)
+            .copied()
             .collect();
         for key in keys {
             self.publish_trace(key, owner);

@@ -62,6 +62,7 @@ impl Stitcher {
             Entry::Occupied(_) => self.bind_group(Some(key), request, Evidence::Lineage),
             Entry::Vacant(vacant) => {
                 vacant.insert(Group::owned_by(request));
+                self.index_owner(key, request);
                 self.spawner_bound(pid, GroupKey::Origin(origin.0));
             }
         }

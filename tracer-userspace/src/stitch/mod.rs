@@ -450,6 +450,10 @@ pub struct Stitcher {
     published: HashMap<(u32, GroupKey), SpanId>,
     /// The same, by request: what its end withdraws, without a scan of them all.
     published_by_owner: HashMap<SpanId, Vec<(u32, GroupKey)>>,
+    /// With injection, the groups bound to each in-flight request: what its trace settling
+    /// publishes, without a scan of every group (keys whose group was bound anew since are
+    /// skipped there).
+    groups_by_owner: HashMap<SpanId, Vec<(u32, GroupKey)>>,
     /// Changes to the published traces not yet taken by the driver.
     injections: Vec<injection::TraceInjection>,
     /// The shared call ids given out lately ([`call_ids`]).
@@ -539,6 +543,7 @@ impl Stitcher {
             session_expiry: VecDeque::new(),
             published: HashMap::new(),
             published_by_owner: HashMap::new(),
+            groups_by_owner: HashMap::new(),
             injections: Vec::new(),
             shared_ids: SharedIds::new(config.max_nodes),
             spawns: spawns::Spawns::default(),
@@ -977,6 +982,7 @@ impl Stitcher {
         let (pid, role, started) = (node.pid, node.role, node.started);
         let sessions = std::mem::take(&mut node.session_tokens);
         self.withdraw_traces(request);
+        self.groups_by_owner.remove(&request);
         if role == Role::Server {
             self.unindex_rollout(request);
         }
