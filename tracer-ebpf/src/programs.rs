@@ -238,6 +238,13 @@ static INBOUND_TRACES: LruHashMap<SocketKey, InboundTrace> =
 static LOCAL_CALL_TRACES: LruHashMap<LocalCallKey, [u8; 16]> =
     LruHashMap::with_max_entries(MAX_INJECT_TRACES, 0);
 
+/// Threads whose request write, at its enter, took its trace from the kernel's own knowledge
+/// (the inbound request its task descends from): the write's record need not wake the agent
+/// at once, since the handler's next call needs nothing from user space. Taken at the exit.
+#[map]
+static TRACE_KNOWN_AT_WRITE: LruHashMap<u32, u8> =
+    LruHashMap::with_max_entries(MAX_INJECT_TRACES, 0);
+
 /// The header a write's enter armed for the `sk_msg` program inside the same call, by thread.
 #[map]
 pub(crate) static INJECT_ARMED: HashMap<u32, ArmedInjection> =
@@ -1077,8 +1084,13 @@ fn on_transfer(pid_tgid: u64, call: &PendingCall, moved: u64) -> LastRead {
         let record =
             core::slice::from_raw_parts(ptr::from_mut(event).cast_const().cast::<u8>(), size);
         // With injection on, the agent must see a call's evidence before the handler writes
-        // its next call, so a client write's record wakes it at once.
-        let flags = if !reading && socket.role == ROLE_CLIENT && injecting() {
+        // its next call, so a client write's record wakes it at once, unless the kernel knew
+        // the handler's trace itself (task lineage), as it will for the next call.
+        let flags = if !reading
+            && socket.role == ROLE_CLIENT
+            && injecting()
+            && TRACE_KNOWN_AT_WRITE.remove(&(pid_tgid as u32)).is_err()
+        {
             BPF_RB_FORCE_WAKEUP as u64
         } else {
             wakeup_flags()
@@ -1791,6 +1803,7 @@ fn handler_trace(pid_tgid: u64) -> Option<[u8; 16]> {
     let writer = lineage::writer_lineage(tgid, &chain, links, &mut task, &mut lineage);
     if writer == WRITER_TASK && lineage.kind == LINEAGE_REQUEST {
         if let Some(trace) = inbound_trace(tgid, &lineage) {
+            let _ = TRACE_KNOWN_AT_WRITE.insert(&(pid_tgid as u32), &1, BPF_ANY as u64);
             return Some(trace);
         }
         let key = InjectKey {

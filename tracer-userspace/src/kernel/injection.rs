@@ -49,11 +49,12 @@ const SOCKETS_MAP: &str = "INJECT_SOCKETS";
 
 /// The maps of the tracing object that only injection writes (sized down to one entry
 /// without it; the sockhash and `CONNECTING` are in the injection object alone).
-pub const INJECTION_MAPS: [&str; 4] = [
+pub const INJECTION_MAPS: [&str; 5] = [
     "INJECT_TRACES",
     "INJECT_ARMED",
     "INBOUND_TRACES",
     "LOCAL_CALL_TRACES",
+    "TRACE_KNOWN_AT_WRITE",
 ];
 
 /// What the kernel did with traced processes' request writes (`tracer_abi::INJECT_*`).
