@@ -51,6 +51,7 @@ from harness import Agent, free_port  # noqa: E402
 
 sys.path.insert(0, str(BENCH_DIR))
 import bpf_stats  # noqa: E402
+import gym_instructions  # noqa: E402
 import gym_scale  # noqa: E402
 
 SERVER_CPU, LOAD_CPU = 0, 1
@@ -1639,6 +1640,8 @@ def render(report):
                          + (f"; floor: {g['floor']}" if g["floor"] else "") + f" -> {g['status']}")
     if report.get("gym_scale"):
         lines += ["", gym_scale.render(report["gym_scale"])]
+    if report.get("gym_instructions"):
+        lines += ["", gym_instructions.render(report["gym_instructions"])]
     return "\n".join(lines)
 
 
@@ -1660,7 +1663,7 @@ def git_commit():
 # main
 # ---------------------------------------------------------------------------------------
 
-SECTIONS = ("verify", "run", "lineage", "gym-scale", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
+SECTIONS = ("verify", "run", "lineage", "gym-scale", "gym-instructions", "saturation", "connections", "tax", "traced-tax", "ctx", "tls", "pipeline")
 
 
 def parse_args(argv):
@@ -1805,6 +1808,8 @@ def main(argv=None):
         if "gym-scale" in args.sections:
             steps = tuple(int(n) for n in args.gym_scale_steps.split(",")) if args.gym_scale_steps else None
             report["gym_scale"] = gym_scale.gym_scale(args.quick, steps)
+        if "gym-instructions" in args.sections:
+            report["gym_instructions"] = gym_instructions.gym_instructions()
         if args.soak:
             report["soak"] = soak(args, receiver, scripts)
     except (BenchError, RuntimeError, AssertionError, OSError, subprocess.SubprocessError) as error:

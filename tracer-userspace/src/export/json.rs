@@ -2,6 +2,7 @@
 //! DESIGN.md fixes (tests and users parse it).
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use opentelemetry::KeyValue;
@@ -13,7 +14,8 @@ use serde_json::{Map, Value, json};
 
 use super::{ExportTotals, SpanSink};
 use crate::export::status::{ExportStatus, SpanDrop};
-use crate::model::ids::hex;
+use crate::gym::rollout_id::plain_run;
+use crate::model::service::ServiceIdentity;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanRecord;
 
@@ -25,8 +27,9 @@ impl SpanSink for JsonLinesSink {
     /// failed write drops the batch (counted as rejected): stdout does not come back.
     fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
         let mut text = Vec::with_capacity(batch.len() * 1024);
+        let mut resources = ResourceCache::default();
         for span in &batch {
-            let _ = serde_json::to_writer(&mut text, &SpanJson(span));
+            write_span(&mut text, span, &mut resources);
             text.push(b'\n');
         }
         let mut out = std::io::stdout().lock();
@@ -65,21 +68,26 @@ impl serde::Serialize for AttributeValue {
     }
 }
 
+#[cfg(test)]
 /// Span attributes as a flat JSON object, without building one.
 struct AttributeMap<'a>(&'a [(&'static str, AttributeValue)]);
 
+#[cfg(test)]
 impl serde::Serialize for AttributeMap<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
     }
 }
 
-/// One span in the JSON-lines format fixed in DESIGN.md, serialized straight from the
-/// record: the agent writes one per request, so no intermediate `Value` tree.
+#[cfg(test)]
+/// One span in the JSON-lines format fixed in DESIGN.md, through serde: what the sink's own
+/// writer ([`write_span`]) is checked against.
 pub struct SpanJson<'a>(pub &'a SpanRecord);
 
+#[cfg(test)]
 impl serde::Serialize for SpanJson<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use crate::model::ids::hex;
         use serde::ser::SerializeMap;
         let span = self.0;
         let mut map = serializer.serialize_map(Some(10))?;
@@ -97,6 +105,86 @@ impl serde::Serialize for SpanJson<'_> {
         map.serialize_entry("resource", &span.service.attributes)?;
         map.serialize_entry("status", span.status.as_str())?;
         map.end()
+    }
+}
+
+/// Each process's resource object, written once per batch: it is the same on every span of
+/// the process and about half of a span's line.
+#[derive(Default)]
+struct ResourceCache {
+    written: foldhash::HashMap<*const ServiceIdentity, Vec<u8>>,
+}
+
+impl ResourceCache {
+    /// The resource of `service` as JSON. Keyed by the `Arc`'s address, which the batch's
+    /// spans keep alive (and so unique) for as long as the cache lives.
+    fn json(&mut self, service: &Arc<ServiceIdentity>) -> &[u8] {
+        self.written.entry(Arc::as_ptr(service)).or_insert_with(|| {
+            serde_json::to_vec(&service.attributes).expect("a map of strings serializes")
+        })
+    }
+}
+
+/// One span as the line [`SpanJson`] serializes, written without serde's per-field dispatch
+/// (the JSON lines sink's whole cost on Gym's workload): the same bytes, which the unit test
+/// `the_written_line_is_the_serialized_span` compares.
+fn write_span(out: &mut Vec<u8>, span: &SpanRecord, resources: &mut ResourceCache) {
+    out.extend_from_slice(b"{\"name\":");
+    json_string(out, span.name.as_str());
+    out.extend_from_slice(b",\"kind\":");
+    json_string(out, span.kind.as_str());
+    out.extend_from_slice(b",\"trace_id\":\"");
+    hex_into(out, &span.trace_id.0);
+    out.extend_from_slice(b"\",\"span_id\":\"");
+    hex_into(out, &span.span_id.0);
+    out.extend_from_slice(b"\",\"parent_span_id\":\"");
+    if let Some(parent) = span.parent_span_id {
+        hex_into(out, &parent.0);
+    }
+    let _ = write!(
+        out,
+        "\",\"start_time_unix_nano\":{},\"end_time_unix_nano\":{},\"attributes\":{{",
+        span.start_unix_ns, span.end_unix_ns
+    );
+    for (index, (key, value)) in span.attributes.iter().enumerate() {
+        if index > 0 {
+            out.push(b',');
+        }
+        json_string(out, key);
+        out.push(b':');
+        match value {
+            AttributeValue::Str(text) => json_string(out, text),
+            other => {
+                let _ = serde_json::to_writer(&mut *out, other);
+            }
+        }
+    }
+    out.extend_from_slice(b"},\"resource\":");
+    out.extend_from_slice(resources.json(&span.service));
+    out.extend_from_slice(b",\"status\":");
+    json_string(out, span.status.as_str());
+    out.push(b'}');
+}
+
+/// A JSON string: copied as it is when nothing in it needs an escape (as good as always),
+/// else written by serde_json.
+fn json_string(out: &mut Vec<u8>, text: &str) {
+    // What serde_json escapes is exactly what ends a plain run: a quote, a backslash, a
+    // control character.
+    if plain_run(text.as_bytes()).is_none() {
+        out.push(b'"');
+        out.extend_from_slice(text.as_bytes());
+        out.push(b'"');
+    } else {
+        let _ = serde_json::to_writer(&mut *out, text);
+    }
+}
+
+fn hex_into(out: &mut Vec<u8>, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        out.push(DIGITS[(byte >> 4) as usize]);
+        out.push(DIGITS[(byte & 0xf) as usize]);
     }
 }
 
@@ -308,5 +396,48 @@ mod tests {
         assert_eq!(line["start_time_unix_nano"], 10);
         assert_eq!(line["attributes"]["http.response.status_code"], 200);
         assert_eq!(line["resource"]["service.name"], "svc");
+    }
+
+    #[test]
+    fn the_written_line_is_the_serialized_span() {
+        let service = testing::span("x", SpanKind::Server, SpanId([9; 8])).service;
+        let spans = [
+            SpanRecord {
+                trace_id: TraceId([0xab; 16]),
+                parent_span_id: Some(SpanId([0xfe; 8])),
+                start_unix_ns: u64::MAX,
+                end_unix_ns: 0,
+                attributes: vec![
+                    (
+                        "a",
+                        AttributeValue::Str("quote \" slash \\ tab \t nul \0 del \x7f é".into()),
+                    ),
+                    ("b", AttributeValue::Int(i64::MIN)),
+                    ("c", AttributeValue::Bool(true)),
+                    ("d", AttributeValue::Double(0.1)),
+                    ("e", AttributeValue::Double(f64::NAN)),
+                    ("a", AttributeValue::Str("repeated".into())),
+                ],
+                ..testing::span("POST /\"run\"\n", SpanKind::Client, SpanId([0x01; 8]))
+            },
+            SpanRecord {
+                service: service.clone(),
+                ..testing::span("GET /health", SpanKind::Server, SpanId([0; 8]))
+            },
+            SpanRecord {
+                service,
+                ..testing::span("GET /other", SpanKind::Internal, SpanId([3; 8]))
+            },
+        ];
+        let mut resources = ResourceCache::default();
+        for span in &spans {
+            let mut written = Vec::new();
+            write_span(&mut written, span, &mut resources);
+            let serialized = serde_json::to_vec(&SpanJson(span)).unwrap();
+            assert_eq!(
+                String::from_utf8(written).unwrap(),
+                String::from_utf8(serialized).unwrap()
+            );
+        }
     }
 }

@@ -28,33 +28,47 @@ pub enum TokenKind {
 
 impl Token {
     pub fn of(kind: TokenKind, value: &[u8]) -> Token {
+        Token::of_parts(kind, value, &[])
+    }
+
+    /// The token of `first` followed by `second`: the same as of the two joined, without
+    /// joining them (SipHash reads its input as one stream).
+    fn of_parts(kind: TokenKind, first: &[u8], second: &[u8]) -> Token {
         static KEY: OnceLock<std::collections::hash_map::RandomState> = OnceLock::new();
         let mut hasher = KEY.get_or_init(Default::default).build_hasher();
         hasher.write_u8(kind as u8);
-        hasher.write(value);
+        hasher.write(first);
+        hasher.write(second);
         Token(hasher.finish())
     }
 }
 
-/// The session tokens of a `Cookie` header: one per cookie, `name=` plus the value up to its
-/// first `.`, at most [`MAX_TOKENS_PER_REQUEST`].
+/// The session tokens of a `Cookie` header, collected (what tests compare).
+#[cfg(test)]
 pub fn cookie_tokens(header: &[u8]) -> Vec<Token> {
-    header
-        .split(|&b| b == b';')
-        .filter_map(|pair| {
-            let pair = pair.trim_ascii();
-            let eq = pair.iter().position(|&b| b == b'=')?;
-            let value = &pair[eq + 1..];
-            let payload = value.split(|&b| b == b'.').next().unwrap_or(value);
-            // A short value names no session (flags, empty cookies).
-            (payload.len() >= 8).then(|| {
-                let mut named = pair[..=eq].to_vec();
-                named.extend_from_slice(payload);
-                Token::of(TokenKind::Cookie, &named)
-            })
-        })
-        .take(MAX_TOKENS_PER_REQUEST)
-        .collect()
+    session_cookies(header).collect()
+}
+
+/// The session tokens of a `Cookie` header: one per cookie, `name=` plus the value up to its
+/// first `.`, at most [`MAX_TOKENS_PER_REQUEST`]; read in place, as Gym sends a session
+/// cookie on every request and sets one on every response.
+pub fn session_cookies(header: &[u8]) -> impl Iterator<Item = Token> + '_ {
+    let mut rest = Some(header);
+    std::iter::from_fn(move || {
+        let remaining = rest?;
+        let end = memchr::memchr(b';', remaining);
+        rest = end.map(|at| &remaining[at + 1..]);
+        Some(&remaining[..end.unwrap_or(remaining.len())])
+    })
+    .filter_map(|pair| {
+        let pair = pair.trim_ascii();
+        let eq = memchr::memchr(b'=', pair)?;
+        let value = &pair[eq + 1..];
+        let payload = &value[..memchr::memchr(b'.', value).unwrap_or(value.len())];
+        // A short value names no session (flags, empty cookies).
+        (payload.len() >= 8).then(|| Token::of_parts(TokenKind::Cookie, &pair[..=eq], payload))
+    })
+    .take(MAX_TOKENS_PER_REQUEST)
 }
 
 /// Gym's MCP session token (`nemo_gym/base_resources_server.py`): a signed, rollout-scoped

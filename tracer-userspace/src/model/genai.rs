@@ -504,15 +504,14 @@ impl<'a> Reader<'a> {
         }
         let start = self.pos + 1;
         let mut at = start;
-        while let Some(&byte) = self.bytes.get(at) {
-            match byte {
-                b'\\' => at += 2,
-                b'"' => {
-                    self.pos = at + 1;
-                    return Some(&self.bytes[start..at]);
-                }
-                _ => at += 1,
+        // Most of a Gym body is string content: it is searched, not stepped through.
+        while let Some(found) = memchr::memchr2(b'"', b'\\', self.bytes.get(at..)?) {
+            at += found;
+            if self.bytes[at] == b'"' {
+                self.pos = at + 1;
+                return Some(&self.bytes[start..at]);
             }
+            at += 2;
         }
         None
     }

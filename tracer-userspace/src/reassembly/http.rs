@@ -9,7 +9,7 @@
 use thiserror::Error;
 
 use crate::model::evidence::{
-    MAX_TOKENS_PER_REQUEST, SESSION_TOKEN_HEADER, Token, cookie_tokens, session_header_token,
+    MAX_TOKENS_PER_REQUEST, SESSION_TOKEN_HEADER, Token, session_cookies, session_header_token,
 };
 use crate::model::exchange::{RequestHead, ResponseHead, StreamTimes};
 
@@ -926,7 +926,7 @@ fn request_head(
             6 if header.name.eq_ignore_ascii_case("expect") => &mut expect,
             6 if header.name.eq_ignore_ascii_case("cookie") => {
                 let room = MAX_TOKENS_PER_REQUEST.saturating_sub(session_tokens.len());
-                session_tokens.extend(cookie_tokens(header.value).into_iter().take(room));
+                session_tokens.extend(session_cookies(header.value).take(room));
                 continue;
             }
             24 if header.name.eq_ignore_ascii_case(SESSION_TOKEN_HEADER) => {
@@ -972,10 +972,10 @@ fn set_cookie_tokens(headers: &[httparse::Header<'_>]) -> Vec<Token> {
         .filter(|h| h.name.eq_ignore_ascii_case("set-cookie"))
         .filter_map(|h| h.value.split(|&b| b == b';').next())
         .filter(|pair| {
-            let value = pair.splitn(2, |&b| b == b'=').nth(1).unwrap_or_default();
-            value.iter().filter(|&&b| b == b'.').count() >= 2
+            let value = memchr::memchr(b'=', pair).map_or(&[][..], |eq| &pair[eq + 1..]);
+            memchr::memchr_iter(b'.', value).nth(1).is_some()
         })
-        .flat_map(cookie_tokens)
+        .flat_map(session_cookies)
         .take(MAX_TOKENS_PER_REQUEST)
         .collect()
 }
@@ -1126,6 +1126,7 @@ fn is_chunk_framing(bytes: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::evidence::cookie_tokens;
 
     /// The sessions a 200 response head with this `Set-Cookie` value opens.
     fn sessions_set_by(set_cookie: &str) -> Vec<Token> {
