@@ -47,7 +47,7 @@ def inclusive_counts(dump):
             counts["PROGRAM TOTALS"] = int(line.split()[0].replace(",", ""))
             continue
         match = LINE.match(line)
-        if match and match.group(3).endswith("gym-tracer"):
+        if match and ".so" not in match.group(3):  # the agent binary, not a library
             name = match.group(2)
             counts[name] = max(counts.get(name, 0), int(match.group(1).replace(",", "")))
     return counts

@@ -81,6 +81,9 @@ impl fmt::Display for RolloutId {
 /// Gym itself only derives this id when its observability or token capture is on
 /// (`rollout_id_from_run`, `base_responses_api_agent.py:377-385`); the tracer always does.
 pub fn rollout_id_from_run_body(captured: &[u8], complete: bool) -> Option<RolloutId> {
+    if !may_name_a_rollout(captured) {
+        return None;
+    }
     let text = match std::str::from_utf8(captured) {
         Ok(text) => text,
         // Cut inside a multi-byte character: read up to it.
@@ -127,13 +130,7 @@ pub fn rollout_id_from_body_tail(tail: &[u8]) -> Option<RolloutId> {
         let mut fields = RunFields::default();
         trailing_members(text, &mut fields).then_some(fields)
     }
-    // A run names a rollout only by a key that is, or decodes to, one of these names: a tail
-    // holding neither them nor a `\u` escape has no such run, and most bodies' tails (a
-    // model call's tools, a verify's response) are let go here.
-    let names_one = [b"\"_ng_".as_slice(), b"\"capture_rollout_id\"", b"\\u"]
-        .iter()
-        .any(|needle| memchr::memmem::find(tail, needle).is_some());
-    if !names_one {
+    if !may_name_a_rollout(tail) {
         return None;
     }
     // The tail may begin inside a character: it is validated once from the first character
@@ -152,6 +149,19 @@ pub fn rollout_id_from_body_tail(tail: &[u8]) -> Option<RolloutId> {
     found
         .filter(|fields| !fields.repeated && fields.names_a_rollout())
         .and_then(|fields| fields.rollout_id(true))
+}
+
+/// Whether `bytes` can hold a key that names a rollout: one that is, or decodes to, one of
+/// Gym's names. Without them or a `\u` escape no field is seen, and Gym's rule gives no id
+/// (an unseen field is never an id); most bodies (a model call's, a verify's) are let go
+/// after this one search instead of a parse.
+fn may_name_a_rollout(bytes: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    // Built once: building a searcher cost more than a tail's search.
+    static NEEDLES: std::sync::LazyLock<[Finder<'static>; 3]> = std::sync::LazyLock::new(|| {
+        [b"\"_ng_".as_slice(), b"\"capture_rollout_id\"", b"\\u"].map(Finder::new)
+    });
+    NEEDLES.iter().any(|needle| needle.find(bytes).is_some())
 }
 
 /// The first comma of `text` after which [`trailing_members`] holds. Each comma is decided

@@ -191,6 +191,7 @@ fn own_phase(span: &PathSpan, spans: &[PathSpan], context: Context) -> Phase {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::rollout::PerPhase;
 
     const MS: u64 = 1_000_000;
 
@@ -213,7 +214,7 @@ mod tests {
         spans
     }
 
-    fn ms(phases: &PhaseNs) -> [(Phase, u64); 6] {
+    fn ms(phases: &PhaseNs) -> PerPhase<(Phase, u64)> {
         Phase::ALL.map(|phase| (phase, phases.get(phase) / MS))
     }
 
@@ -235,7 +236,7 @@ mod tests {
         queue: u64,
         external: u64,
         agent: u64,
-    ) -> [(Phase, u64); 6] {
+    ) -> PerPhase<(Phase, u64)> {
         [
             (Phase::Model, model),
             (Phase::Tool, tool),

@@ -23,8 +23,14 @@ pub enum Phase {
     Agent,
 }
 
+/// One value per phase, indexed in [`Phase::ALL`]'s order.
+pub type PerPhase<T> = [T; Phase::COUNT];
+
 impl Phase {
-    pub const ALL: [Phase; 6] = [
+    /// How many phases there are: every per-phase array is this long.
+    pub const COUNT: usize = 6;
+
+    pub const ALL: PerPhase<Phase> = [
         Phase::Model,
         Phase::Tool,
         Phase::Verify,
@@ -64,7 +70,7 @@ impl Phase {
 
 /// Nanoseconds per phase.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PhaseNs([u64; 6]);
+pub struct PhaseNs(PerPhase<u64>);
 
 impl PhaseNs {
     pub fn add(&mut self, phase: Phase, ns: u64) {
@@ -81,12 +87,12 @@ impl PhaseNs {
 
     /// Whole milliseconds per phase that sum to the total's rounded milliseconds (largest
     /// remainders round up), so the attributes add up to the span's duration.
-    pub fn whole_ms(&self) -> [(Phase, u64); 6] {
+    pub fn whole_ms(&self) -> PerPhase<(Phase, u64)> {
         const MS: u64 = 1_000_000;
         let total_ms = (self.total() + MS / 2) / MS;
         let mut ms = self.0.map(|ns| ns / MS);
         let mut short = total_ms.saturating_sub(ms.iter().sum());
-        let mut by_remainder: Vec<usize> = (0..6).collect();
+        let mut by_remainder: PerPhase<usize> = std::array::from_fn(|i| i);
         by_remainder.sort_by_key(|&i| std::cmp::Reverse(self.0[i] % MS));
         for i in by_remainder {
             if short == 0 {

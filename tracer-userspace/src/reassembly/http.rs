@@ -158,7 +158,9 @@ impl BodyCollector {
             .extend_from_slice(&bytes[..bytes.len().min(room)]);
         self.missed |= bytes.len() > room;
         if let Some(tail) = &mut self.tail {
-            tail.extend_from_slice(bytes);
+            // Only the last bytes can stay: a whole capture copied in and cut down again was
+            // most of a body's cost.
+            tail.extend_from_slice(&bytes[bytes.len().saturating_sub(REQUEST_TAIL_BYTES)..]);
             let excess = tail.len().saturating_sub(REQUEST_TAIL_BYTES);
             tail.drain(..excess);
         }

@@ -13,7 +13,7 @@ use foldhash::{HashMap, HashMapExt};
 
 use super::input::{Input, ReportSpan, Server, Skipped};
 use crate::insight::critical_path::{self, PathSpan, SpanClass};
-use crate::model::rollout::Phase;
+use crate::model::rollout::{PerPhase, Phase};
 use crate::model::span::SpanKind;
 
 pub const HISTOGRAM_BINS: usize = 40;
@@ -46,7 +46,7 @@ pub struct Rollout {
     pub agent: u32,
     pub start_ns: u64,
     pub end_ns: u64,
-    pub phases_ms: Option<[u64; 6]>,
+    pub phases_ms: Option<PerPhase<u64>>,
     pub input_tokens: i64,
     pub output_tokens: i64,
     pub model_calls: Option<i64>,
@@ -88,7 +88,7 @@ pub struct PhaseBar {
     /// `p50`, `p90`, `p99`, `slowest`.
     pub rank: &'static str,
     pub rollout: usize,
-    pub phases_ms: [u64; 6],
+    pub phases_ms: PerPhase<u64>,
 }
 
 /// A line over the batch's time: (seconds since the first rollout started, value).
@@ -115,7 +115,7 @@ pub struct Timeline {
     /// Spans of the path not drawn ([`TIMELINE_ROWS`]).
     pub rows_left_out: usize,
     /// The path's time per phase, ns (sums to the rollout's duration when it is whole).
-    pub phases_ns: [u64; 6],
+    pub phases_ns: PerPhase<u64>,
 }
 
 /// Requests that failed at one server and route with one status.
@@ -150,7 +150,7 @@ pub struct Batch {
     pub histogram: Vec<(f64, f64, u64)>,
     pub phase_bars: Vec<PhaseBar>,
     /// Over every rollout with phases: ms per phase.
-    pub phase_totals_ms: [u64; 6],
+    pub phase_totals_ms: PerPhase<u64>,
     pub in_flight: Vec<(f64, f64)>,
     /// p90 queue delay (s) of the calls each server received, per bucket.
     pub queue_delay: Vec<Series>,
@@ -435,8 +435,8 @@ fn phase_bars(rollouts: &[Rollout]) -> Vec<PhaseBar> {
         .collect()
 }
 
-fn phase_totals(rollouts: &[Rollout]) -> [u64; 6] {
-    let mut totals = [0u64; 6];
+fn phase_totals(rollouts: &[Rollout]) -> PerPhase<u64> {
+    let mut totals = [0u64; Phase::COUNT];
     for phases in rollouts.iter().filter_map(|r| r.phases_ms) {
         for (total, ms) in totals.iter_mut().zip(phases) {
             *total += ms;
@@ -617,7 +617,7 @@ fn timeline(
         next += 1;
     }
     let mut rows: BTreeMap<usize, TimelineRow> = BTreeMap::new();
-    let mut phases_ns = [0u64; 6];
+    let mut phases_ns = [0u64; Phase::COUNT];
     for segment in critical_path::segments(&tree, 0) {
         phases_ns[segment.phase as usize] += segment.end_ns - segment.start_ns;
         let span = &input.spans[members[segment.span]];

@@ -6,7 +6,7 @@ use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 
 use super::batch::{Series, TimelineRow};
-use crate::model::rollout::Phase;
+use crate::model::rollout::{PerPhase, Phase};
 
 type Drawn = Result<(), Box<dyn std::error::Error>>;
 
@@ -153,7 +153,7 @@ fn row_bounds(rows: usize, index: usize) -> (SegmentValue<i32>, SegmentValue<i32
 }
 
 /// Horizontal stacked bars, one per labelled row, of seconds per phase.
-pub fn phase_bars(rows: &[(String, [u64; 6])]) -> String {
+pub fn phase_bars(rows: &[(String, PerPhase<u64>)]) -> String {
     let height = 70 + 44 * rows.len().max(2) as u32;
     svg(WIDTH, height, |root| {
         let x_max = rows

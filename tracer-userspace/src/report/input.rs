@@ -19,7 +19,7 @@ use serde::Deserialize;
 
 use crate::gym::ServerType;
 use crate::model::attributes as attr;
-use crate::model::rollout::Phase;
+use crate::model::rollout::{PerPhase, Phase};
 use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, SpanKind, SpanRecord, SpanStatus};
 
@@ -54,7 +54,7 @@ impl Server {
 #[derive(Clone, Debug, Default)]
 pub struct RolloutFacts {
     /// Milliseconds per phase, in [`Phase::ALL`] order; `None` from an agent without them.
-    pub phases_ms: Option<[u64; 6]>,
+    pub phases_ms: Option<PerPhase<u64>>,
     pub model_calls: Option<i64>,
     pub tool_calls: Option<i64>,
     pub straggler: bool,

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use super::batch::{Batch, Outcome, Series};
 use super::charts::{self, Axis};
-use crate::model::rollout::Phase;
+use crate::model::rollout::{PerPhase, Phase};
 
 /// What the page is asked to show beyond the batch.
 #[derive(Clone, Debug, Default)]
@@ -234,7 +234,7 @@ fn phases(page: &mut String, batch: &Batch) {
          waiting for a traced server to read it or for its caller to read the answer · \
          external: a call to an untraced peer · agent: the agent server's own time.</p>",
     );
-    let rows: Vec<(String, [u64; 6])> = batch
+    let rows: Vec<(String, PerPhase<u64>)> = batch
         .phase_bars
         .iter()
         .map(|bar| {

@@ -98,12 +98,22 @@ struct ClientSeries {
 /// so a short list, looked up without allocating the name.
 type ClientSeriesGroup = Vec<(Option<Box<str>>, BoundHistogram<f64>)>;
 
-/// Histograms bound per series, at most [`MAX_BOUND_SERIES`].
-struct BoundSeries<K> {
-    by_key: HashMap<K, BoundHistogram<f64>>,
+/// The attributes of a model call's GenAI series, `error.type` and the token type aside.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ModelSeries {
+    operation: &'static str,
+    provider: Option<&'static str>,
+    request_model: Option<String>,
+    response_model: Option<String>,
+    peer: Option<SocketAddr>,
 }
 
-impl<K> Default for BoundSeries<K> {
+/// Histograms bound per series, at most [`MAX_BOUND_SERIES`].
+struct BoundSeries<K, T = f64> {
+    by_key: HashMap<K, BoundHistogram<T>>,
+}
+
+impl<K, T> Default for BoundSeries<K, T> {
     fn default() -> Self {
         Self {
             by_key: HashMap::new(),
@@ -111,14 +121,14 @@ impl<K> Default for BoundSeries<K> {
     }
 }
 
-impl<K: Hash + Eq> BoundSeries<K> {
+impl<K: Hash + Eq, T> BoundSeries<K, T> {
     /// Records `value` in `key`'s series. The attributes are built (by `fill`, into
     /// `scratch`) only for a series seen the first time, or past the cap.
     fn record(
         &mut self,
-        histogram: &Histogram<f64>,
+        histogram: &Histogram<T>,
         key: K,
-        value: f64,
+        value: T,
         scratch: &mut Vec<KeyValue>,
         fill: impl FnOnce(&mut Vec<KeyValue>),
     ) {
@@ -139,49 +149,71 @@ impl<K: Hash + Eq> BoundSeries<K> {
 }
 
 /// The GenAI metrics of a model call, by server (the process's resource and its Gym server
-/// name) and model: the duration, and each token count its response reported.
+/// name) and model: the duration, and each token count its response reported. Each series is
+/// bound on first use, as the HTTP ones are.
 fn record_model_call(
-    service: &ServiceMetrics,
+    service: &mut ServiceMetrics,
     exchange: &HttpExchange,
     call: &ModelCall,
     elapsed_s: f64,
     attributes: &mut Vec<KeyValue>,
 ) {
-    attributes.clear();
-    attributes.extend(service.server_name.iter().cloned());
-    attributes.push(KeyValue::new(
-        attr::GEN_AI_OPERATION_NAME,
-        call.operation.operation_name(),
-    ));
-    if let Some(provider) = exchange.request.host.as_deref().and_then(provider_name) {
-        attributes.push(KeyValue::new(attr::GEN_AI_PROVIDER_NAME, provider));
-    }
-    if let Some(model) = &call.request_model {
-        attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_MODEL, model.clone()));
-    }
-    if let Some(model) = &call.response_model {
-        attributes.push(KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.clone()));
-    }
-    if let Some(peer) = exchange.peer {
-        attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
-        attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
-    }
-    let errors_at = attributes.len();
-    push_outcome(&exchange.outcome, attributes);
-    // The duration takes error.type only (the HTTP status is the HTTP metric's).
-    attributes.retain(|kv| kv.key.as_str() != attr::HTTP_RESPONSE_STATUS_CODE);
-    service.gen_ai_duration.record(elapsed_s, attributes);
-    attributes.truncate(errors_at);
+    let series = ModelSeries {
+        operation: call.operation.operation_name(),
+        provider: exchange.request.host.as_deref().and_then(provider_name),
+        request_model: call.request_model.clone(),
+        response_model: call.response_model.clone(),
+        peer: exchange.peer,
+    };
+    let server_name = &service.server_name;
+    let fill = |attributes: &mut Vec<KeyValue>| {
+        attributes.extend(server_name.iter().cloned());
+        attributes.push(KeyValue::new(attr::GEN_AI_OPERATION_NAME, series.operation));
+        if let Some(provider) = series.provider {
+            attributes.push(KeyValue::new(attr::GEN_AI_PROVIDER_NAME, provider));
+        }
+        if let Some(model) = &series.request_model {
+            attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_MODEL, model.clone()));
+        }
+        if let Some(model) = &series.response_model {
+            attributes.push(KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.clone()));
+        }
+        if let Some(peer) = series.peer {
+            attributes.push(KeyValue::new(attr::SERVER_ADDRESS, peer.ip().to_string()));
+            attributes.push(KeyValue::new(attr::SERVER_PORT, peer.port() as i64));
+        }
+    };
     for (kind, tokens) in [
         ("input", call.usage.input_tokens),
         ("output", call.usage.output_tokens),
     ] {
         if let Some(tokens) = tokens {
-            attributes.push(KeyValue::new(attr::GEN_AI_TOKEN_TYPE, kind));
-            service.gen_ai_tokens.record(tokens, attributes);
-            attributes.pop();
+            let key = (series.clone(), kind);
+            service.model_tokens.record(
+                &service.gen_ai_tokens,
+                key,
+                tokens,
+                attributes,
+                |attributes| {
+                    fill(attributes);
+                    attributes.push(KeyValue::new(attr::GEN_AI_TOKEN_TYPE, kind));
+                },
+            );
         }
     }
+    let outcome = OutcomeKey::of(&exchange.outcome);
+    service.model_durations.record(
+        &service.gen_ai_duration,
+        (series.clone(), outcome),
+        elapsed_s,
+        attributes,
+        |attributes| {
+            fill(attributes);
+            push_outcome(&exchange.outcome, attributes);
+            // The duration takes error.type only (the HTTP status is the HTTP metric's).
+            attributes.retain(|kv| kv.key.as_str() != attr::HTTP_RESPONSE_STATUS_CODE);
+        },
+    );
 }
 
 /// One instrument as exported: the reference in the README is generated from these.
@@ -391,6 +423,8 @@ struct ServiceMetrics {
     rollout_bound: Option<BoundHistogram<f64>>,
     verify_bound: Option<BoundHistogram<f64>>,
     server_series: BoundSeries<ServerSeries>,
+    model_durations: BoundSeries<(ModelSeries, OutcomeKey)>,
+    model_tokens: BoundSeries<(ModelSeries, &'static str), u64>,
     client_series: HashMap<ClientSeries, ClientSeriesGroup>,
     /// How many histograms `client_series` holds, over all its groups.
     client_series_bound: usize,
@@ -692,6 +726,8 @@ impl Metrics {
                 rollout_bound: None,
                 verify_bound: None,
                 server_series: BoundSeries::default(),
+                model_durations: BoundSeries::default(),
+                model_tokens: BoundSeries::default(),
                 client_series: HashMap::new(),
                 client_series_bound: 0,
             },

@@ -417,6 +417,8 @@ pub struct Stitcher {
     /// a rollout looks up, instead of scanning the requests in flight ([`rollouts`]). An
     /// entry may be stale (checked on use), never missing.
     rollout_inbound: HashMap<(u32, RolloutId), Vec<SpanId>>,
+    /// The stack of a walk down the graph, kept between walks so a walk allocates nothing.
+    walk: Vec<SpanId>,
     /// Undecided calls per process, by start, while a candidate is in flight ([`settle`]).
     open_calls: HashMap<u32, BTreeMap<u64, SpanId>>,
     /// Per connection, the request of each end waiting for the other end's.
@@ -525,6 +527,7 @@ impl Stitcher {
             inbound: HashMap::new(),
             open_calls: HashMap::new(),
             rollout_inbound: HashMap::new(),
+            walk: Vec::new(),
             waiting_clients: HashMap::new(),
             waiting_servers: HashMap::new(),
             retired: VecDeque::new(),

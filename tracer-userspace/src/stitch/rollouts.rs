@@ -19,7 +19,9 @@ impl Stitcher {
     /// Indexes the in-flight inbound requests at and below `top` under the rollout each
     /// belongs to now.
     pub(super) fn index_rollouts_below(&mut self, top: SpanId) {
-        let mut stack = vec![top];
+        let mut stack = std::mem::take(&mut self.walk);
+        stack.clear();
+        stack.push(top);
         let mut visited = 0;
         while let Some(id) = stack.pop() {
             visited += 1;
@@ -42,6 +44,7 @@ impl Stitcher {
                 list.push(id);
             }
         }
+        self.walk = stack;
     }
 
     /// A request of the index finished: out of its rollout's list.
