@@ -15,6 +15,7 @@ use serde_json::{Map, Value, json};
 use super::{ExportTotals, SpanSink};
 use crate::export::status::{ExportStatus, SpanDrop};
 use crate::gym::rollout_id::plain_run;
+use crate::model::ids::hex_into;
 use crate::model::service::ServiceIdentity;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanRecord;
@@ -177,14 +178,6 @@ fn json_string(out: &mut Vec<u8>, text: &str) {
         out.push(b'"');
     } else {
         let _ = serde_json::to_writer(&mut *out, text);
-    }
-}
-
-fn hex_into(out: &mut Vec<u8>, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for byte in bytes {
-        out.push(DIGITS[(byte >> 4) as usize]);
-        out.push(DIGITS[(byte & 0xf) as usize]);
     }
 }
 

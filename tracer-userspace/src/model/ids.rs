@@ -25,13 +25,17 @@ fn random_id<const N: usize>() -> [u8; N] {
 
 /// Lower-case hex, as OTLP/JSON and W3C `traceparent` write ids.
 pub fn hex(bytes: &[u8]) -> String {
+    let mut text = Vec::with_capacity(bytes.len() * 2);
+    hex_into(&mut text, bytes);
+    String::from_utf8(text).expect("hex digits are ASCII")
+}
+
+/// [`hex`] appended to `out` (a JSON line being written).
+pub fn hex_into(out: &mut Vec<u8>, bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut text = String::with_capacity(bytes.len() * 2);
     for byte in bytes {
-        text.push(DIGITS[(byte >> 4) as usize] as char);
-        text.push(DIGITS[(byte & 0xf) as usize] as char);
+        out.extend_from_slice(&[DIGITS[(byte >> 4) as usize], DIGITS[(byte & 0xf) as usize]]);
     }
-    text
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
