@@ -1639,7 +1639,7 @@ def render(report):
             lines.append(f"  {g['goal']} ({g['target']}): {g['figures']}"
                          + (f"; floor: {g['floor']}" if g["floor"] else "") + f" -> {g['status']}")
     if report.get("gym_scale"):
-        lines += ["", gym_scale.render(report["gym_scale"])]
+        lines += ["", gym_scale.render(report["gym_scale"], report.get("pipeline_cost"))]
     if report.get("gym_instructions"):
         lines += ["", gym_instructions.render(report["gym_instructions"])]
     return "\n".join(lines)

@@ -30,7 +30,7 @@ STAGES = (
     ("  GenAI model and usage from bodies", ("gym_tracer::model::genai::top_level_model",
                                              "gym_tracer::model::genai::usage")),
     ("  spans, stitching, metrics", ("gym_tracer::pipeline::Pipeline<M>::after_table",)),
-    ("insight: whole rollouts", ("gym_tracer::pipeline::Pipeline<M>::observe_released",)),
+    ("insight: whole rollouts", ("gym_tracer::pipeline::Pipeline<M>::deliver",)),
     ("export: JSON lines", ("gym_tracer::export::run_span_export::{{closure}}",)),
 )
 

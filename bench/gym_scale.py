@@ -150,8 +150,10 @@ def gym_scale(quick, steps=None):
     return steps
 
 
-def render(steps):
-    """The gym-scale table."""
+def render(steps, pipeline_cost=None):
+    """The gym-scale table; with the pipeline section's figure for the recorded real-Gym
+    rollouts (`pipeline_cost` real-gym: the same traffic fed to the core alone), how far the
+    whole agent is above it."""
     lines = [
         f"gym-scale: real nemo-gym (simple_agent, example_single_tool_call, openai_model; upstream answering after "
         f"{UPSTREAM_DELAY_S:.0f} s), N rollouts in flight at once, untraced vs traced (gym-tracer --discover gym)",
@@ -171,4 +173,12 @@ def render(steps):
         failed = u["failed"] + t["failed"]
         if failed:
             lines.append(f"{'':>9} ({u['failed']} untraced and {t['failed']} traced rollouts did not answer 200/1.0)")
+    alone = ((pipeline_cost or {}).get("workloads") or {}).get("real-gym")
+    if alone:
+        floor_us = alone["ns_per_span"] / 1000
+        ratios = ", ".join(f"{step['rollouts']}: {step['traced']['agent_us_per_span'] / floor_us:.1f}x"
+                           for step in steps if step["traced"].get("agent_us_per_span"))
+        lines.append(f"the same traffic recorded and fed to the pipeline core alone (pipeline_cost real-gym: no "
+                     f"kernel, no metrics, OTLP encoding): {floor_us:.2f} µs per span; the agent above it by "
+                     f"in flight: {ratios}")
     return "\n".join(lines)

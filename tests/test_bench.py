@@ -245,15 +245,23 @@ def test_quick_bench_prices_the_agent_user_space_alone(quick_bench):
     """The pipeline section, shortest form: the pipeline_cost example's Gym-shaped records
     through the real pipeline core, every request yielding its spans (SERVER + gym.verify per
     /verify; CLIENT, SERVER and gym.model per model call, each SERVER span stitched under its
-    CLIENT span) and a cost per request and per span."""
+    CLIENT span; the recorded real-Gym rollouts' 20 spans each) and a cost per request and per
+    span."""
     stdout, report = quick_bench
     assert "agent user space alone" in stdout, stdout
     cost = report["pipeline_cost"]
     workloads = cost["workloads"]
-    assert set(workloads) == {"verify", "cross-process"}, workloads
+    assert set(workloads) == {"verify", "cross-process", "real-gym"}, workloads
     assert workloads["verify"]["spans_per_request"] == 2 and workloads["verify"]["stitched_per_request"] == 0
     assert workloads["cross-process"]["spans_per_request"] == 3
     assert workloads["cross-process"]["stitched_per_request"] == 1
+    # The recorded real-Gym run: 4 rollouts of 15 requests (7 served, 8 sent: seed_session,
+    # the agent's /v1/responses, two model calls and their two upstream calls, get_weather,
+    # verify) and the agent's 3 route harvests (not exported); 20 spans per rollout; the 6
+    # calls from one traced server to another placed across processes in each.
+    real = workloads["real-gym"]
+    assert real["spans_per_request"] == 4 * 20 / (4 * 15 + 3), real
+    assert real["stitched_per_request"] == 4 * 6 / (4 * 15 + 3), real
     for figures in workloads.values():
         for key in ("pipeline_ns_per_request", "encode_ns_per_span", "ns_per_span"):
             assert figures[key] > 0, (key, figures)

@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ import pytest
 from gym_expect import (children_by_parent, containment_problems, gym_attributes, parent_key, rollout_trace_id,
                         semantic_attributes, span_key)
 from gym_launch import split_prefix
-from harness import ROOT, wait_until
+from harness import ROOT, agent_binary, wait_until
 from real_gym.launch import AGENT, API_KEY, MODEL, PADDING, RESOURCES, SERVER_TYPES, RealGymRun
 
 TASK, ROLLOUT = 3, 1
@@ -141,18 +142,39 @@ def real_gym():
         run.stop()
 
 
+def span_facts_trees(spans):
+    """Every span's facts but its ids (names, kind, times, status, attributes, trace id, the
+    process and its Gym resource), as canonical trees of its parent edges: what a replay must
+    give again. Span ids are random per run; the host's process and host attributes are not
+    read by a replay."""
+    keys = {span_key(s) for s in spans}
+    children = children_by_parent(spans)
+    resource_keys = ("service.name", "process.pid", "nemo.gym.server.name", "nemo.gym.server.type")
+
+    def node(span):
+        facts = (span["trace_id"], span["name"], span["kind"], span["start_time_unix_nano"],
+                 span["end_time_unix_nano"], json.dumps(span.get("status"), sort_keys=True),
+                 json.dumps(span["attributes"], sort_keys=True),
+                 tuple(span["resource"].get(key) for key in resource_keys))
+        return (facts, tuple(sorted(node(child) for child in children[span_key(span)])))
+
+    return sorted(node(span) for span in spans if parent_key(span) not in keys)
+
+
 @pytest.mark.parametrize("observability", [False, True], ids=["plain", "observability"])
-def test_one_real_rollout(real_gym, tracer, observability):
+def test_one_real_rollout(real_gym, tracer, observability, tmp_path):
     """One rollout through the real servers: every request they served has its SERVER span
     (route name, http.route, url.path, status, rollout id from the /ng-rollout prefix), the
     Gym routes their gym.* child (gym.rollout on /run with the id from the body), resources
     named nemo/<server name>, the rollout and verify metrics, and no secret in the output.
     With observability on, the agent prefixes its model and resources calls with
-    /ng-rollout/<id>/ (except the tool call, which Gym sends unprefixed)."""
+    /ng-rollout/<id>/ (except the tool call, which Gym sends unprefixed). The run is recorded
+    (`--record`), and `gym-tracer replay` makes the very same spans of it again."""
     run = real_gym(observability=observability)
     pids = run.pids
     by_pid = {pid: name for name, pid in pids.items()}
-    agent = attached_tracer(tracer, pids)
+    recording = tmp_path / "run.rec"
+    agent = attached_tracer(tracer, pids, env={"GYM_TRACER_RECORD": str(recording)})
 
     before = {name: len(entries) for name, entries in run.access_log_paths().items()}
     result = run.drive_rollout(task_index=TASK, rollout_index=ROLLOUT)
@@ -281,6 +303,19 @@ def test_one_real_rollout(real_gym, tracer, observability):
     for text in [*NEVER_EXPORTED, prompt]:
         assert text not in agent.stdout_text(), f"{text!r} exported"
         assert text not in agent.stderr(), f"{text!r} printed"
+
+    # The recording, fed to the tracer again without a kernel: the same spans, in the same
+    # trees, and what the core counted on stderr.
+    replay = subprocess.run([str(agent_binary()), "replay", str(recording)], capture_output=True, text=True,
+                            timeout=60)
+    assert replay.returncode == 0, replay.stderr
+    replayed = [json.loads(line) for line in replay.stdout.splitlines()]
+    live = agent.spans()
+    assert len(replayed) == len(live) > 0
+    assert span_facts_trees(replayed) == span_facts_trees(live)
+    assert f"{len(live)} spans" in replay.stderr, replay.stderr
+    for text in [*NEVER_EXPORTED, prompt]:
+        assert text not in replay.stdout, f"{text!r} exported by the replay"
 
 
 # ---- many rollouts at once ----

@@ -2,7 +2,12 @@
 //! `gym_tracer::pipeline::cost`). `cargo xtask bench` runs it; alone:
 //! `cargo run --release -p tracer-userspace --example pipeline_cost [requests]`.
 
-use gym_tracer::pipeline::cost::{Workload, measure, stitch_ns_per_call};
+use gym_tracer::pipeline::cost::{Cost, Workload, measure, measure_recording, stitch_ns_per_call};
+use gym_tracer::pipeline::recording::Recording;
+
+/// Four rollouts of the real nemo-gym servers, recorded by the agent
+/// (`tests/support/real_gym/record.py`).
+const REAL_GYM: &[u8] = include_bytes!("../testdata/real_gym_rollouts.rec");
 
 fn main() {
     let requests = match std::env::args().nth(1).map(|arg| arg.parse::<u64>()) {
@@ -13,22 +18,21 @@ fn main() {
             std::process::exit(2);
         }
     };
-    for (name, workload) in [
-        ("verify", Workload::Verify),
-        ("cross-process", Workload::CrossProcess),
+    let real_gym = match Recording::parse(REAL_GYM) {
+        Ok(recording) => recording,
+        Err(error) => {
+            eprintln!("testdata/real_gym_rollouts.rec: {error}");
+            std::process::exit(1);
+        }
+    };
+    // As many requests of the recording as of the made-up workloads (60 per replay).
+    let rounds = requests.div_ceil(60);
+    for (name, cost) in [
+        ("verify", measure(Workload::Verify, requests)),
+        ("cross-process", measure(Workload::CrossProcess, requests)),
+        ("real-gym", measure_recording(&real_gym, rounds)),
     ] {
-        let cost = measure(workload, requests);
-        println!(
-            "{{\"workload\": \"{name}\", \"requests\": {}, \"spans\": {}, \"stitched\": {}, \
-             \"pipeline_ns_per_request\": {:.1}, \"encode_ns_per_span\": {:.1}, \
-             \"ns_per_span\": {:.1}}}",
-            cost.requests,
-            cost.spans,
-            cost.stitched,
-            cost.pipeline_ns_per_request,
-            cost.encode_ns_per_span,
-            cost.ns_per_span()
-        );
+        print_cost(name, &cost);
     }
     // The stitcher with many rollouts in flight in one process: the same work per call.
     for in_flight in [64, 1024, 4096, 16_384] {
@@ -36,4 +40,18 @@ fn main() {
         let ns = stitch_ns_per_call(in_flight, rounds);
         println!("{{\"stitch_in_flight\": {in_flight}, \"ns_per_call\": {ns:.1}}}");
     }
+}
+
+fn print_cost(name: &str, cost: &Cost) {
+    println!(
+        "{{\"workload\": \"{name}\", \"requests\": {}, \"spans\": {}, \"stitched\": {}, \
+         \"pipeline_ns_per_request\": {:.1}, \"encode_ns_per_span\": {:.1}, \
+         \"ns_per_span\": {:.1}}}",
+        cost.requests,
+        cost.spans,
+        cost.stitched,
+        cost.pipeline_ns_per_request,
+        cost.encode_ns_per_span,
+        cost.ns_per_span()
+    );
 }

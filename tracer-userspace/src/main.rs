@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use gym_tracer::config::cli::{self, Command};
-use gym_tracer::ops::{doctor, logging, reference, top};
+use gym_tracer::ops::{doctor, logging, reference, replay, top};
 use gym_tracer::{agent, config, report};
 
 fn main() -> ExitCode {
@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         Command::Reference(args) => reference::run(args).map(|()| true),
         Command::Top(args) => top::run(args),
         Command::Report(args) => report::run(args),
+        Command::Replay(args) => replay::run(args),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

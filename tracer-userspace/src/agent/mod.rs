@@ -26,15 +26,18 @@ use crate::export::{ExportLimits, SpanPipeline};
 use crate::kernel::loader::{KernelCounters, LoadOptions, LoadedProbes, preflight};
 use crate::model::ids::MintKey;
 use crate::model::service::{AgentResource, GymLabels};
+use crate::model::span::SpanRecord;
 use crate::ops::counters::{AgentCounters, CounterSnapshot, HostCounters};
 use crate::ops::exit_summary::{self, Verdict};
 use crate::ops::health::{Gauges, Health};
-use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig};
+use crate::pipeline::recording::{RecordedConfig, Recorder};
+use crate::pipeline::{Lifecycle, Pipeline, PipelineConfig, PipelineOutput};
 use crate::processes::discovery::{GymServer, ProcScanner};
 use crate::processes::harvest::connect_address;
 use crate::processes::identity::parent_pid;
 use crate::processes::{TracedProcess, log_lifecycle};
 use crate::report::RunReport;
+use crate::signals::clock::WallClock;
 use crate::signals::metrics::Metrics;
 use crate::stitch::GroupKey;
 use crate::stitch::injection::TraceInjection;
@@ -69,6 +72,8 @@ type Ring = AsyncFd<RingBuf<MapData>>;
 /// route harvests, and its own counters.
 struct Agent {
     pipeline: Pipeline<Metrics>,
+    /// The pipeline's last step's output, its buffers kept between steps.
+    output: PipelineOutput,
     spans: SpanPipeline,
     counters: AgentCounters,
     scanner: Option<ProcScanner>,
@@ -132,9 +137,12 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
         health.clone(),
     )?;
     let (harvests, mut harvest_results) = mpsc::unbounded_channel();
+    let config = pipeline_config(&args, agent_resource, mint_key);
+    let recorded = args.record.as_ref().map(|_| RecordedConfig::of(&config));
     let mut agent = Agent {
+        output: PipelineOutput::default(),
         pipeline: Pipeline::new(
-            pipeline_config(&args, agent_resource, mint_key),
+            config,
             Metrics::new(
                 plan.metrics.clone(),
                 Duration::from_secs(args.metric_interval),
@@ -175,6 +183,11 @@ pub async fn run(args: RunArgs, exporters: Handle) -> Result<()> {
             .clone()
             .map(|path| RunReport::new(path, args.report_trace_url.clone())),
     };
+    if let (Some(path), Some(recorded)) = (&args.record, recorded) {
+        let recorder = Recorder::create(path, recorded)
+            .with_context(|| format!("creating the recording {}", path.display()))?;
+        agent.pipeline.record_to(recorder);
+    }
     let started = Instant::now();
     for &pid in &args.pids {
         let (labels, server) = labels_of_named(pid, &args);
@@ -240,6 +253,7 @@ fn pipeline_config(
     mint_key: MintKey,
 ) -> PipelineConfig {
     PipelineConfig {
+        clock: WallClock::measure(),
         max_connections: args.max_connections,
         routes: args.routes.clone(),
         agent_resource,
@@ -314,7 +328,7 @@ impl Agent {
                 _ = rescan.tick(), if self.scanner.is_some() => self.discover(probes),
                 _ = sweep.tick() => self.kernel_entries_swept += probes.sweep_gone(),
                 _ = python_rescan.tick() => {
-                    let traced: Vec<u32> = self.pipeline.processes.pids().collect();
+                    let traced: Vec<u32> = self.pipeline.traced_pids().collect();
                     self.context_reads.rescan(traced.iter().copied(), probes);
                     let runtimes = traced.iter().map(|&pid| (pid, self.context_reads.runtime(pid)));
                     self.task_lineage.rescan(runtimes, probes);
@@ -326,7 +340,7 @@ impl Agent {
                 _ = terminate.recv() => break,
             }
             self.apply_output(probes);
-            if self.scanner.is_none() && self.pipeline.processes.is_empty() {
+            if self.scanner.is_none() && self.pipeline.traces_nothing() {
                 tracing::info!("every traced process has exited");
                 break;
             }
@@ -348,19 +362,20 @@ impl Agent {
     /// Hands the pipeline's output on: released spans to the exporters, sockets and
     /// processes to stop following to the kernel.
     fn apply_output(&mut self, probes: &mut LoadedProbes) {
-        self.pipeline.observe_released();
-        self.offer_released();
-        for (socket, conn_id, not_http) in std::mem::take(&mut self.pipeline.output.untrack) {
+        let mut output = std::mem::take(&mut self.output);
+        self.pipeline.deliver(&mut output);
+        self.offer_released(&mut output.released);
+        for &(socket, conn_id, not_http) in &output.untrack {
             probes.untrack_socket(socket.pid, socket.fd, conn_id, not_http);
         }
-        for change in self.pipeline.stitcher.take_injections() {
+        for change in output.injections.drain(..) {
             self.apply_injection(probes, change);
         }
         let mut exited = Vec::new();
-        for change in std::mem::take(&mut self.pipeline.output.lifecycle) {
+        for change in output.lifecycle.drain(..) {
             match change {
                 // Unless a later fork in the batch adopted a new process with its pid.
-                Lifecycle::NotAdopted(pid) if self.pipeline.processes.contains(pid) => {}
+                Lifecycle::NotAdopted(pid) if self.pipeline.is_traced(pid) => {}
                 Lifecycle::NotAdopted(pid) => {
                     probes.untrace_pid(pid);
                     self.task_lineage.forget(pid, probes);
@@ -384,11 +399,13 @@ impl Agent {
         // After the exec'd processes are forgotten: a batch that holds an exec and then the
         // new program's first TLS connection must not judge that program twice. A process
         // that exited is not looked at.
-        for pid in std::mem::take(&mut self.pipeline.output.tls_opened) {
+        for &pid in &output.tls_opened {
             if !exited.contains(&pid) {
                 self.tls_probes.tls_opened(pid, probes);
             }
         }
+        output.clear();
+        self.output = output;
     }
 
     /// Gives the kernel a handler's trace for its next outbound requests, or takes it back.
@@ -425,7 +442,7 @@ impl Agent {
         server: Option<GymServer>,
     ) -> Result<()> {
         probes.trace_pid(pid)?;
-        let process = self.pipeline.processes.attach(pid, labels);
+        let process = self.pipeline.attach(pid, labels);
         self.counters.processes_attached += 1;
         tracing::info!(pid, "attached pid {pid} as {}", process.identity.labels);
         self.context_reads.attach(pid, probes);
@@ -446,7 +463,7 @@ impl Agent {
             }
         }
         if self.harvest_routes {
-            let self_ports = self.pipeline.self_ports.clone();
+            let self_ports = self.pipeline.self_ports();
             spawn_harvest(
                 &self.exporters,
                 pid,
@@ -471,8 +488,7 @@ impl Agent {
         for pid in found.exited {
             if self
                 .pipeline
-                .processes
-                .get(pid)
+                .process(pid)
                 .is_some_and(|process| process.parent.is_none())
             {
                 self.forget(probes, pid);
@@ -489,9 +505,9 @@ impl Agent {
             let Some(parent) = parent_pid(pid) else {
                 continue;
             };
-            if self.pipeline.processes.contains(pid)
+            if self.pipeline.is_traced(pid)
                 || probes.follows_as_child(pid)
-                || self.pipeline.processes.contains(parent)
+                || self.pipeline.is_traced(parent)
                 || probes.follows_as_child(parent)
             {
                 continue;
@@ -515,9 +531,7 @@ impl Agent {
         match result {
             Ok(Harvest { root, templates }) => {
                 self.counters.route_tables_harvested += 1;
-                self.pipeline
-                    .processes
-                    .set_harvested_routes(root, &templates);
+                self.pipeline.set_harvested_routes(root, &templates);
                 // Requests served before this line are named from Gym's known routes only.
                 tracing::info!(
                     pid = root,
@@ -537,8 +551,7 @@ impl Agent {
     fn forget(&mut self, probes: &mut LoadedProbes, pid: u32) {
         let logged = self
             .pipeline
-            .processes
-            .get(pid)
+            .process(pid)
             .is_some_and(TracedProcess::is_logged);
         let known = self.pipeline.forget(pid);
         self.release(probes, pid);
@@ -566,6 +579,7 @@ impl Agent {
     /// Every stage's counters as of now.
     fn snapshot(&self, kernel: KernelCounters) -> CounterSnapshot {
         let events_lost_by_cpu = kernel.events_lost_by_cpu;
+        let core = self.pipeline.counters();
         CounterSnapshot {
             host: HostCounters {
                 events_lost_in_kernel: events_lost_by_cpu.iter().sum(),
@@ -607,12 +621,12 @@ impl Agent {
                 lineage_creator_unreadable: kernel.lineage.creator_unreadable,
                 lineage_tasks_forgotten: self.task_lineage.counters.lineage_tasks_forgotten,
             },
-            pipeline: self.pipeline.counters,
-            reassembly: self.pipeline.table.counters,
-            tls: self.pipeline.tls.counters,
+            pipeline: core.pipeline,
+            reassembly: core.reassembly,
+            tls: core.tls,
             tls_probes: self.tls_probes.counters,
-            stitch: self.pipeline.stitcher.counters,
-            insight: self.pipeline.insight.counters(),
+            stitch: core.stitch,
+            insight: core.insight,
             agent: self.counters,
             events_lost_by_cpu,
         }
@@ -622,12 +636,13 @@ impl Agent {
     fn publish(&mut self, kernel: KernelCounters) {
         self.publish_insight();
         let snapshot = self.snapshot(kernel);
+        let levels = self.pipeline.levels();
         self.health.publish(
             &snapshot,
             Gauges {
-                processes_traced: self.pipeline.processes.len() as u64,
-                connections_tracked: self.pipeline.table.open_connections() as u64,
-                spans_pending: self.pipeline.stitcher.held() as u64,
+                processes_traced: levels.processes_traced as u64,
+                connections_tracked: levels.connections_tracked as u64,
+                spans_pending: levels.spans_pending as u64,
                 resident_memory_bytes: resident_memory_bytes(),
             },
         );
@@ -637,14 +652,14 @@ impl Agent {
     /// `GET /rollouts`.
     fn publish_insight(&mut self) {
         let now = Instant::now();
-        let traced: Vec<u32> = self.pipeline.processes.pids().collect();
+        let traced: Vec<u32> = self.pipeline.traced_pids().collect();
         let mut utilization = foldhash::HashMap::default();
         for &pid in &traced {
             if let Some(share) = self.loop_sampler.sample(pid, now) {
                 utilization.insert(pid, share);
                 self.pipeline.set_loop_utilization(pid, share);
                 if let (Some(report), Some(process)) =
-                    (&mut self.report, self.pipeline.processes.get(pid))
+                    (&mut self.report, self.pipeline.process(pid))
                 {
                     report.add_loop_load(&process.identity, share);
                 }
@@ -666,17 +681,19 @@ impl Agent {
     fn drain_and_release(&mut self, ring: &mut Ring, kernel: KernelCounters) -> CounterSnapshot {
         self.drain(ring.get_mut());
         self.pipeline.release_all();
-        self.pipeline.observe_released();
-        self.offer_released();
+        let mut output = std::mem::take(&mut self.output);
+        self.pipeline.deliver(&mut output);
+        self.pipeline.flush_recording();
+        self.offer_released(&mut output.released);
         self.snapshot(kernel)
     }
 
     /// Released spans to the exporters (and to the report's copy).
-    fn offer_released(&mut self) {
+    fn offer_released(&mut self, released: &mut Vec<SpanRecord>) {
         if let Some(report) = &mut self.report {
-            report.add_spans(&self.pipeline.output.released);
+            report.add_spans(released);
         }
-        let (queued, dropped) = self.spans.offer(&mut self.pipeline.output.released);
+        let (queued, dropped) = self.spans.offer(released);
         self.counters.spans_queued += queued as u64;
         self.counters.spans_dropped_queue_full += dropped as u64;
     }
@@ -691,8 +708,9 @@ impl Agent {
         args: &RunArgs,
         started: Instant,
     ) -> Result<()> {
-        let in_flight = self.pipeline.table.in_flight_requests() as u64;
-        let open_connections = self.pipeline.table.open_connections() as u64;
+        let levels = self.pipeline.levels();
+        let in_flight = levels.requests_in_flight as u64;
+        let open_connections = levels.connections_tracked as u64;
         let Agent {
             pipeline,
             spans,
@@ -841,7 +859,7 @@ fn lost_by_cpu(lost: &[u64]) -> String {
 }
 
 fn log_exec(pid: u32, pipeline: &Pipeline<Metrics>) {
-    let Some(process) = pipeline.processes.get(pid) else {
+    let Some(process) = pipeline.process(pid) else {
         return;
     };
     // /proc is read only for a line that is written.

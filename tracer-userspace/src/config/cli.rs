@@ -109,6 +109,10 @@ pub enum Command {
     /// output (`--output json`; several files, e.g. one per host, are merged). Lines that
     /// are not the agent's are counted and skipped.
     Report(ReportArgs),
+    /// Feed a recording (`run --record FILE`) to the tracer again, without a kernel or
+    /// privileges, and print the spans it makes as JSON lines (as `run --output json`), with
+    /// what it counted on stderr. For bug reports: what the agent made of the traffic, again.
+    Replay(ReplayArgs),
     /// Print the generated parts of the docs as Markdown (the options, spans, metrics,
     /// counters and how parents are decided), or rewrite them in place.
     #[command(hide = true)]
@@ -121,6 +125,13 @@ pub struct ReferenceArgs {
     /// Markdown files in place, instead of printing.
     #[arg(long, value_name = "FILE", num_args = 1..)]
     pub update: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// The recording `gym-tracer run --record FILE` wrote.
+    #[arg(value_name = "FILE")]
+    pub recording: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -435,6 +446,14 @@ pub struct RunArgs {
     /// 1,048,576 spans, ~300 MB, the rest counted on the page).
     #[arg(long, value_name = "FILE", env = "GYM_TRACER_REPORT")]
     pub report: Option<PathBuf>,
+
+    /// Write everything the kernel reported and the agent did with it (processes attached,
+    /// routes, timer ticks) to this file, so that the run can be fed to the tracer again
+    /// without a kernel: for bug reports and tests. The file holds the traced servers'
+    /// traffic as captured, bodies included, so keep it as private as the servers' data;
+    /// it stops growing at 1 GiB (counted: inputs_not_recorded). Off by default.
+    #[arg(long, value_name = "FILE", env = "GYM_TRACER_RECORD")]
+    pub record: Option<PathBuf>,
 
     /// With --report: link each slow rollout's trace id to this trace UI address,
     /// `{trace_id}` replaced (e.g. `http://jaeger:16686/trace/{trace_id}`).

@@ -404,6 +404,7 @@ fn effective_values(cli: &Cli, args: &RunArgs) -> Vec<(&'static str, Option<Stri
         ("summary_file", path(&args.summary_file)),
         ("report", path(&args.report)),
         ("report_trace_url", shown(&args.report_trace_url)),
+        ("record", path(&args.record)),
         ("capture_bytes", Some(args.capture_bytes.to_string())),
         (
             "ring_buffer_bytes",

@@ -20,6 +20,15 @@ use crate::model::service::ServiceIdentity;
 use crate::model::span::AttributeValue;
 use crate::model::span::SpanRecord;
 
+/// `spans` as JSON lines (`--output json`), appended to `out`.
+pub fn write_lines(spans: &[SpanRecord], out: &mut Vec<u8>) {
+    let mut resources = ResourceCache::default();
+    for span in spans {
+        write_span(out, span, &mut resources);
+        out.push(b'\n');
+    }
+}
+
 /// Spans as JSON lines on stdout, one write per batch.
 pub struct JsonLinesSink;
 
@@ -28,11 +37,7 @@ impl SpanSink for JsonLinesSink {
     /// failed write drops the batch (counted as rejected): stdout does not come back.
     fn export(&mut self, batch: Vec<SpanRecord>, status: &ExportStatus) {
         let mut text = Vec::with_capacity(batch.len() * 1024);
-        let mut resources = ResourceCache::default();
-        for span in &batch {
-            write_span(&mut text, span, &mut resources);
-            text.push(b'\n');
-        }
+        write_lines(&batch, &mut text);
         let mut out = std::io::stdout().lock();
         let count = batch.len() as u64;
         match out.write_all(&text).and_then(|()| out.flush()) {

@@ -9,7 +9,7 @@
 //! This module imports neither the CLI nor the config: the option types are in
 //! [`otlp::options`], and those two build them.
 
-mod json;
+pub(crate) mod json;
 pub mod status;
 mod meter;
 pub mod otlp;

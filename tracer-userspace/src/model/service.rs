@@ -41,6 +41,10 @@ pub struct AgentResource {
     /// override `host.name` & co., never `service.name`, `nemo.gym.*` or `process.*`. Keys are leaked once at start
     /// (a handful, for the agent's lifetime) so resources keep `&'static str` keys.
     pub extra: Vec<(&'static str, String)>,
+    /// The processes are a recording's (`gym-tracer replay`), not this host's: their
+    /// executable and the host name are left out, as reading them here would name this
+    /// host's.
+    pub replayed: bool,
 }
 
 impl AgentResource {
@@ -52,6 +56,7 @@ impl AgentResource {
         Self {
             service_name,
             extra,
+            replayed: false,
         }
     }
 

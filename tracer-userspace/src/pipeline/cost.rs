@@ -22,8 +22,10 @@ use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
 use crate::model::exchange::SocketId;
 use crate::model::service::{AgentResource, GymLabels};
+use crate::pipeline::recording::Recording;
 use crate::pipeline::replay::{self, record_bytes};
-use crate::pipeline::{Pipeline, PipelineConfig};
+use crate::pipeline::{Pipeline, PipelineConfig, PipelineOutput};
+use crate::signals::clock::WallClock;
 use crate::stitch::StitchConfig;
 
 /// The traffic one run drives.
@@ -79,6 +81,7 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
     let mut traffic = Traffic::new(workload);
     let mut pipeline = Pipeline::new(
         PipelineConfig {
+            clock: WallClock::measure(),
             max_connections: 65_536,
             routes: Vec::new(),
             agent_resource: AgentResource::new(Some("gym".to_string()), Vec::new()),
@@ -96,9 +99,7 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
         (MODEL, ServerType::Model),
         (RESOURCES, ServerType::Resources),
     ] {
-        pipeline
-            .processes
-            .attach(pid, GymLabels::example_server(server_type));
+        pipeline.attach(pid, GymLabels::example_server(server_type));
     }
     let resource = opentelemetry_sdk::Resource::builder_empty()
         .with_service_name("gym")
@@ -107,6 +108,7 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
     let mut body = Vec::with_capacity(1 << 20);
     let (mut pipeline_time, mut encode_time, mut spans) = (Duration::ZERO, Duration::ZERO, 0);
     let mut records = traffic.opens();
+    let mut output = PipelineOutput::default();
     for request in 0..requests + 1 {
         // The last round only lets the held spans go.
         let last = request == requests;
@@ -123,26 +125,64 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
         } else if request % RELEASE_EVERY == 0 {
             pipeline.release(now);
         }
+        pipeline.deliver(&mut output);
         pipeline_time += started.elapsed();
         records.clear();
-        let released = &mut pipeline.output.released;
+        let released = &mut output.released;
         if !released.is_empty() {
             let started = Instant::now();
             body.clear();
             encode_trace_request(&resource, released, &mut body);
             encode_time += started.elapsed();
             spans += released.len() as u64;
-            released.clear();
         }
-        pipeline.output.untrack.clear();
-        pipeline.output.lifecycle.clear();
+        output.clear();
     }
     Cost {
         requests,
         spans,
         pipeline_ns_per_request: pipeline_time.as_nanos() as f64 / requests.max(1) as f64,
         encode_ns_per_span: encode_time.as_nanos() as f64 / spans.max(1) as f64,
-        stitched: pipeline.stitcher.counters.cross_process_links,
+        stitched: pipeline.counters().stitch.cross_process_links,
+    }
+}
+
+/// The recorded run of the real Gym servers (`tracer-userspace/testdata/`, see
+/// [`crate::pipeline::recording`]), fed `rounds` times to a fresh core as the agent fed it,
+/// insight included: the floor of the real agent on Gym's own traffic (~11 KB bodies,
+/// context records, rollouts in flight together).
+pub fn measure_recording(recording: &Recording<'_>, rounds: u64) -> Cost {
+    let resource = opentelemetry_sdk::Resource::builder_empty()
+        .with_service_name("gym")
+        .build();
+    let mut body = Vec::with_capacity(1 << 20);
+    let (mut total, mut encode_time, mut spans, mut requests, mut stitched) =
+        (Duration::ZERO, Duration::ZERO, 0, 0, 0);
+    for _ in 0..rounds {
+        let mut pipeline = Pipeline::new(recording.config.pipeline_config(), ());
+        let started = Instant::now();
+        recording.feed(&mut pipeline, started, &mut (), |output| {
+            let released = &mut output.released;
+            if !released.is_empty() {
+                let started = Instant::now();
+                body.clear();
+                encode_trace_request(&resource, released, &mut body);
+                encode_time += started.elapsed();
+                spans += released.len() as u64;
+            }
+        });
+        total += started.elapsed();
+        let counters = pipeline.counters();
+        requests += counters.pipeline.requests_traced;
+        stitched += counters.stitch.cross_process_links;
+    }
+    Cost {
+        requests,
+        spans,
+        pipeline_ns_per_request: total.saturating_sub(encode_time).as_nanos() as f64
+            / requests.max(1) as f64,
+        encode_ns_per_span: encode_time.as_nanos() as f64 / spans.max(1) as f64,
+        stitched,
     }
 }
 

@@ -1,7 +1,10 @@
 //! The pipeline core: kernel records in; finished spans, metric recordings and instructions
-//! for the kernel out. No I/O of its own: the agent drives it with the ring buffer and hands
-//! its output to the exporters and the probes; the fuzz target ([`replay`]) drives the very
-//! same code with scripted records and checks its invariants through an [`Observer`].
+//! for the kernel out. No I/O of its own (a `--record` file is written through the writer the
+//! driver hands it): the agent drives it with the ring buffer and hands its output to the
+//! exporters and the probes; the fuzz target ([`replay`]) drives the very same code with
+//! scripted records and checks its invariants through an [`Observer`]; a [`recording`] of a
+//! real run drives it in the replay test, `gym-tracer replay` and [`cost`]. Every driver
+//! steps it the same way (see [`Pipeline`]), and reads it only through its accessors.
 //!
 //! Per record: `kernel::events::decode` → `reassembly::connections::ConnectionTable::apply`
 //! (request starts, bodies' rollout ids, finished exchanges) → at a start, the stitcher learns
@@ -9,6 +12,7 @@
 //! stitcher holds until their parents and trace ids are decided, then releases.
 
 pub mod cost;
+pub mod recording;
 pub mod replay;
 
 #[cfg(test)]
@@ -23,23 +27,25 @@ use crate::gym::routes::{RouteName, RouteTemplate, strip_rollout_prefix};
 use crate::gym::span_groups::{SpanGroup, SpanGroups};
 use crate::insight::rollouts::agent_key;
 use crate::insight::view::RolloutsView;
-use crate::insight::{Insight, ProcessView};
+use crate::insight::{Insight, InsightCounters, ProcessView};
 use crate::kernel::events::{DataTransfer, KernelEvent, TaskContext, decode};
 use crate::model::counters::counters;
 use crate::model::evidence::Token;
 use crate::model::exchange::{HttpExchange, OpaqueTls, Outcome, RequestStart, Role, SocketId};
 use crate::model::ids::SpanId;
-use crate::model::service::AgentResource;
+use crate::model::service::{AgentResource, GymLabels};
 use crate::model::span::SpanRecord;
+use crate::pipeline::recording::{Input, Recorder};
 use crate::processes::harvest::SelfPorts;
 use crate::processes::{ProcessTable, TracedProcess, log_lifecycle};
-use crate::reassembly::connections::{ConnectionTable, TableAction};
-use crate::reassembly::tls::{ConnectionKey, Released, TlsRecord, TlsSessions};
+use crate::reassembly::connections::{ConnectionTable, ReassemblyCounters, TableAction};
+use crate::reassembly::tls::{ConnectionKey, Released, TlsCounters, TlsRecord, TlsSessions};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::{caller_is_gym_server, classify, semantic_at_start, wants_run_body};
 use crate::signals::metrics::{RequestMetrics, ServerLevels};
 use crate::signals::spans::{Peer, RequestView, opaque_tls_span, request_spans};
-use crate::stitch::{StartFacts, StitchConfig, Stitcher};
+use crate::stitch::injection::TraceInjection;
+use crate::stitch::{StartFacts, StitchConfig, StitchCounters, Stitcher};
 
 /// Server addresses remembered for `peer.service`. A server listening on a wildcard
 /// address is reached at as many local addresses as a peer chooses (all of 127/8), so this
@@ -75,6 +81,9 @@ counters! {
         /// one `TLS` span. Expected with `--no-tls`; otherwise their process's TLS library is one
         /// the uprobes do not cover (see `tls_processes_unprobed` and the log).
         lost tls_connections_unread,
+        /// Inputs left out of `--record FILE` (at 1 GiB, or a write failed: see the log). The
+        /// agent itself went on as before.
+        note inputs_not_recorded,
     }
 }
 
@@ -111,10 +120,13 @@ pub enum Lifecycle {
     NotAdopted(u32),
 }
 
-/// What the pipeline hands back to its driver. Drained by the driver after each batch.
+/// What the pipeline hands back to its driver at the end of a step ([`Pipeline::deliver`]).
+/// The driver owns one, acts on it and clears it: its buffers are swapped in and out, not
+/// reallocated.
 #[derive(Default)]
 pub struct PipelineOutput {
-    /// Spans the stitcher let go of, complete with trace ids and parents.
+    /// Spans let go of, complete with trace ids and parents, after the insight stage saw
+    /// them (a rollout's spans leave once the rollout is read whole).
     pub released: Vec<SpanRecord>,
     /// Sockets to stop capturing in the kernel (`pid`, `fd`, `conn_id`, and whether the
     /// kernel keeps it as not HTTP: see [`TableAction::Untrack`]).
@@ -123,9 +135,43 @@ pub struct PipelineOutput {
     /// Processes that just opened a TLS connection (one entry per connection): the driver
     /// makes sure their TLS library is probed.
     pub tls_opened: Vec<u32>,
+    /// Handler traces the kernel is to write into outbound requests, or to forget.
+    pub injections: Vec<TraceInjection>,
+}
+
+impl PipelineOutput {
+    /// Empties every list, keeping their buffers.
+    pub fn clear(&mut self) {
+        self.released.clear();
+        self.untrack.clear();
+        self.lifecycle.clear();
+        self.tls_opened.clear();
+        self.injections.clear();
+    }
+}
+
+/// Every stage's counters inside the core, as of now.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CoreCounters {
+    pub pipeline: PipelineCounters,
+    pub reassembly: ReassemblyCounters,
+    pub tls: TlsCounters,
+    pub stitch: StitchCounters,
+    pub insight: InsightCounters,
+}
+
+/// What the core holds as of now (levels: they go up and down).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CoreLevels {
+    pub processes_traced: usize,
+    pub connections_tracked: usize,
+    pub requests_in_flight: usize,
+    pub spans_pending: usize,
 }
 
 pub struct PipelineConfig {
+    /// Kernel timestamps to wall time (measured at start; a recording's own when replayed).
+    pub clock: WallClock,
     pub max_connections: usize,
     /// `--routes`: templates that name requests before Gym's known routes and the harvest.
     pub routes: Vec<RouteTemplate>,
@@ -134,26 +180,40 @@ pub struct PipelineConfig {
     pub stitch: StitchConfig,
 }
 
-/// Everything downstream of the ring buffer and upstream of the exporters.
+/// Everything downstream of the ring buffer and upstream of the exporters. Closed: a driver
+/// (the agent, the fuzz target's [`replay`], [`cost`]) feeds it records and time, and takes
+/// what it produced with [`Pipeline::deliver`], which fixes the order of the stages' last
+/// steps; it reads the stages only through the accessors below.
+///
+/// A step, as every driver takes it:
+/// 1. [`Pipeline::handle_record`] for each ring-buffer record of a batch;
+/// 2. [`Pipeline::release`] when the release timer ticks ([`Pipeline::release_all`] at the
+///    end);
+/// 3. [`Pipeline::deliver`], then act on the [`PipelineOutput`] and clear it.
 pub struct Pipeline<M: RequestMetrics> {
     clock: WallClock,
-    pub table: ConnectionTable,
+    table: ConnectionTable,
     /// Ties TLS plaintext to its connection before the table sees it.
-    pub tls: TlsSessions,
-    pub processes: ProcessTable,
+    tls: TlsSessions,
+    processes: ProcessTable,
     groups: SpanGroups,
     /// Port pairs of the agent's own route harvests (shared with the harvest tasks).
-    pub self_ports: SelfPorts,
+    self_ports: SelfPorts,
     metrics: M,
-    pub stitcher: Stitcher,
+    stitcher: Stitcher,
     /// After the stitcher: rollouts' phases and stragglers, the live view.
-    pub insight: Insight,
+    insight: Insight,
     /// Requests the agent itself made (route harvests), dropped when they end.
     own_requests: HashSet<SpanId>,
     /// Listening addresses of traced Gym servers → server name (for `peer.service`) and type.
     peer_names: HashMap<SocketAddr, Peer>,
-    pub counters: PipelineCounters,
-    pub output: PipelineOutput,
+    counters: PipelineCounters,
+    /// What this step produced so far, for [`Pipeline::deliver`].
+    output: PipelineOutput,
+    /// `--record FILE`: every input, as it comes.
+    recorder: Option<Recorder>,
+    /// The route harvest's marks used up by the record being handled (when recording).
+    own_marks_taken: Vec<(u16, u16)>,
     exchanges: Vec<HttpExchange>,
     actions: Vec<TableAction>,
     span_batch: Vec<SpanRecord>,
@@ -162,7 +222,7 @@ pub struct Pipeline<M: RequestMetrics> {
 impl<M: RequestMetrics> Pipeline<M> {
     pub fn new(config: PipelineConfig, metrics: M) -> Self {
         Self {
-            clock: WallClock::measure(),
+            clock: config.clock,
             table: ConnectionTable::new(config.max_connections).reading_run_bodies(wants_run_body),
             tls: TlsSessions::default(),
             processes: ProcessTable::new(config.routes, config.agent_resource),
@@ -175,14 +235,52 @@ impl<M: RequestMetrics> Pipeline<M> {
             peer_names: HashMap::new(),
             counters: PipelineCounters::default(),
             output: PipelineOutput::default(),
+            recorder: None,
+            own_marks_taken: Vec::new(),
             exchanges: Vec::new(),
             actions: Vec::new(),
             span_batch: Vec::new(),
         }
     }
 
+    /// Writes every input from now on to `recorder` ([`recording`]).
+    pub fn record_to(&mut self, recorder: Recorder) {
+        self.recorder = Some(recorder);
+    }
+
+    /// Writes out what the recorder holds (at shutdown).
+    pub fn flush_recording(&mut self) {
+        if let Some(recorder) = &mut self.recorder {
+            recorder.flush();
+        }
+    }
+
+    fn record(&mut self, input: Input<'_>, at: Instant) {
+        if let Some(recorder) = &mut self.recorder
+            && !recorder.write(&input, at)
+        {
+            self.counters.inputs_not_recorded += 1;
+        }
+    }
+
     /// One ring-buffer record, at `now` (the stitcher's clock).
     pub fn handle_record(&mut self, bytes: &[u8], now: Instant, observer: &mut impl Observer) {
+        self.apply_record(bytes, now, observer);
+        if self.recorder.is_some() {
+            // The route harvest's marks this record used up, before it: fed again, the
+            // record finds them.
+            for (client_port, server_port) in std::mem::take(&mut self.own_marks_taken) {
+                let input = Input::OwnRequest {
+                    client_port,
+                    server_port,
+                };
+                self.record(input, now);
+            }
+            self.record(Input::Record(bytes), now);
+        }
+    }
+
+    fn apply_record(&mut self, bytes: &[u8], now: Instant, observer: &mut impl Observer) {
         self.counters.events_in += 1;
         let Ok(event) = decode(bytes) else {
             self.counters.events_undecodable += 1;
@@ -265,7 +363,7 @@ impl<M: RequestMetrics> Pipeline<M> {
                     .processes
                     .get(pid)
                     .is_some_and(TracedProcess::is_logged);
-                let known = self.forget(pid);
+                let known = self.forget_process(pid);
                 self.output
                     .lifecycle
                     .push(Lifecycle::Exited { pid, known, logged });
@@ -373,19 +471,32 @@ impl<M: RequestMetrics> Pipeline<M> {
     /// Releases the spans whose chains settled (called on a timer: it batches, the events
     /// decide).
     pub fn release(&mut self, now: Instant) {
+        self.record(Input::Release, now);
         self.stitcher.release(now, &mut self.output.released);
     }
 
     /// Releases every held span (shutdown).
     pub fn release_all(&mut self) {
+        self.record(Input::ReleaseAll, Instant::now());
         self.tls.give_up_held();
         self.stitcher.release_all(&mut self.output.released);
     }
 
-    /// Runs the insight stage over the spans released since the driver last took them (the
-    /// driver calls it before it hands them on): rollouts that ended get their phases, and
-    /// the metrics record them.
-    pub fn observe_released(&mut self) {
+    /// Ends a step: the insight stage reads the spans released since the last step (rollouts
+    /// that ended get their phases, and the metrics record them; a rollout's spans wait until
+    /// it is read whole), and what the step produced is swapped into `into`, which the driver
+    /// cleared after the last step.
+    pub fn deliver(&mut self, into: &mut PipelineOutput) {
+        self.record(Input::Deliver, Instant::now());
+        self.observe_released();
+        self.output
+            .injections
+            .append(&mut self.stitcher.take_injections());
+        debug_assert!(into.released.is_empty() && into.lifecycle.is_empty());
+        std::mem::swap(&mut self.output, into);
+    }
+
+    fn observe_released(&mut self) {
         let processes = &self.processes;
         let server_type = |service: &crate::model::service::ServiceIdentity| {
             processes
@@ -443,6 +554,12 @@ impl<M: RequestMetrics> Pipeline<M> {
     /// Names `address` as server `name` (of `server_type`, when known) for `peer.service`,
     /// within [`MAX_PEER_NAMES`]; a server that took over an address renames it.
     pub fn name_peer(&mut self, address: SocketAddr, name: &str, server_type: Option<ServerType>) {
+        let input = Input::NamePeer {
+            address,
+            name,
+            server_type,
+        };
+        self.record(input, Instant::now());
         let known = self.peer_names.get(&address);
         if known.is_some_and(|peer| peer.name == name && peer.server_type == server_type) {
             return;
@@ -458,6 +575,79 @@ impl<M: RequestMetrics> Pipeline<M> {
         }
     }
 
+    /// Traces `pid` as a process labelled `labels`.
+    pub fn attach(&mut self, pid: u32, labels: GymLabels) -> &TracedProcess {
+        if self.recorder.is_some() {
+            let labels = labels.clone();
+            self.record(Input::Attach { pid, labels }, Instant::now());
+        }
+        self.processes.attach(pid, labels)
+    }
+
+    /// A traced process, as the core knows it.
+    pub fn process(&self, pid: u32) -> Option<&TracedProcess> {
+        self.processes.get(pid)
+    }
+
+    pub fn is_traced(&self, pid: u32) -> bool {
+        self.processes.contains(pid)
+    }
+
+    /// Whether no process is traced (any more).
+    pub fn traces_nothing(&self) -> bool {
+        self.processes.is_empty()
+    }
+
+    /// The traced processes' pids (their order is the table's).
+    pub fn traced_pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.processes.pids()
+    }
+
+    /// Route templates read from `root`'s `/openapi.json`, for it and its children.
+    pub fn set_harvested_routes(&mut self, root: u32, templates: &[RouteTemplate]) {
+        let texts = templates.iter().map(RouteTemplate::as_str).collect();
+        self.record(
+            Input::Routes {
+                root,
+                templates: texts,
+            },
+            Instant::now(),
+        );
+        self.processes.set_harvested_routes(root, templates);
+    }
+
+    /// The port pairs of the agent's own route harvests, for the harvest tasks to mark.
+    pub fn self_ports(&self) -> SelfPorts {
+        self.self_ports.clone()
+    }
+
+    /// Every stage's counters.
+    pub fn counters(&self) -> CoreCounters {
+        CoreCounters {
+            pipeline: self.counters,
+            reassembly: self.table.counters,
+            tls: self.tls.counters,
+            stitch: self.stitcher.counters,
+            insight: self.insight.counters(),
+        }
+    }
+
+    /// What the core holds now.
+    pub fn levels(&self) -> CoreLevels {
+        CoreLevels {
+            processes_traced: self.processes.len(),
+            connections_tracked: self.table.open_connections(),
+            requests_in_flight: self.table.in_flight_requests(),
+            spans_pending: self.stitcher.held(),
+        }
+    }
+
+    /// Whether whole rollouts still wait for spans the stitcher holds (none should once
+    /// everything was released).
+    pub fn rollouts_waiting(&self) -> bool {
+        self.insight.waiting()
+    }
+
     /// The metrics recorder back, for its final flush.
     pub fn into_metrics(self) -> M {
         self.metrics
@@ -465,6 +655,11 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// A traced process is gone: free what was kept for it.
     pub fn forget(&mut self, pid: u32) -> bool {
+        self.record(Input::Forget { pid }, Instant::now());
+        self.forget_process(pid)
+    }
+
+    fn forget_process(&mut self, pid: u32) -> bool {
         let known = self.processes.remove(pid).is_some();
         self.tls.process_gone(pid);
         self.insight.process_gone(pid);
@@ -478,6 +673,9 @@ impl<M: RequestMetrics> Pipeline<M> {
     fn start_request(&mut self, start: &RequestStart, now: Instant) {
         if start.role == Role::Server && self.is_own(start) {
             self.own_requests.insert(start.span_id);
+            if let (Some(peer), Some(local), Some(_)) = (start.peer, start.local, &self.recorder) {
+                self.own_marks_taken.push((peer.port(), local.port()));
+            }
             return;
         }
         let Some(process) = self.processes.get_mut(start.pid) else {

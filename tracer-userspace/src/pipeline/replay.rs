@@ -43,11 +43,12 @@ use crate::model::exchange::{HttpExchange, Outcome, RequestStart, Role, SocketId
 use crate::model::ids::{MintKey, SpanId};
 use crate::model::service::{AgentResource, GymLabels};
 use crate::model::span::SpanRecord;
-use crate::pipeline::{Observer, Pipeline, PipelineConfig, PipelineCounters};
+use crate::pipeline::{Observer, Pipeline, PipelineConfig, PipelineCounters, PipelineOutput};
 use crate::reassembly::connections::{
     ConnectionTable, MAX_IN_FLIGHT_PER_CONNECTION, ReassemblyCounters, TableAction,
 };
 use crate::reassembly::tls::TlsCounters;
+use crate::signals::clock::WallClock;
 use crate::signals::meaning::wants_run_body;
 use crate::stitch::{Injection, StitchConfig, StitchCounters};
 
@@ -267,6 +268,7 @@ pub(crate) fn header(
 /// bookkeeping that the invariants are checked against.
 struct Replay {
     pipeline: Pipeline<()>,
+    output: PipelineOutput,
     checks: Checks,
     /// `Instant` of monotonic time 0, for the stitcher's delays.
     epoch: Instant,
@@ -411,6 +413,7 @@ fn describe_exchange(exchange: &HttpExchange) -> String {
 impl Replay {
     fn new() -> Self {
         let config = PipelineConfig {
+            clock: WallClock::measure(),
             max_connections: MAX_CONNECTIONS,
             routes: Vec::new(),
             agent_resource: AgentResource::new(Some("fuzz".to_string()), Vec::new()),
@@ -431,12 +434,11 @@ impl Replay {
             (PIDS[0], ServerType::Agent),
             (PIDS[1], ServerType::Resources),
         ] {
-            pipeline
-                .processes
-                .attach(pid, GymLabels::example_server(server_type));
+            pipeline.attach(pid, GymLabels::example_server(server_type));
         }
         Self {
             pipeline,
+            output: PipelineOutput::default(),
             checks: Checks {
                 in_flight: HashSet::new(),
                 summary: ReplaySummary::default(),
@@ -636,20 +638,18 @@ impl Replay {
     /// What the agent does with the pipeline's output, minus the kernel: exits are
     /// forgotten, released spans counted.
     fn apply_output(&mut self) {
-        self.pipeline.observe_released();
-        let output = &mut self.pipeline.output;
-        self.checks.summary.spans_released += output.released.len() as u64;
-        output.released.clear();
-        output.untrack.clear();
+        self.pipeline.deliver(&mut self.output);
+        self.checks.summary.spans_released += self.output.released.len() as u64;
         // Exits were forgotten at their records.
-        output.lifecycle.clear();
+        self.output.clear();
     }
 
     /// The bounds the agent's memory depends on, and no request lost without a trace.
     fn check(&self) {
-        let open = self.pipeline.table.open_connections();
+        let levels = self.pipeline.levels();
+        let open = levels.connections_tracked;
         assert!(open <= MAX_CONNECTIONS, "{open} connections tracked");
-        let in_flight = self.pipeline.table.in_flight_requests();
+        let in_flight = levels.requests_in_flight;
         assert!(
             in_flight <= open * MAX_IN_FLIGHT_PER_CONNECTION,
             "{in_flight} requests in flight on {open} connections"
@@ -660,16 +660,17 @@ impl Replay {
             self.checks.in_flight.len(),
             "requests vanished without an exchange"
         );
-        assert!(self.pipeline.stitcher.held() <= MAX_PENDING_SPANS);
+        assert!(levels.spans_pending <= MAX_PENDING_SPANS);
     }
 
     fn finish(mut self) -> ReplaySummary {
         let checks = &mut self.checks;
         // TLS plaintext reaches the table only through the pipeline's TLS sessions, which
         // split ciphertext would not tie: scripts with TLS records are not compared.
-        if self.pipeline.table.counters.parse_errors() == 0
+        let core = self.pipeline.counters();
+        if core.reassembly.parse_errors() == 0
             && checks.split.table.counters.parse_errors() == 0
-            && self.pipeline.tls.counters.tls_records == 0
+            && core.tls.tls_records == 0
         {
             for list in [
                 &mut checks.summary.started,
@@ -692,14 +693,15 @@ impl Replay {
         self.pipeline.release_all();
         self.apply_output();
         assert!(
-            !self.pipeline.insight.waiting(),
+            !self.pipeline.rollouts_waiting(),
             "a rollout kept back after every span was released"
         );
         let mut summary = std::mem::take(&mut self.checks.summary);
-        summary.pipeline = self.pipeline.counters;
-        summary.reassembly = self.pipeline.table.counters;
-        summary.tls = self.pipeline.tls.counters;
-        summary.stitch = self.pipeline.stitcher.counters;
+        let core = self.pipeline.counters();
+        summary.pipeline = core.pipeline;
+        summary.reassembly = core.reassembly;
+        summary.tls = core.tls;
+        summary.stitch = core.stitch;
         summary
     }
 }

@@ -73,7 +73,10 @@ impl ServiceIdentity {
         comm: Option<&str>,
     ) -> Self {
         let agent_service_name = agent.service_name.as_deref();
-        let executable = read_trimmed(format!("/proc/{pid}/comm"))
+        let live = !agent.replayed;
+        let executable = live
+            .then(|| read_trimmed(format!("/proc/{pid}/comm")))
+            .flatten()
             .or_else(|| comm.map(str::to_owned))
             .unwrap_or_else(|| format!("pid-{pid}"));
         let text = |s: &str| AttributeValue::Str(Arc::<str>::from(s).into());
@@ -102,7 +105,7 @@ impl ServiceIdentity {
             attributes.insert(attr::PROCESS_PARENT_PID, AttributeValue::Int(parent as i64));
         }
         // The conventions: the base name of /proc/<pid>/exe's target, not `comm`.
-        let path = executable_path(pid);
+        let path = live.then(|| executable_path(pid)).flatten();
         let executable_name = path
             .as_ref()
             .and_then(|path| path.file_name())
@@ -111,8 +114,10 @@ impl ServiceIdentity {
         if let Some(path) = &path {
             attributes.insert(attr::PROCESS_EXECUTABLE_PATH, text(&path.to_string_lossy()));
         }
-        attributes.insert(attr::PROCESS_EXECUTABLE_NAME, text(&executable_name));
-        attributes.insert(attr::HOST_NAME, text(&host_name()));
+        if live {
+            attributes.insert(attr::PROCESS_EXECUTABLE_NAME, text(&executable_name));
+            attributes.insert(attr::HOST_NAME, text(&host_name()));
+        }
         attributes.insert(attr::TELEMETRY_DISTRO_NAME, text("gym-tracer"));
         attributes.insert(
             attr::TELEMETRY_DISTRO_VERSION,

@@ -35,6 +35,17 @@ impl WallClock {
         }
     }
 
+    /// The offset a recording carries, so that its spans keep their own times.
+    pub fn offset_ns(self) -> i128 {
+        self.realtime_minus_monotonic_ns
+    }
+
+    pub fn from_offset_ns(realtime_minus_monotonic_ns: i128) -> Self {
+        Self {
+            realtime_minus_monotonic_ns,
+        }
+    }
+
     pub fn to_unix_ns(self, monotonic_ns: u64) -> u64 {
         (monotonic_ns as i128 + self.realtime_minus_monotonic_ns).max(0) as u64
     }
