@@ -559,6 +559,7 @@ mod tests {
                 end_unix_ns: T0 + (start_us + dur_us) * 1_000,
                 attributes: Vec::new(),
                 status: SpanStatus::Unset,
+                facts: Default::default(),
             })
         }
         fn parent(mut self, id: u8) -> Self {

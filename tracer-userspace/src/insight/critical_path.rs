@@ -8,6 +8,9 @@
 //! Pure: spans in, nanoseconds per [`Phase`] out (or the path itself, for the batch report's
 //! timelines); the sum is the root's duration exactly.
 
+use foldhash::{HashMap, HashMapExt};
+use std::hash::Hash;
+
 use super::phases::Context;
 use crate::gym::ServerType;
 use crate::model::rollout::{Phase, PhaseNs};
@@ -21,6 +24,42 @@ pub struct PathSpan {
     pub class: SpanClass,
     /// Indices of its children in the walk's span list.
     pub children: Vec<usize>,
+}
+
+/// The subtree under span `root` as the walk takes it (index 0 the root), and the index of
+/// each of its members: the one rollout-tree builder of the insight stage and the batch
+/// report. `candidates` are the indices of the spans that may be in it (its trace's); `id`
+/// and `parent` give a span's id and its parent's, `path_span` what the walk needs of it.
+/// A cycle in bad input ends the walk once every candidate was taken.
+pub fn subtree<K: Hash + Eq>(
+    candidates: impl ExactSizeIterator<Item = usize>,
+    root: usize,
+    id: impl Fn(usize) -> K,
+    parent: impl Fn(usize) -> Option<K>,
+    path_span: impl Fn(usize) -> PathSpan,
+) -> (Vec<PathSpan>, Vec<usize>) {
+    let count = candidates.len();
+    let mut children: HashMap<K, Vec<usize>> = HashMap::with_capacity(count);
+    for index in candidates {
+        if let Some(parent) = parent(index) {
+            children.entry(parent).or_default().push(index);
+        }
+    }
+    let mut members = vec![root];
+    let mut tree = vec![path_span(root)];
+    let mut next = 0;
+    while next < members.len() && members.len() <= count {
+        let below = children
+            .get(&id(members[next]))
+            .map_or(&[][..], Vec::as_slice);
+        for &child in below {
+            tree[next].children.push(members.len());
+            members.push(child);
+            tree.push(path_span(child));
+        }
+        next += 1;
+    }
+    (tree, members)
 }
 
 /// What decides the phase of a span's own time.
@@ -169,23 +208,14 @@ fn walk(
 
 /// The phase of the time a span spends on the path with none of its children.
 fn own_phase(span: &PathSpan, spans: &[PathSpan], context: Context) -> Phase {
-    match (context, span.class) {
-        (Context::Model, _) => Phase::Model,
-        (_, SpanClass::Call { callee_traced }) => {
-            // Before the callee read the request, and after it answered until the caller
-            // read the answer: waiting on a traced server (or on its own event loop).
-            let answered_here = span
-                .children
-                .iter()
-                .any(|&child| !matches!(spans[child].class, SpanClass::Call { .. }));
-            if callee_traced || answered_here {
-                Phase::Queue
-            } else {
-                Phase::External
-            }
-        }
-        (context, _) => context.phase(),
-    }
+    // Before the callee read the request, and after it answered until the caller read the
+    // answer: a call whose callee's SERVER span is below it waits on a traced server.
+    let answered_below = matches!(span.class, SpanClass::Call { .. })
+        && span
+            .children
+            .iter()
+            .any(|&child| !matches!(spans[child].class, SpanClass::Call { .. }));
+    context.own_phase(span.class, answered_below)
 }
 
 #[cfg(test)]

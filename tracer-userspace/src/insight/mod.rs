@@ -21,7 +21,7 @@ use crate::model::exchange::{RequestStart, Role};
 use crate::model::ids::{SpanId, TraceId, hex};
 use crate::model::rollout::{Phase, RolloutSummary};
 use crate::model::service::ServiceIdentity;
-use crate::model::span::{SpanRecord, Text};
+use crate::model::span::{SpanKind, SpanRecord, Text};
 use crate::signals::spans::client_span_name;
 use crate::stitch::Stitcher;
 use critical_path::SpanClass;
@@ -307,30 +307,23 @@ fn phase_now(
     peer: &impl Fn(SocketAddr) -> Option<String>,
 ) -> Phase {
     let mut context = Context::Agent;
-    let mut deepest_call = None;
+    let mut deepest = SpanClass::Agent;
     for request in chain {
-        let class = match (request.role, server_type(request.pid)) {
-            (_, Some(ServerType::Model)) => SpanClass::Model,
-            (Role::Client, _) => SpanClass::Call {
-                callee_traced: request.peer.and_then(peer).is_some(),
-            },
-            (Role::Server, Some(ServerType::Resources)) => SpanClass::Resources {
-                verify: request.verify,
-            },
-            (Role::Server, _) => SpanClass::Agent,
+        let kind = match request.role {
+            Role::Client => SpanKind::Client,
+            Role::Server => SpanKind::Server,
         };
-        context = context.within(class);
-        deepest_call = match class {
-            SpanClass::Call { callee_traced } => Some(callee_traced),
-            _ => None,
-        };
+        let callee_traced = request.peer.and_then(peer).is_some();
+        deepest = SpanClass::of(
+            kind,
+            server_type(request.pid),
+            request.verify,
+            callee_traced,
+        );
+        context = context.within(deepest);
     }
-    match (context, deepest_call) {
-        (Context::Model, _) => Phase::Model,
-        (_, Some(true)) => Phase::Queue,
-        (_, Some(false)) => Phase::External,
-        (context, None) => context.phase(),
-    }
+    // Live, a callee's SERVER span is not below its call yet: only its name says it is traced.
+    context.own_phase(deepest, false)
 }
 
 #[cfg(test)]

@@ -27,8 +27,23 @@ impl Context {
         }
     }
 
+    /// The phase of the own time of a span of `class` running in this context (the one
+    /// [`Context::within`] gave it): the one rule set of the critical path and of the live
+    /// view's phase now. A call's own time is waiting on a traced server (its own event loop
+    /// included) when the callee is traced or answered below it, else on the outside world.
+    pub fn own_phase(self, class: SpanClass, callee_answered_below: bool) -> Phase {
+        match (self, class) {
+            (Context::Model, _) => Phase::Model,
+            (_, SpanClass::Call { callee_traced }) if callee_traced || callee_answered_below => {
+                Phase::Queue
+            }
+            (_, SpanClass::Call { .. }) => Phase::External,
+            (context, _) => context.phase(),
+        }
+    }
+
     /// The phase of a span's own time in this context (calls aside).
-    pub fn phase(self) -> Phase {
+    fn phase(self) -> Phase {
         match self {
             Context::Agent => Phase::Agent,
             Context::Tool => Phase::Tool,

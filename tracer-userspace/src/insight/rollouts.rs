@@ -8,15 +8,14 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::critical_path::{PathSpan, SpanClass, phases};
+use super::critical_path::{self, PathSpan, SpanClass, phases};
 use super::stats::Window;
 use crate::gym::ServerType;
-use crate::gym::rollout_id::RolloutId;
 use crate::model::attributes as attr;
 use crate::model::ids::{SpanId, TraceId};
 use crate::model::rollout::RolloutSummary;
 use crate::model::service::ServiceIdentity;
-use crate::model::span::{AttributeValue, SpanKind, SpanRecord, Text};
+use crate::model::span::{AttributeValue, SpanFacts, SpanKind, SpanRecord, Text};
 use crate::stitch::rollout_trace_id;
 
 /// Spans of rollouts still running, over all of them: past it the oldest rollout's spans
@@ -48,14 +47,7 @@ struct Gathered {
     kind: SpanKind,
     server_type: Option<ServerType>,
     service: Arc<ServiceIdentity>,
-    /// SERVER: `http.route`.
-    route: Option<Text>,
-    /// `/verify`'s SERVER span or `gym.verify`.
-    verify: bool,
-    /// CLIENT: `peer.service` names a traced server.
-    peer_traced: bool,
-    input_tokens: Option<i64>,
-    output_tokens: Option<i64>,
+    facts: SpanFacts,
 }
 
 /// The rollouts' side of the insight stage.
@@ -174,14 +166,10 @@ impl Rollouts {
             self.remember_ended(span.span_id);
             return;
         }
-        let carries_rollout = span
-            .attributes
-            .iter()
-            .any(|(key, _)| *key == attr::GYM_ROLLOUT_ID);
-        if !carries_rollout && !self.run_traces.contains(&span.trace_id) {
+        if span.facts.rollout_id.is_none() && !self.run_traces.contains(&span.trace_id) {
             return; // not part of a rollout: nothing here is asked of it
         }
-        let mut gathered = Gathered {
+        let gathered = Gathered {
             span_id: span.span_id,
             parent: span.parent_span_id,
             start_ns: span.start_unix_ns,
@@ -189,28 +177,8 @@ impl Rollouts {
             kind: span.kind,
             server_type: server_type(&span.service),
             service: span.service.clone(),
-            route: None,
-            verify: span.name == "gym.verify",
-            peer_traced: false,
-            input_tokens: None,
-            output_tokens: None,
+            facts: span.facts.clone(),
         };
-        for (key, value) in &span.attributes {
-            match (*key, value) {
-                (attr::HTTP_ROUTE, AttributeValue::Str(route)) if span.kind == SpanKind::Server => {
-                    gathered.verify |= route.as_str() == "/verify";
-                    gathered.route = Some(route.clone());
-                }
-                (attr::PEER_SERVICE, _) => gathered.peer_traced = true,
-                (attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(n)) => {
-                    gathered.input_tokens = Some(*n);
-                }
-                (attr::GEN_AI_USAGE_OUTPUT_TOKENS, AttributeValue::Int(n)) => {
-                    gathered.output_tokens = Some(*n);
-                }
-                _ => {}
-            }
-        }
         while self.gathered >= MAX_GATHERED_SPANS {
             let Some(oldest) = self.order.pop_front() else {
                 break;
@@ -286,6 +254,8 @@ impl Rollouts {
                 AttributeValue::Int(tokens),
             ));
         }
+        rollout_span.facts.input_tokens = counts.input_tokens;
+        rollout_span.facts.output_tokens = counts.output_tokens;
         if straggler {
             self.counters.rollout_stragglers += 1;
             attributes.push((attr::GYM_ROLLOUT_STRAGGLER, AttributeValue::Bool(true)));
@@ -295,8 +265,8 @@ impl Rollouts {
         }
         // A trace of its own rollout holds nothing else that will end; a shared trace (a
         // traced driver's) keeps the other rollouts' spans.
-        let own_trace =
-            rollout_id_of(rollout_span).is_some_and(|id| rollout_trace_id(&id) == trace);
+        let own_trace = (rollout_span.facts.rollout_id.as_ref())
+            .is_some_and(|id| rollout_trace_id(id) == trace);
         if !own_trace {
             let mut index = 0;
             let members: HashSet<usize> = members.iter().copied().collect();
@@ -384,44 +354,35 @@ impl Rollouts {
     }
 }
 
-/// The rollout's subtree under `spans[root]` as the walk takes it (index 0 the root), and
-/// the index in `spans` of each of its members.
+/// The rollout's subtree under `spans[root]` ([`critical_path::subtree`]).
 fn subtree(spans: &[Gathered], root: usize) -> (Vec<PathSpan>, Vec<usize>) {
-    let mut children: HashMap<SpanId, Vec<usize>> = HashMap::with_capacity(spans.len());
-    for (index, span) in spans.iter().enumerate() {
-        if let Some(parent) = span.parent {
-            children.entry(parent).or_default().push(index);
-        }
-    }
-    let path_span = |span: &Gathered| PathSpan {
-        start_ns: span.start_ns,
-        end_ns: span.end_ns,
-        class: class_of(span),
-        children: Vec::new(),
-    };
-    let mut members = vec![root];
-    let mut tree = vec![path_span(&spans[root])];
-    let mut next = 0;
-    while next < members.len() && members.len() <= spans.len() {
-        let id = spans[members[next]].span_id;
-        for &child in children.get(&id).map_or(&[][..], Vec::as_slice) {
-            tree[next].children.push(members.len());
-            members.push(child);
-            tree.push(path_span(&spans[child]));
-        }
-        next += 1;
-    }
-    (tree, members)
+    critical_path::subtree(
+        0..spans.len(),
+        root,
+        |i| spans[i].span_id,
+        |i| spans[i].parent,
+        |i| PathSpan {
+            start_ns: spans[i].start_ns,
+            end_ns: spans[i].end_ns,
+            class: class_of(&spans[i]),
+            children: Vec::new(),
+        },
+    )
 }
 
 fn class_of(span: &Gathered) -> SpanClass {
-    SpanClass::of(span.kind, span.server_type, span.verify, span.peer_traced)
+    SpanClass::of(
+        span.kind,
+        span.server_type,
+        span.facts.verify,
+        span.facts.peer_traced,
+    )
 }
 
 /// A call from an agent server to a resources server, other than `/seed_session` and
 /// `/verify`: `span` is the resources server's SERVER span, `caller` its parent.
 fn is_tool_call(span: &Gathered, caller: Option<&Gathered>) -> bool {
-    let route = span.route.as_deref().unwrap_or_default();
+    let route = span.facts.route.as_deref().unwrap_or_default();
     caller.is_some_and(|c| c.server_type == Some(ServerType::Agent))
         && route != "/seed_session"
         && route != "/verify"
@@ -457,14 +418,14 @@ fn counts(spans: &[Gathered], members: &[usize], tree: &[PathSpan]) -> Counts {
             }
             counts.queue_delays.push((
                 server.service.clone(),
-                server.route.clone(),
+                server.facts.route.clone().map(Text::Shared),
                 server.start_ns.saturating_sub(caller.start_ns),
             ));
             match server.server_type {
                 Some(ServerType::Model) => {
                     counts.model_calls += 1;
-                    add(&mut counts.input_tokens, caller.input_tokens);
-                    add(&mut counts.output_tokens, caller.output_tokens);
+                    add(&mut counts.input_tokens, caller.facts.input_tokens);
+                    add(&mut counts.output_tokens, caller.facts.output_tokens);
                 }
                 Some(ServerType::Resources) if is_tool_call(server, Some(caller)) => {
                     counts.tool_calls += 1;
@@ -482,13 +443,6 @@ fn add(total: &mut Option<i64>, tokens: Option<i64>) {
     }
 }
 
-fn rollout_id_of(span: &SpanRecord) -> Option<RolloutId> {
-    span.attributes.iter().find_map(|(key, value)| match value {
-        AttributeValue::Str(id) if *key == attr::GYM_ROLLOUT_ID => RolloutId::parse(id),
-        _ => None,
-    })
-}
-
 /// An agent server by name (its worker processes share it), else by pid.
 pub fn agent_key(service: &ServiceIdentity) -> String {
     service
@@ -502,6 +456,7 @@ mod tests {
 
     use super::*;
     use crate::gym::ServerKind;
+    use crate::gym::rollout_id::RolloutId;
     use crate::model::rollout::Phase;
     use crate::model::service::GymLabels;
 
@@ -537,6 +492,7 @@ mod tests {
             attr::GYM_ROLLOUT_ID,
             AttributeValue::Str(rollout.as_str().to_owned().into()),
         ));
+        span.facts.rollout_id = Some(rollout);
         span
     }
 
@@ -580,6 +536,7 @@ mod tests {
         );
         call.attributes
             .push((attr::GEN_AI_USAGE_INPUT_TOKENS, AttributeValue::Int(42)));
+        call.facts.input_tokens = Some(42);
         let mut batch = vec![
             call,
             span(
@@ -605,6 +562,11 @@ mod tests {
         assert_eq!(int(rollout, attr::GYM_ROLLOUT_TOOL_CALLS), Some(0));
         assert_eq!(int(rollout, attr::GEN_AI_USAGE_INPUT_TOKENS), Some(42));
         assert_eq!(int(rollout, attr::GEN_AI_USAGE_OUTPUT_TOKENS), None);
+        // The typed facts say the same as the attributes (the batch report reads them).
+        assert_eq!(
+            (rollout.facts.input_tokens, rollout.facts.output_tokens),
+            (Some(42), None)
+        );
         assert_eq!(done.len(), 1);
         assert_eq!(done[0].queue_delays.len(), 1);
         assert_eq!(done[0].queue_delays[0].2, 50 * MS);

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::ids::{SpanId, TraceId};
 use super::service::ServiceIdentity;
+use crate::gym::rollout_id::RolloutId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpanKind {
@@ -174,6 +175,27 @@ impl fmt::Display for AttributeValue {
 
 pub type Attributes = Vec<(&'static str, AttributeValue)>;
 
+/// What the pipeline knew of a span when it built it, typed, beside what it exports: the
+/// stages after the stitcher (insight, the batch report) read these instead of parsing them
+/// back out of the attributes. Each is also an attribute, named in its doc; a span the
+/// pipeline did not build from a request (a TLS connection's, a test's) has none.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpanFacts {
+    /// SERVER: the route template (`http.route`).
+    pub route: Option<Arc<str>>,
+    /// `/verify`'s SERVER span or its `gym.verify` span.
+    pub verify: bool,
+    /// CLIENT: the callee is a traced Gym server (`peer.service`).
+    pub peer_traced: bool,
+    /// `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`.
+    pub input_tokens: Option<i64>,
+    pub output_tokens: Option<i64>,
+    /// `http.response.status_code`.
+    pub status_code: Option<u16>,
+    /// `nemo.gym.rollout.id`, as the span was built or as the stitcher learned it.
+    pub rollout_id: Option<RolloutId>,
+}
+
 /// A finished span: it has an end time by construction.
 #[derive(Clone, Debug)]
 pub struct SpanRecord {
@@ -189,6 +211,7 @@ pub struct SpanRecord {
     pub end_unix_ns: u64,
     pub attributes: Attributes,
     pub status: SpanStatus,
+    pub facts: SpanFacts,
 }
 
 impl SpanRecord {
@@ -212,6 +235,7 @@ impl SpanRecord {
             end_unix_ns: 2,
             attributes: Vec::new(),
             status: SpanStatus::Unset,
+            facts: SpanFacts::default(),
         }
     }
 }

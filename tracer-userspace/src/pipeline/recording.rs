@@ -530,7 +530,9 @@ impl<'a> Recording<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::attributes::GYM_ROLLOUT_ID;
+    use crate::model::attributes::{
+        GYM_ROLLOUT_ID, GYM_ROLLOUT_MODEL_CALLS, GYM_ROLLOUT_TOOL_CALLS,
+    };
     use crate::model::span::{AttributeValue, SpanRecord};
     use std::collections::BTreeMap;
 
@@ -647,6 +649,19 @@ mod tests {
         );
         assert_eq!(traces.len(), 4);
         assert_eq!(spans.len(), 4 * 20);
+        // The insight stage read each rollout whole: its two model calls and one tool call.
+        let int = |span: &SpanRecord, key: &str| {
+            span.attributes.iter().find_map(|(k, v)| match v {
+                AttributeValue::Int(n) if *k == key => Some(*n),
+                _ => None,
+            })
+        };
+        let rollout_spans: Vec<_> = spans.iter().filter(|s| s.name == "gym.rollout").collect();
+        assert_eq!(rollout_spans.len(), 4);
+        for span in rollout_spans {
+            assert_eq!(int(span, GYM_ROLLOUT_MODEL_CALLS), Some(2), "{span:?}");
+            assert_eq!(int(span, GYM_ROLLOUT_TOOL_CALLS), Some(1), "{span:?}");
+        }
         let counters = pipeline.counters();
         assert_eq!(counters.pipeline.events_undecodable, 0);
         assert_eq!(counters.stitch.parents_no_evidence, 0);

@@ -598,24 +598,13 @@ fn timeline(
     let trace = by_trace
         .get(&rollout.trace_id)
         .map_or(&[][..], Vec::as_slice);
-    let mut children: HashMap<u64, Vec<usize>> = HashMap::new();
-    for &member in trace {
-        if let Some(parent) = input.spans[member].parent {
-            children.entry(parent).or_default().push(member);
-        }
-    }
-    let mut members = vec![rollout.span];
-    let mut tree = vec![path_span(&input.spans[rollout.span], input)];
-    let mut next = 0;
-    while next < members.len() && members.len() <= trace.len() {
-        let id = input.spans[members[next]].span_id;
-        for &child in children.get(&id).map_or(&[][..], Vec::as_slice) {
-            tree[next].children.push(members.len());
-            members.push(child);
-            tree.push(path_span(&input.spans[child], input));
-        }
-        next += 1;
-    }
+    let (tree, members) = critical_path::subtree(
+        trace.iter().copied(),
+        rollout.span,
+        |i| input.spans[i].span_id,
+        |i| input.spans[i].parent,
+        |i| path_span(&input.spans[i], input),
+    );
     let mut rows: BTreeMap<usize, TimelineRow> = BTreeMap::new();
     let mut phases_ns = [0u64; Phase::COUNT];
     for segment in critical_path::segments(&tree, 0) {

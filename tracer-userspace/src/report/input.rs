@@ -320,7 +320,8 @@ impl Input {
             })
         };
         let is_rollout = record.name == "gym.rollout";
-        let facts = || {
+        let facts = &record.facts;
+        let rollout_facts = || {
             let phases: Option<Vec<u64>> = Phase::ALL
                 .iter()
                 .map(|phase| int(phase.attribute()).and_then(|ms| u64::try_from(ms).ok()))
@@ -344,19 +345,16 @@ impl Input {
             end_ns: record.end_unix_ns.max(record.start_unix_ns),
             server,
             error: record.status == SpanStatus::Error,
-            status_code: int(attr::HTTP_RESPONSE_STATUS_CODE).and_then(|c| u16::try_from(c).ok()),
+            status_code: facts.status_code,
             route: match record.kind {
                 SpanKind::Client => text(attr::URL_FULL).as_deref().and_then(url_path),
-                _ => text(attr::HTTP_ROUTE),
+                _ => facts.route.as_deref().map(Box::from),
             },
-            rollout_id: text(attr::GYM_ROLLOUT_ID),
-            peer_traced: record
-                .attributes
-                .iter()
-                .any(|(k, _)| *k == attr::PEER_SERVICE),
-            input_tokens: int(attr::GEN_AI_USAGE_INPUT_TOKENS),
-            output_tokens: int(attr::GEN_AI_USAGE_OUTPUT_TOKENS),
-            rollout: is_rollout.then(facts),
+            rollout_id: facts.rollout_id.as_ref().map(|id| id.as_str().into()),
+            peer_traced: facts.peer_traced,
+            input_tokens: facts.input_tokens,
+            output_tokens: facts.output_tokens,
+            rollout: is_rollout.then(rollout_facts),
         });
     }
 

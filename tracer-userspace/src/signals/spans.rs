@@ -14,7 +14,9 @@ use crate::model::exchange::{HttpExchange, ModelCall, OpaqueTls};
 use crate::model::genai::provider_name;
 use crate::model::ids::{SpanId, TraceId, parse_traceparent};
 use crate::model::service::ServiceIdentity;
-use crate::model::span::{AttributeValue, Attributes, SpanKind, SpanRecord, SpanStatus, Text};
+use crate::model::span::{
+    AttributeValue, Attributes, SpanFacts, SpanKind, SpanRecord, SpanStatus, Text,
+};
 use crate::signals::clock::WallClock;
 use crate::signals::meaning::RequestMeaning;
 use crate::signals::openinference::{self, OpenInferenceKind};
@@ -91,6 +93,11 @@ pub fn request_spans(
                 attributes
             },
             status: server.status,
+            facts: SpanFacts {
+                verify: semantic.name == "gym.verify",
+                rollout_id: meaning.rollout_id.clone(),
+                ..SpanFacts::default()
+            },
         });
     if groups.contains(SpanGroup::Server) {
         out.push(server);
@@ -160,6 +167,16 @@ fn client_span(
             AttributeValue::Str(id.shared().into()),
         ));
     }
+    let usage = exchange.model_call.as_ref().map(|call| call.usage);
+    let tokens = |count: Option<u64>| count.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
+    let facts = SpanFacts {
+        peer_traced: peer.is_some(),
+        input_tokens: tokens(usage.and_then(|usage| usage.input_tokens)),
+        output_tokens: tokens(usage.and_then(|usage| usage.output_tokens)),
+        status_code: http_outcome(&exchange.outcome).status_code,
+        rollout_id: meaning.rollout_id.clone(),
+        ..SpanFacts::default()
+    };
     SpanRecord {
         service: service.clone(),
         name: client_span_name(&request.method),
@@ -172,6 +189,7 @@ fn client_span(
         end_unix_ns: clock.to_unix_ns(exchange.end_ns),
         attributes,
         status,
+        facts,
     }
 }
 
@@ -285,6 +303,7 @@ pub fn opaque_tls_span(
         end_unix_ns: clock.to_unix_ns(connection.ended_ns),
         attributes,
         status: SpanStatus::Unset,
+        facts: SpanFacts::default(),
     }
 }
 
@@ -478,6 +497,14 @@ fn server_span(
         openinference::tool_attributes(route, &mut attributes);
     }
     let parent = request.traceparent.as_deref().and_then(parse_traceparent);
+    let route = meaning.route.http_route().cloned();
+    let facts = SpanFacts {
+        verify: route.as_deref() == Some("/verify"),
+        route,
+        status_code: http_outcome(&exchange.outcome).status_code,
+        rollout_id: meaning.rollout_id.clone(),
+        ..SpanFacts::default()
+    };
     SpanRecord {
         service: service.clone(),
         name: name.into(),
@@ -492,6 +519,7 @@ fn server_span(
         end_unix_ns: clock.to_unix_ns(exchange.end_ns),
         attributes,
         status,
+        facts,
     }
 }
 

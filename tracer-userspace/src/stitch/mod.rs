@@ -1092,18 +1092,14 @@ impl Stitcher {
         span.parent_span_id = parent;
         span.parent_is_remote = remote;
         span.trace_id = trace;
-        // The rollout first: most spans of a request without one stop there, before the
-        // scan of their attributes.
-        if let Some(rollout) = self.effective_rollout(id).cloned()
-            && !span
-                .attributes
-                .iter()
-                .any(|(k, _)| *k == attr::GYM_ROLLOUT_ID)
+        if span.facts.rollout_id.is_none()
+            && let Some(rollout) = self.effective_rollout(id).cloned()
         {
             span.attributes.push((
                 attr::GYM_ROLLOUT_ID,
                 AttributeValue::Str(rollout.shared().into()),
             ));
+            span.facts.rollout_id = Some(rollout);
         }
         self.fix_trace(id, trace);
         span

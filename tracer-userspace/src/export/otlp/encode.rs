@@ -251,6 +251,7 @@ mod tests {
             } else {
                 SpanStatus::Unset
             },
+            facts: Default::default(),
         }
     }
 
