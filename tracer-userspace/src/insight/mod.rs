@@ -48,10 +48,6 @@ counters! {
         /// Spans of a rollout released after its `gym.rollout` span: not in its phases. The spans
         /// themselves are exported.
         note rollout_spans_after_end,
-        /// Rollouts summed up before every span that could be theirs was released. Past
-        /// `MAX_WAITING_ROLLOUTS` (65,536) kept back at once: their phases may miss spans still
-        /// held.
-        lost rollouts_completed_early,
         /// Spans of running rollouts dropped from the phase bookkeeping for memory. Past
         /// `MAX_GATHERED_SPANS` (262,144) the oldest rollout's go: the spans are still exported,
         /// but its phases lack them.
@@ -152,21 +148,15 @@ impl Insight {
         self.servers.remove(&pid);
     }
 
-    /// Whether rollouts wait for the stitcher ([`Rollouts::observe`]).
-    pub fn waiting(&self) -> bool {
-        self.rollouts.waiting()
-    }
-
     /// A batch of released spans: rollouts that ended get their phases ([`Rollouts::observe`]).
     pub fn observe(
         &mut self,
-        batch: &mut Vec<SpanRecord>,
+        batch: &mut [SpanRecord],
         server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
-        earliest_held: impl FnOnce() -> Option<u64>,
     ) {
         let first = self.finished.len();
         self.rollouts
-            .observe(batch, server_type, earliest_held, &mut self.finished);
+            .observe(batch, server_type, &mut self.finished);
         for summary in &self.finished[first..] {
             for (server, _, delay) in &summary.queue_delays {
                 let stats = self.servers.entry(server.pid).or_default();

@@ -1,10 +1,9 @@
 //! Whole rollouts as they leave the stitcher: the spans of each rollout gathered by trace;
-//! its `gym.rollout` span kept back until no span the stitcher still holds could be below it
-//! (none started before the rollout ended: decided by the stitcher's events, not a clock),
-//! then its phases, counts, tokens and straggler flag put on that span, which goes out, and
-//! what the metrics record of it.
+//! when its `gym.rollout` span arrives (the stitcher lets it go only once no span it still
+//! holds could be below it: [`crate::stitch::rollout_tops`]), its phases, counts, tokens and
+//! straggler flag are put on that span, and the metrics record them.
 
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::{HashMap, HashSet};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -16,14 +15,12 @@ use crate::model::ids::{SpanId, TraceId};
 use crate::model::rollout::RolloutSummary;
 use crate::model::service::ServiceIdentity;
 use crate::model::span::{AttributeValue, SpanFacts, SpanKind, SpanRecord, Text};
+use crate::stitch::rollout_tops::is_rollout_top;
 use crate::stitch::rollout_trace_id;
 
 /// Spans of rollouts still running, over all of them: past it the oldest rollout's spans
 /// are given up (`rollout_spans_evicted`). About 150 bytes each: 40 MB at most.
 pub const MAX_GATHERED_SPANS: usize = 262_144;
-/// `gym.rollout` spans kept back at once; past it the oldest is completed with what it has
-/// (`rollouts_completed_early`).
-pub const MAX_WAITING_ROLLOUTS: usize = 65_536;
 /// Traces of `/run`s seen starting, kept until their rollout completes; past this many the
 /// oldest is forgotten (a `/run` that never became a `gym.rollout`: its span group is off).
 const RUN_TRACES_KEEP: usize = 65_536;
@@ -34,8 +31,6 @@ const ENDED_KEEP: usize = 65_536;
 pub const STRAGGLER_FACTOR: u64 = 3;
 /// …once the agent has completed at least this many.
 pub const STRAGGLER_MIN_COMPLETED: u64 = 20;
-
-pub const GYM_ROLLOUT: &str = "gym.rollout";
 
 /// What is kept of a span of a running rollout.
 #[derive(Clone, Debug)]
@@ -63,10 +58,6 @@ pub struct Rollouts {
     /// rollout id (a `/run` whose body named none).
     run_traces: HashSet<TraceId>,
     run_traces_order: VecDeque<TraceId>,
-    /// `gym.rollout` spans kept back, in the order they came (their rollouts ended), each
-    /// with its `/run` SERVER span when that came with it (kept back too, so that a trace's
-    /// top goes out whole).
-    waiting: VecDeque<(SpanRecord, Option<SpanRecord>)>,
     /// Completed rollouts' durations per agent server (by name, else pid).
     pub by_agent: HashMap<String, Window>,
     /// Every agent's completed rollouts.
@@ -75,83 +66,24 @@ pub struct Rollouts {
 }
 
 impl Rollouts {
-    /// Whether `gym.rollout` spans are kept back.
-    pub fn waiting(&self) -> bool {
-        !self.waiting.is_empty()
-    }
-
-    /// Looks at one batch of released spans: gathers those of rollouts and keeps their
-    /// `gym.rollout` spans back (taken out of `batch`); then completes every kept rollout
-    /// that ended before `earliest_held` (the earliest start of a span the stitcher still
-    /// holds; `None`: it holds none; asked only while a rollout waits) and puts its span,
-    /// with its attributes, into `batch`.
+    /// Looks at one batch of released spans: gathers those of rollouts, then completes every
+    /// rollout whose `gym.rollout` span is in the batch (its phases and counts go onto that
+    /// span). The stitcher lets a rollout's top go only once its tree is whole
+    /// ([`crate::stitch::rollout_tops`]): nothing of it is still to come.
     pub fn observe(
         &mut self,
-        batch: &mut Vec<SpanRecord>,
+        batch: &mut [SpanRecord],
         server_type: &impl Fn(&ServiceIdentity) -> Option<ServerType>,
-        earliest_held: impl FnOnce() -> Option<u64>,
         done: &mut Vec<RolloutSummary>,
     ) {
-        let mut ends = Vec::new();
-        for (index, span) in batch.iter().enumerate() {
+        for span in batch.iter() {
             self.gather(span, server_type);
-            if span.kind == SpanKind::Internal
-                && span.name == GYM_ROLLOUT
-                && server_type(&span.service) == Some(ServerType::Agent)
-            {
-                let run = batch.iter().position(|other| {
-                    Some(other.span_id) == span.parent_span_id && other.trace_id == span.trace_id
-                });
-                ends.push((index, run));
+        }
+        for span in batch.iter_mut() {
+            if is_rollout_top(span) {
+                done.extend(self.complete(span));
             }
         }
-        // Taken out from the back, so that the indices still to take stay valid.
-        let mut taken: Vec<usize> = ends
-            .iter()
-            .flat_map(|&(rollout, run)| std::iter::once(rollout).chain(run))
-            .collect();
-        taken.sort_unstable();
-        let mut out: HashMap<usize, SpanRecord> = HashMap::with_capacity(taken.len());
-        for &index in taken.iter().rev() {
-            out.insert(index, batch.swap_remove(index));
-        }
-        for (rollout, run) in ends {
-            let (Some(span), run) = (out.remove(&rollout), run.and_then(|i| out.remove(&i))) else {
-                continue;
-            };
-            if self.waiting.len() >= MAX_WAITING_ROLLOUTS
-                && let Some(oldest) = self.waiting.pop_front()
-            {
-                self.counters.rollouts_completed_early += 1;
-                self.let_go(oldest, batch, done);
-            }
-            self.waiting.push_back((span, run));
-        }
-        if self.waiting.is_empty() {
-            return;
-        }
-        let earliest_held = earliest_held();
-        let mut still = VecDeque::with_capacity(self.waiting.len());
-        while let Some(entry) = self.waiting.pop_front() {
-            if earliest_held.is_some_and(|start| start < entry.0.end_unix_ns) {
-                still.push_back(entry);
-            } else {
-                self.let_go(entry, batch, done);
-            }
-        }
-        self.waiting = still;
-    }
-
-    /// Completes a kept rollout and puts its spans back out.
-    fn let_go(
-        &mut self,
-        (mut span, run): (SpanRecord, Option<SpanRecord>),
-        batch: &mut Vec<SpanRecord>,
-        done: &mut Vec<RolloutSummary>,
-    ) {
-        done.extend(self.complete(&mut span));
-        batch.push(span);
-        batch.extend(run);
     }
 
     fn gather(
@@ -459,6 +391,7 @@ mod tests {
     use crate::gym::rollout_id::RolloutId;
     use crate::model::rollout::Phase;
     use crate::model::service::GymLabels;
+    use crate::stitch::rollout_tops::GYM_ROLLOUT;
 
     const MS: u64 = 1_000_000;
 
@@ -504,28 +437,15 @@ mod tests {
     }
 
     /// The rollout's `/run` and `gym.rollout` go out before its model call's spans (their
-    /// parent was decided by the call's answer): they are kept back while the stitcher
-    /// holds a span that started before the rollout ended, and read whole once it does not.
+    /// parent was decided by the call's answer); the stitcher lets its top go once its tree is
+    /// whole, and the rollout is read whole then: its phases, counts and tokens.
     #[test]
-    fn a_rollout_waits_for_the_spans_still_held_that_could_be_below_it() {
+    fn a_rollout_is_read_whole_when_its_top_arrives() {
         let agent = server(10, "simple_agent", ServerType::Agent);
         let model = server(20, "policy_model", ServerType::Model);
         let types = |service: &ServiceIdentity| service.labels.server_kind.as_ref()?.known();
         let mut rollouts = Rollouts::default();
         let mut done = Vec::new();
-
-        let mut batch = vec![
-            span(&agent, "POST /run", SpanKind::Server, (1, None), (0, 1000)),
-            span(
-                &agent,
-                GYM_ROLLOUT,
-                SpanKind::Internal,
-                (2, Some(1)),
-                (0, 1000),
-            ),
-        ];
-        rollouts.observe(&mut batch, &types, || Some(100 * MS), &mut done);
-        assert!(batch.is_empty() && done.is_empty(), "kept back: {batch:?}");
 
         let mut call = span(
             &agent,
@@ -547,13 +467,22 @@ mod tests {
                 (150, 850),
             ),
         ];
-        rollouts.observe(&mut batch, &types, || None, &mut done);
-        let names: Vec<&str> = batch.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            ["HTTP POST", "POST /v1/responses", GYM_ROLLOUT, "POST /run"]
+        rollouts.observe(&mut batch, &types, &mut done);
+        assert!(done.is_empty(), "{done:?}");
+        let mut top = span(
+            &agent,
+            GYM_ROLLOUT,
+            SpanKind::Internal,
+            (2, Some(1)),
+            (0, 1000),
         );
-        let rollout = &batch[2];
+        top.facts.server_type = Some(ServerType::Agent);
+        let mut batch = vec![
+            top,
+            span(&agent, "POST /run", SpanKind::Server, (1, None), (0, 1000)),
+        ];
+        rollouts.observe(&mut batch, &types, &mut done);
+        let rollout = &batch[0];
         let phase = |phase: Phase| int(rollout, phase.attribute());
         assert_eq!(phase(Phase::Model), Some(700));
         assert_eq!(phase(Phase::Queue), Some(100));
@@ -579,7 +508,7 @@ mod tests {
             (5, Some(4)),
             (200, 800),
         )];
-        rollouts.observe(&mut late, &types, || None, &mut done);
+        rollouts.observe(&mut late, &types, &mut done);
         let counters = rollouts.counters;
         assert_eq!(
             (

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::ids::{SpanId, TraceId};
 use super::service::ServiceIdentity;
+use crate::gym::ServerType;
 use crate::gym::rollout_id::RolloutId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,6 +182,9 @@ pub type Attributes = Vec<(&'static str, AttributeValue)>;
 /// pipeline did not build from a request (a TLS connection's, a test's) has none.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SpanFacts {
+    /// The Gym server type of the span's process (`nemo.gym.server.type`, when it is one
+    /// of the three).
+    pub server_type: Option<ServerType>,
     /// SERVER: the route template (`http.route`).
     pub route: Option<Arc<str>>,
     /// `/verify`'s SERVER span or its `gym.verify` span.

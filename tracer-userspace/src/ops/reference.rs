@@ -221,6 +221,7 @@ fn spans_reference() -> String {
         let view = RequestView {
             exchange: &exchange,
             service: &service,
+            server_type: Some(server_type),
             meaning: &meaning,
             semantic_span_id: Some(SpanId::random()),
             peer: Some(&Peer {

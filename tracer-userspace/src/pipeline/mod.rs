@@ -482,10 +482,10 @@ impl<M: RequestMetrics> Pipeline<M> {
         self.stitcher.release_all(&mut self.output.released);
     }
 
-    /// Ends a step: the insight stage reads the spans released since the last step (rollouts
-    /// that ended get their phases, and the metrics record them; a rollout's spans wait until
-    /// it is read whole), and what the step produced is swapped into `into`, which the driver
-    /// cleared after the last step.
+    /// Ends a step: the stitcher keeps back the tops of rollouts whose trees are not whole
+    /// yet, the insight stage reads the spans released since the last step (rollouts that
+    /// ended get their phases, and the metrics record them), and what the step produced is
+    /// swapped into `into`, which the driver cleared after the last step.
     pub fn deliver(&mut self, into: &mut PipelineOutput) {
         self.record(Input::Deliver, Instant::now());
         self.observe_released();
@@ -497,6 +497,8 @@ impl<M: RequestMetrics> Pipeline<M> {
     }
 
     fn observe_released(&mut self) {
+        // The stitcher's last word on what leaves: a rollout's top waits for its tree.
+        self.stitcher.hold_rollout_tops(&mut self.output.released);
         let processes = &self.processes;
         let server_type = |service: &crate::model::service::ServiceIdentity| {
             processes
@@ -504,12 +506,8 @@ impl<M: RequestMetrics> Pipeline<M> {
                 .and_then(|process| process.server_type)
                 .or_else(|| service.labels.server_kind.as_ref()?.known())
         };
-        // A rollout is read whole once no span that could be below it is still held.
-        let stitcher = &self.stitcher;
         self.insight
-            .observe(&mut self.output.released, &server_type, || {
-                stitcher.earliest_held_start()
-            });
+            .observe(&mut self.output.released, &server_type);
         for summary in self.insight.finished.drain(..) {
             self.metrics.record_rollout(&summary);
         }
@@ -642,10 +640,10 @@ impl<M: RequestMetrics> Pipeline<M> {
         }
     }
 
-    /// Whether whole rollouts still wait for spans the stitcher holds (none should once
+    /// Whether rollout tops still wait for spans the stitcher holds (none should once
     /// everything was released).
     pub fn rollouts_waiting(&self) -> bool {
-        self.insight.waiting()
+        self.stitcher.rollout_tops_waiting()
     }
 
     /// The metrics recorder back, for its final flush.
@@ -743,6 +741,7 @@ impl<M: RequestMetrics> Pipeline<M> {
             self.stitcher.sessions_set(exchange.span_id, &opened, now);
         }
         let identity = process.identity.clone();
+        let server_type = process.server_type;
         let peer = exchange
             .peer
             .filter(|_| exchange.role == Role::Client)
@@ -756,6 +755,7 @@ impl<M: RequestMetrics> Pipeline<M> {
         let view = RequestView {
             exchange,
             service: &identity,
+            server_type,
             meaning: &meaning,
             semantic_span_id: self.stitcher.semantic_span_id(exchange.span_id),
             peer,

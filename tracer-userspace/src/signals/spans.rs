@@ -26,6 +26,8 @@ use crate::signals::outcome::http_outcome;
 pub struct RequestView<'a> {
     pub exchange: &'a HttpExchange,
     pub service: &'a Arc<ServiceIdentity>,
+    /// The Gym server type of the process, when known.
+    pub server_type: Option<ServerType>,
     pub meaning: &'a RequestMeaning,
     /// The id the `gym.*` span was given when the request started (its calls already hang
     /// under it).
@@ -52,12 +54,26 @@ pub fn request_spans(
     clock: WallClock,
     out: &mut Vec<SpanRecord>,
 ) {
+    let first = out.len();
+    build_spans(view, groups, clock, out);
+    for span in &mut out[first..] {
+        span.facts.server_type = view.server_type;
+    }
+}
+
+fn build_spans(
+    view: &RequestView<'_>,
+    groups: SpanGroups,
+    clock: WallClock,
+    out: &mut Vec<SpanRecord>,
+) {
     let RequestView {
         exchange,
         service,
         meaning,
         semantic_span_id,
         peer,
+        ..
     } = *view;
     if exchange.role == Role::Client {
         if groups.contains(SpanGroup::HttpClient) {
@@ -619,6 +635,7 @@ mod tests {
         let view = RequestView {
             exchange,
             service: &gym_service(),
+            server_type: None,
             meaning,
             semantic_span_id: None,
             peer: None,
@@ -645,6 +662,7 @@ mod tests {
         let view = RequestView {
             exchange: call,
             service: &gym_service(),
+            server_type: Some(ServerType::Agent),
             meaning: &verify_meaning(),
             semantic_span_id: None,
             peer: Some(&peer),

@@ -27,6 +27,7 @@ mod calls;
 pub mod context_keys;
 pub mod injection;
 mod lineage;
+pub mod rollout_tops;
 mod rollouts;
 mod settle;
 mod spawns;
@@ -237,6 +238,10 @@ counters! {
         /// may name a parent in another trace. Usually spans released early: raise
         /// `--max-stitching-spans`.
         lost parents_decided_late,
+        /// Rollouts summed up before every span that could be theirs was released. Past
+        /// `MAX_WAITING_ROLLOUTS` (65,536) kept back at once: their phases may miss spans still
+        /// held.
+        lost rollouts_completed_early,
         /// Spans let go early because `--max-stitching-spans` were held. Released before their
         /// parents and trace settled, their edges may be missing (see `parents_decided_late`,
         /// `spans_flushed_unmatched`): raise `--max-stitching-spans`.
@@ -410,6 +415,8 @@ pub fn rollout_trace_id(rollout_id: &RolloutId) -> TraceId {
 pub struct Stitcher {
     config: StitchConfig,
     nodes: HashMap<SpanId, Node>,
+    /// Rollout tops released but kept back until their trees are whole ([`rollout_tops`]).
+    rollout_tops: VecDeque<rollout_tops::RolloutTop>,
     /// In-flight inbound requests per process, by start: the candidates for an outbound
     /// call's parent.
     inbound: HashMap<u32, BTreeMap<u64, SpanId>>,
@@ -524,6 +531,7 @@ impl Stitcher {
         Self {
             config,
             nodes: HashMap::new(),
+            rollout_tops: Default::default(),
             inbound: HashMap::new(),
             open_calls: HashMap::new(),
             rollout_inbound: HashMap::new(),
@@ -1122,9 +1130,9 @@ impl Stitcher {
     }
 
     /// The earliest start of a span the stitcher still holds: a span that started later
-    /// cannot be below a request that ended before this (what the insight stage waits for
-    /// before it reads a rollout whole).
-    pub fn earliest_held_start(&self) -> Option<u64> {
+    /// cannot be below a request that ended before this (what a rollout's top waits for:
+    /// [`rollout_tops`]).
+    fn earliest_held_start(&self) -> Option<u64> {
         self.held.values().map(|held| held.span.start_unix_ns).min()
     }
 
@@ -1295,6 +1303,7 @@ pub(crate) fn testing_facts() -> StartFacts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gym::ServerType;
     use crate::model::span::SpanKind;
     use crate::pipeline::testing;
 
@@ -1398,6 +1407,75 @@ mod tests {
             max_nodes: 1000,
             injection: None,
         }
+    }
+
+    /// The rollout's `/run` and `gym.rollout` go out before its model call's spans (their
+    /// parent was decided by the call's answer): they are kept back while the stitcher holds
+    /// a span that started before the rollout ended, and follow the spans below them once it
+    /// holds none. A rollout that ended before anything held started goes at once.
+    #[test]
+    fn a_rollout_top_waits_for_the_spans_still_held_that_could_be_below_it() {
+        const MS: u64 = 1_000_000;
+        let mut stitcher = Stitcher::new(config());
+        let now = Instant::now();
+        // A model server's request whose traced caller is not seen yet: held.
+        let served = start(MODEL, Role::Server, 9000, 40000, 0, "/v1/responses");
+        let waits_for_caller = StartFacts {
+            caller_seen_here: true,
+            ..facts(None, false)
+        };
+        stitcher.start(&served, waits_for_caller, now);
+        let mut model = span("POST /v1/responses", served.span_id);
+        (model.start_unix_ns, model.end_unix_ns) = (150 * MS, 850 * MS);
+        let mut out = Vec::new();
+        stitcher.hold(served.span_id, SpanRole::Own, model, &mut out);
+        stitcher.finish(served.span_id);
+        assert!(out.is_empty() && stitcher.held() == 1, "{out:?}");
+
+        let agent_span = |name: &str, kind, id: u8, parent: Option<u8>, end_ms: u64| {
+            let mut span = testing::span(name, kind, SpanId([id; 8]));
+            span.parent_span_id = parent.map(|p| SpanId([p; 8]));
+            (span.start_unix_ns, span.end_unix_ns) = (0, end_ms * MS);
+            span.facts.server_type = Some(ServerType::Agent);
+            span
+        };
+        let mut released = vec![
+            agent_span("POST /run", SpanKind::Server, 1, None, 1000),
+            agent_span("gym.rollout", SpanKind::Internal, 2, Some(1), 1000),
+            agent_span("POST /seed_session", SpanKind::Client, 3, Some(2), 10),
+            // Ended before the held span started: nothing held can be below it.
+            agent_span("POST /run", SpanKind::Server, 11, None, 100),
+            agent_span("gym.rollout", SpanKind::Internal, 12, Some(11), 100),
+        ];
+        stitcher.hold_rollout_tops(&mut released);
+        let names = |spans: &[SpanRecord]| -> Vec<(String, u8)> {
+            spans
+                .iter()
+                .map(|s| (s.name.as_str().to_owned(), s.span_id.0[0]))
+                .collect()
+        };
+        assert_eq!(
+            names(&released),
+            [
+                ("POST /seed_session".into(), 3),
+                ("gym.rollout".into(), 12),
+                ("POST /run".into(), 11)
+            ]
+        );
+        assert!(stitcher.rollout_tops_waiting());
+
+        let mut released = Vec::new();
+        stitcher.release_all(&mut released);
+        stitcher.hold_rollout_tops(&mut released);
+        assert_eq!(
+            names(&released)
+                .iter()
+                .map(|(name, _)| name.as_str())
+                .collect::<Vec<_>>(),
+            ["POST /v1/responses", "gym.rollout", "POST /run"]
+        );
+        assert!(!stitcher.rollout_tops_waiting());
+        assert_eq!(stitcher.counters.rollouts_completed_early, 0);
     }
 
     /// One rollout: agent /run (8000) → model (9000) over one connection (client port 40000).
