@@ -22,6 +22,7 @@ use crate::gym::ServerType;
 use crate::gym::span_groups::SpanGroups;
 use crate::model::exchange::SocketId;
 use crate::model::service::{AgentResource, GymLabels};
+use crate::model::span::SpanRecord;
 use crate::pipeline::recording::Recording;
 use crate::pipeline::replay::{self, record_bytes};
 use crate::pipeline::{Pipeline, PipelineConfig, PipelineOutput};
@@ -101,12 +102,9 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
     ] {
         pipeline.attach(pid, GymLabels::example_server(server_type));
     }
-    let resource = opentelemetry_sdk::Resource::builder_empty()
-        .with_service_name("gym")
-        .build();
+    let mut encoder = Encoder::new();
     let epoch = Instant::now();
-    let mut body = Vec::with_capacity(1 << 20);
-    let (mut pipeline_time, mut encode_time, mut spans) = (Duration::ZERO, Duration::ZERO, 0);
+    let mut pipeline_time = Duration::ZERO;
     let mut records = traffic.opens();
     let mut output = PipelineOutput::default();
     for request in 0..requests + 1 {
@@ -128,22 +126,56 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
         pipeline.deliver(&mut output);
         pipeline_time += started.elapsed();
         records.clear();
-        let released = &mut output.released;
-        if !released.is_empty() {
-            let started = Instant::now();
-            body.clear();
-            encode_trace_request(&resource, released, &mut body);
-            encode_time += started.elapsed();
-            spans += released.len() as u64;
-        }
+        encoder.encode(&output.released);
         output.clear();
     }
-    Cost {
+    encoder.cost(
         requests,
-        spans,
-        pipeline_ns_per_request: pipeline_time.as_nanos() as f64 / requests.max(1) as f64,
-        encode_ns_per_span: encode_time.as_nanos() as f64 / spans.max(1) as f64,
-        stitched: pipeline.counters().stitch.cross_process_links,
+        pipeline_time,
+        pipeline.counters().stitch.cross_process_links,
+    )
+}
+
+/// The OTLP/HTTP exporter's encoding of released spans, timed apart from the pipeline.
+struct Encoder {
+    resource: opentelemetry_sdk::Resource,
+    body: Vec<u8>,
+    time: Duration,
+    spans: u64,
+}
+
+impl Encoder {
+    fn new() -> Self {
+        Self {
+            resource: opentelemetry_sdk::Resource::builder_empty()
+                .with_service_name("gym")
+                .build(),
+            body: Vec::with_capacity(1 << 20),
+            time: Duration::ZERO,
+            spans: 0,
+        }
+    }
+
+    fn encode(&mut self, released: &[SpanRecord]) {
+        if released.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        self.body.clear();
+        encode_trace_request(&self.resource, released, &mut self.body);
+        self.time += started.elapsed();
+        self.spans += released.len() as u64;
+    }
+
+    /// The figures of `requests` that took `pipeline_time` in the core, encoding aside.
+    fn cost(&self, requests: u64, pipeline_time: Duration, stitched: u64) -> Cost {
+        Cost {
+            requests,
+            spans: self.spans,
+            pipeline_ns_per_request: pipeline_time.as_nanos() as f64 / requests.max(1) as f64,
+            encode_ns_per_span: self.time.as_nanos() as f64 / self.spans.max(1) as f64,
+            stitched,
+        }
     }
 }
 
@@ -152,38 +184,22 @@ pub fn measure(workload: Workload, requests: u64) -> Cost {
 /// insight included: the floor of the real agent on Gym's own traffic (~11 KB bodies,
 /// context records, rollouts in flight together).
 pub fn measure_recording(recording: &Recording<'_>, rounds: u64) -> Cost {
-    let resource = opentelemetry_sdk::Resource::builder_empty()
-        .with_service_name("gym")
-        .build();
-    let mut body = Vec::with_capacity(1 << 20);
-    let (mut total, mut encode_time, mut spans, mut requests, mut stitched) =
-        (Duration::ZERO, Duration::ZERO, 0, 0, 0);
+    let mut encoder = Encoder::new();
+    let (mut total, mut requests, mut stitched) = (Duration::ZERO, 0, 0);
     for _ in 0..rounds {
         let mut pipeline = Pipeline::new(recording.config.pipeline_config(), ());
         let started = Instant::now();
         recording.feed(&mut pipeline, started, &mut (), |output| {
-            let released = &mut output.released;
-            if !released.is_empty() {
-                let started = Instant::now();
-                body.clear();
-                encode_trace_request(&resource, released, &mut body);
-                encode_time += started.elapsed();
-                spans += released.len() as u64;
-            }
+            encoder.encode(&output.released);
         });
         total += started.elapsed();
         let counters = pipeline.counters();
         requests += counters.pipeline.requests_traced;
         stitched += counters.stitch.cross_process_links;
     }
-    Cost {
-        requests,
-        spans,
-        pipeline_ns_per_request: total.saturating_sub(encode_time).as_nanos() as f64
-            / requests.max(1) as f64,
-        encode_ns_per_span: encode_time.as_nanos() as f64 / spans.max(1) as f64,
-        stitched,
-    }
+    // The encoding happened inside the feed: its time is taken out of the core's.
+    let pipeline_time = total.saturating_sub(encoder.time);
+    encoder.cost(requests, pipeline_time, stitched)
 }
 
 /// The records the kernel would write for the workload, with its clock and the
