@@ -126,7 +126,7 @@ pub enum Lifecycle {
 #[derive(Default)]
 pub struct PipelineOutput {
     /// Spans let go of, complete with trace ids and parents, after the insight stage saw
-    /// them (a rollout's spans leave once the rollout is read whole).
+    /// them (a rollout's top leaves once its tree is whole).
     pub released: Vec<SpanRecord>,
     /// Sockets to stop capturing in the kernel (`pid`, `fd`, `conn_id`, and whether the
     /// kernel keeps it as not HTTP: see [`TableAction::Untrack`]).
@@ -260,6 +260,13 @@ impl<M: RequestMetrics> Pipeline<M> {
             && !recorder.write(&input, at)
         {
             self.counters.inputs_not_recorded += 1;
+        }
+    }
+
+    /// [`Self::record`] at the clock's now, read only when recording (steps call it).
+    fn record_now(&mut self, input: impl FnOnce() -> Input<'static>) {
+        if self.recorder.is_some() {
+            self.record(input(), Instant::now());
         }
     }
 
@@ -477,7 +484,7 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// Releases every held span (shutdown).
     pub fn release_all(&mut self) {
-        self.record(Input::ReleaseAll, Instant::now());
+        self.record_now(|| Input::ReleaseAll);
         self.tls.give_up_held();
         self.stitcher.release_all(&mut self.output.released);
     }
@@ -487,7 +494,7 @@ impl<M: RequestMetrics> Pipeline<M> {
     /// ended get their phases, and the metrics record them), and what the step produced is
     /// swapped into `into`, which the driver cleared after the last step.
     pub fn deliver(&mut self, into: &mut PipelineOutput) {
-        self.record(Input::Deliver, Instant::now());
+        self.record_now(|| Input::Deliver);
         self.observe_released();
         self.output
             .injections
@@ -552,15 +559,18 @@ impl<M: RequestMetrics> Pipeline<M> {
     /// Names `address` as server `name` (of `server_type`, when known) for `peer.service`,
     /// within [`MAX_PEER_NAMES`]; a server that took over an address renames it.
     pub fn name_peer(&mut self, address: SocketAddr, name: &str, server_type: Option<ServerType>) {
-        let input = Input::NamePeer {
-            address,
-            name,
-            server_type,
-        };
-        self.record(input, Instant::now());
         let known = self.peer_names.get(&address);
         if known.is_some_and(|peer| peer.name == name && peer.server_type == server_type) {
             return;
+        }
+        // Recorded when it changes something: every served request names its address.
+        if self.recorder.is_some() {
+            let input = Input::NamePeer {
+                address,
+                name,
+                server_type,
+            };
+            self.record(input, Instant::now());
         }
         if self.peer_names.len() < MAX_PEER_NAMES || self.peer_names.contains_key(&address) {
             let peer = Peer {
@@ -603,14 +613,10 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// Route templates read from `root`'s `/openapi.json`, for it and its children.
     pub fn set_harvested_routes(&mut self, root: u32, templates: &[RouteTemplate]) {
-        let texts = templates.iter().map(RouteTemplate::as_str).collect();
-        self.record(
-            Input::Routes {
-                root,
-                templates: texts,
-            },
-            Instant::now(),
-        );
+        if self.recorder.is_some() {
+            let templates = templates.iter().map(RouteTemplate::as_str).collect();
+            self.record(Input::Routes { root, templates }, Instant::now());
+        }
         self.processes.set_harvested_routes(root, templates);
     }
 
@@ -653,7 +659,7 @@ impl<M: RequestMetrics> Pipeline<M> {
 
     /// A traced process is gone: free what was kept for it.
     pub fn forget(&mut self, pid: u32) -> bool {
-        self.record(Input::Forget { pid }, Instant::now());
+        self.record_now(|| Input::Forget { pid });
         self.forget_process(pid)
     }
 

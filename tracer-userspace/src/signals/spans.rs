@@ -110,7 +110,7 @@ fn build_spans(
             },
             status: server.status,
             facts: SpanFacts {
-                verify: semantic.name == "gym.verify",
+                verify: semantic.group == SpanGroup::Verify,
                 rollout_id: meaning.rollout_id.clone(),
                 ..SpanFacts::default()
             },
